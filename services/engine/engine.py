@@ -1,0 +1,274 @@
+"""The engine: requests in, per-step outputs out. Single-threaded; see async_engine for asyncio.
+
+Disaggregation hooks (decode-first hand-off)::
+
+    decode engine                              prefill engine
+    reserve(id, prompt) -> block ids   --->    add_request(id, prompt, prefill_only=True)
+                                               step() ... outputs carry block_ids and
+                                               num_computed_tokens as chunks finish;
+                                               the last one has the first token
+    <KV written into the reserved blocks by kvtransfer>
+    start_decode(id, first_token)      <---    release(id)  (blocks go back, stay cached)
+    step() ... decodes as usual
+
+Ownership: reserved blocks belong to the decode engine from ``reserve`` until
+the request finishes, ``release`` or ``abort``; a prefill-only request's blocks
+are held after it finishes until the caller calls ``release`` (or ``abort``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.ops import select_ops
+from services.config import EngineConfig
+from services.engine.block_pool import BlockPool, KVEvent
+from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from services.engine.kv_manager import KVManager
+from services.engine.loader import load_model, resolve_model
+from services.engine.request import Request, Status
+from services.engine.runner import ModelRunner
+from services.engine.sampler import Sampler, TokenLogprobs
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import Scheduler, SchedulerConfig
+from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from services.errors import CapacityError, InvalidRequestError
+
+_CPU_KV_BYTES = 2 << 30
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | prefilled
+    logprobs: list[TokenLogprobs] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (prefill progress)
+    block_ids: list[int] | None = None  # prefill-only requests: the blocks holding the prompt's KV
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.source = resolve_model(config.model)
+        self.model_name = self.source.name
+        mcfg = self.model_config = self.source.config
+        self.tokenizer = Tokenizer(self.source.tokenizer_dir) if self.source.tokenizer_dir else None
+        self.eos_token_ids = tuple(mcfg.eos_token_ids) or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ()
+        )
+        self.kv_spec = KVCacheSpec(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, config.block_size, config.dtype)
+        # prefix-cache namespace: blocks are only shared between identical models and layouts
+        self.namespace = f"{self.model_name}|{config.dtype}|bs{config.block_size}"
+
+        dtype = self.kv_spec.torch_dtype
+        max_len = min(mcfg.max_position_embeddings, config.max_model_len or mcfg.max_position_embeddings)
+        self.model = load_model(self.source, select_ops(config.device, config.kernels), dtype, config.device,
+                                max_positions=max_len, seed=config.seed)
+        num_blocks = self.kv_spec.num_blocks_for_budget(self._kv_budget())
+        self.kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, config.device)
+        self.block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.max_model_len = min(max_len, self.block_pool.num_usable * config.block_size)
+
+        self.kv = KVManager(self.block_pool, self.namespace)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.long_prefill_chunk,
+                            watermark_blocks=max(1, self.block_pool.num_usable // 100)),
+            self.kv,
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, config.device)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._pending: list[RequestOutput] = []  # produced outside step() (abort, start_decode)
+
+    def _kv_budget(self) -> int:
+        if self.config.kv_cache_bytes is not None:
+            return self.config.kv_cache_bytes
+        if self.config.device.startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info(torch.device(self.config.device))
+            return int(free * 0.85)
+        return _CPU_KV_BYTES
+
+    # ---- admission ------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError for a request this engine cannot serve. No side effects."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {n} tokens, but this model's context is {self.max_model_len} tokens "
+                "(including at least one generated token); shorten the prompt",
+                param="prompt",
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})", param="prompt")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none", param="stop")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, prefill_only: bool = False) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        self.validate(prompt_token_ids, params)
+        req = Request(request_id, list(prompt_token_ids), params, priority=priority, prefill_only=prefill_only,
+                      eos_token_ids=self.eos_token_ids)
+        self._track(req)
+        self.scheduler.add(req)
+
+    def _track(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        if self.tokenizer is not None and not req.prefill_only:
+            self._detok[req.request_id] = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, req.params.stop, req.params.skip_special_tokens
+            )
+
+    # ---- disaggregation -------------------------------------------------
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                priority: int = 0) -> list[int]:
+        """Decode side: hold blocks for a prompt whose KV another engine will write."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        self.validate(prompt_token_ids, params)
+        req = Request(request_id, list(prompt_token_ids), params, priority=priority,
+                      eos_token_ids=self.eos_token_ids)
+        if not self.kv.allocate(req, req.num_tokens):
+            raise CapacityError(
+                f"no room for {self.kv.blocks_needed(req.num_tokens)} KV blocks "
+                f"({self.block_pool.num_free} free of {self.block_pool.num_usable})"
+            )
+        req.status = Status.RESERVED
+        self._track(req)
+        return list(req.block_ids)
+
+    def start_decode(self, request_id: str, first_token_id: int) -> None:
+        """Decode side: the reserved blocks now hold the prompt's KV; continue from ``first_token_id``."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is not Status.RESERVED:
+            raise InvalidRequestError(f"request {request_id!r} has no reservation", param="request_id")
+        req.num_computed_tokens = req.num_tokens
+        self.kv.cache_computed_blocks(req)
+        out = self._append_token(req, first_token_id, None)
+        if not req.is_finished:
+            self.scheduler.add_running(req)
+        self._pending.append(out)
+
+    def release(self, request_id: str) -> None:
+        """Give back the blocks of a finished prefill-only request or an unused reservation."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        if req.status not in (Status.PREFILLED, Status.RESERVED):
+            raise InvalidRequestError(f"request {request_id!r} is {req.status.value}; abort it instead")
+        self._finish(req, req.finish_reason or "abort")
+
+    # ---- running --------------------------------------------------------
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, "abort")
+        self._pending.append(self._output(req, [], None))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if not sched:
+            return outputs
+        sampled, logits = self.runner.execute(sched)
+        for s in sched.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_computed_blocks(s.request)
+        result = self.sampler(logits, sampled) if sampled else None
+        sampled_ids = {r.request_id for r in sampled}
+        for s in sched.scheduled:  # prefill-only progress, for transfers that overlap compute
+            req = s.request
+            if req.prefill_only and req.request_id not in sampled_ids:
+                outputs.append(self._output(req, [], None))
+        for i, req in enumerate(sampled):
+            if req.prefill_only:
+                req.append_output(result.token_ids[i])
+                req.status, req.finish_reason = Status.PREFILLED, "prefilled"
+                self.scheduler.remove(req)
+                self.sampler.forget(req.request_id)
+                out = self._output(req, [result.token_ids[i]], result.logprobs[i])
+                out.finished, out.finish_reason = True, "prefilled"
+                outputs.append(out)
+            else:
+                outputs.append(self._append_token(req, result.token_ids[i], result.logprobs[i]))
+        return outputs
+
+    def _append_token(self, req: Request, token: int, logprob: TokenLogprobs | None) -> RequestOutput:
+        req.append_output(token)
+        p = req.params
+        detok = self._detok.get(req.request_id)
+        reason = None
+        if (token in p.stop_token_ids) or (not p.ignore_eos and token in req.eos_token_ids):
+            reason = "stop"
+        elif detok is not None and detok.add(token):
+            reason = "stop"
+        elif p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
+            reason = "length"
+        elif req.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason:
+            self._finish(req, reason)
+        return self._output(req, [token], logprob)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.remove(req)
+        self.kv.free(req)
+        req.status, req.finish_reason = Status.FINISHED, reason
+        self.requests.pop(req.request_id, None)
+        self.sampler.forget(req.request_id)
+
+    def _output(self, req: Request, tokens: list[int], logprob: TokenLogprobs | None) -> RequestOutput:
+        finished = req.is_finished
+        detok = self._detok.get(req.request_id)
+        text = detok.delta(final=finished) if detok is not None else ""
+        if finished:
+            self._detok.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            new_text=text,
+            finished=finished,
+            finish_reason=req.finish_reason if finished else None,
+            logprobs=[logprob] if logprob is not None else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_prefix_hit_tokens,
+            num_computed_tokens=req.num_computed_tokens,
+            block_ids=list(req.block_ids) if req.prefill_only else None,
+        )
+
+    # ---- introspection --------------------------------------------------
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.block_pool.take_events()
+
+    def stats(self) -> dict[str, float]:
+        pool = self.block_pool
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_blocks_total": pool.num_usable,
+            "kv_blocks_used": pool.num_used,
+            "prefix_cache_queries": pool.prefix_queries,
+            "prefix_cache_hits": pool.prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

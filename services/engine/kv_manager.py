@@ -1,0 +1,82 @@
+"""Per-request use of the block pool: which blocks a request holds and which of
+them are in the prefix cache. No torch: the runner maps block ids to tensors.
+
+A request's blocks cover its first ``num_computed_tokens + scheduled`` tokens::
+
+    block_ids:  [ b7 ][ b2 ][ b9 ][ b4 ]
+    tokens:      0-15  16-31 32-47 48-..   (block_size 16)
+                 \\_ cached (full, hashed) _/ \\ partial: private
+"""
+
+from __future__ import annotations
+
+from services.engine.block_hash import hash_block
+from services.engine.block_pool import BlockPool
+from services.engine.request import Request
+
+
+class KVManager:
+    def __init__(self, pool: BlockPool, namespace: str):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.namespace = namespace
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _extend_hashes(self, req: Request, num_full_blocks: int) -> None:
+        bs = self.block_size
+        tokens = req.all_token_ids
+        while len(req.block_hashes) < num_full_blocks:
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if i else None
+            req.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], self.namespace))
+
+    def match_prefix(self, req: Request) -> int:
+        """Reuse cached blocks for the longest known prefix of a request that holds
+        none. At least one token is left to compute, so the step yields logits.
+        Returns the number of tokens found."""
+        assert not req.block_ids, "prefix matching is for requests without blocks"
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        self._extend_hashes(req, max_blocks)
+        hits = self.pool.lookup_prefix(req.block_hashes[:max_blocks], req.all_token_ids)
+        req.block_ids = hits
+        req.num_cached_blocks = len(hits)
+        req.num_computed_tokens = len(hits) * self.block_size
+        req.num_prefix_hit_tokens = req.num_computed_tokens
+        return req.num_computed_tokens
+
+    def allocate(self, req: Request, num_new_tokens: int, reserve: int = 0) -> bool:
+        """Grow ``req.block_ids`` to hold ``num_new_tokens`` more tokens, leaving at
+        least ``reserve`` blocks free. False (and no change) if they don't fit."""
+        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        if need <= 0:
+            return True
+        if need + reserve > self.pool.num_free:
+            return False
+        req.block_ids.extend(self.pool.allocate(need))
+        return True
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Publish the request's full, computed blocks to the prefix cache."""
+        num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        if num_full <= req.num_cached_blocks:
+            return
+        self._extend_hashes(req, num_full)
+        start = req.num_cached_blocks
+        bs = self.block_size
+        self.pool.cache_blocks(
+            req.block_ids[start:num_full],
+            req.block_hashes[start:num_full],
+            req.all_token_ids[start * bs : num_full * bs],
+            req.block_hashes[start - 1] if start else None,
+        )
+        req.num_cached_blocks = num_full
+
+    def free(self, req: Request) -> None:
+        """Return every block the request holds (tail first, so it is evicted first)."""
+        if req.block_ids:
+            self.pool.free(reversed(req.block_ids))
+        req.block_ids = []
+        req.num_cached_blocks = 0
+        req.num_computed_tokens = 0

@@ -1,0 +1,64 @@
+"""A request's state inside one engine: tokens, progress, blocks. Plain data, no torch."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from services.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    RESERVED = "reserved"  # decode side: blocks held, waiting for KV from a prefill worker
+    PREFILLED = "prefilled"  # prefill-only: done, blocks held until the caller releases them
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0  # lower runs first
+    prefill_only: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+    eos_token_ids: tuple[int, ...] = ()
+
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of full blocks, in order
+    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    num_prefix_hit_tokens: int = 0  # from the prefix cache at (latest) admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()

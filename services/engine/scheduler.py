@@ -1,0 +1,156 @@
+"""Continuous batching: which requests run how many tokens this step. No torch.
+
+Each request has ``num_computed_tokens`` (KV in the cache) and ``num_tokens``
+(prompt + output so far); a step runs ``num_tokens - num_computed`` of them, up
+to the token budget. That one rule covers a whole prompt, a prefill chunk, a
+single decode token, and the recompute of a preempted request. A request
+samples when its step brings it level with ``num_tokens``.
+
+Order: running requests first (priority, then arrival), so decodes are never
+starved by new prompts; then waiting ones. When blocks run out the lowest
+priority, latest running request is preempted: its blocks are freed (they stay
+in the prefix cache, so recompute is often a cache hit) and it waits again.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from services.engine.kv_manager import KVManager
+from services.engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 1024  # token budget per step
+    max_num_seqs: int = 128  # running sequences at once
+    long_prefill_chunk: int = 512  # most prompt tokens one request gets per step
+    watermark_blocks: int = 0  # kept free when admitting new requests (avoids instant preemption)
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.long_prefill_chunk < 1:
+            raise ValueError("long_prefill_chunk must be >= 1")
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        return self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVManager):
+        self.config = config
+        self.kv = kv
+        self._waiting: list[tuple[int, float, int, Request]] = []  # heap
+        self._order = itertools.count()
+        self.running: list[Request] = []  # sorted by (priority, arrival)
+        self.num_preemptions = 0
+
+    # ---- queue ----------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.status = Status.WAITING
+        heapq.heappush(self._waiting, (req.priority, req.arrival_time, next(self._order), req))
+
+    def add_running(self, req: Request) -> None:
+        """A request whose KV is already computed (decode after a remote prefill)."""
+        req.status = Status.RUNNING
+        self._insert_running(req)
+
+    def _insert_running(self, req: Request) -> None:
+        key = (req.priority, req.arrival_time)
+        i = len(self.running)
+        while i and (self.running[i - 1].priority, self.running[i - 1].arrival_time) > key:
+            i -= 1
+        self.running.insert(i, req)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for *_, r in self._waiting if r.status is Status.WAITING)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0
+
+    def remove(self, req: Request) -> None:
+        """Drop a request from the queues (finish or abort); the caller frees blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        # waiting entries are skipped lazily once their status changes
+
+    # ---- the step -------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunk = self.config.long_prefill_chunk
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget, chunk)
+            while not self.kv.allocate(req, n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, n))
+                budget -= n
+                i += 1
+                continue
+            # req itself was preempted; running[i] is now the next request
+
+        if out.preempted:
+            return out  # no admissions in a step that had to evict
+
+        while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            *_, req = self._waiting[0]
+            if req.status is not Status.WAITING:
+                heapq.heappop(self._waiting)
+                continue
+            if not req.block_ids:
+                self.kv.match_prefix(req)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, chunk)
+            if not self.kv.allocate(req, n, reserve=self.config.watermark_blocks):
+                self.kv.free(req)  # drop the prefix references until it fits
+                break
+            heapq.heappop(self._waiting)
+            req.status = Status.RUNNING
+            self._insert_running(req)
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+        return out
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(req.request_id)
+        self.add(req)

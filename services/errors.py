@@ -1,0 +1,62 @@
+"""Errors defined once; each edge (CLI, HTTP, gRPC) maps them to its own form.
+
+``code`` is the OpenAI error ``type``; ``http_status`` and ``grpc_status`` are
+what the HTTP and gRPC edges answer with.
+"""
+
+from __future__ import annotations
+
+
+class PdserveError(Exception):
+    code = "internal_error"
+    http_status = 500
+    grpc_status = "INTERNAL"
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequestError(PdserveError, ValueError):
+    """The request itself is wrong (bad parameter, empty or over-long prompt)."""
+
+    code = "invalid_request_error"
+    http_status = 400
+    grpc_status = "INVALID_ARGUMENT"
+
+
+class ModelNotFoundError(PdserveError):
+    code = "model_not_found"
+    http_status = 404
+    grpc_status = "NOT_FOUND"
+
+
+class ModelLoadError(PdserveError):
+    """A model path exists but cannot be loaded (corrupt or unsupported file)."""
+
+    code = "model_load_error"
+    http_status = 500
+    grpc_status = "FAILED_PRECONDITION"
+
+
+class CapacityError(PdserveError):
+    """No room right now (no free KV blocks, queue full); retrying later may work."""
+
+    code = "capacity_exceeded"
+    http_status = 429
+    grpc_status = "RESOURCE_EXHAUSTED"
+
+
+class RequestAbortedError(PdserveError):
+    code = "request_aborted"
+    http_status = 499
+    grpc_status = "CANCELLED"
+
+
+class TransferError(PdserveError):
+    """Moving KV blocks between processes failed (peer gone, timeout, mismatch)."""
+
+    code = "kv_transfer_error"
+    http_status = 502
+    grpc_status = "UNAVAILABLE"
