@@ -20,13 +20,9 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 @lazy_jit
 def _silu_and_mul_kernel(
-    x_ptr,
-    out_ptr,
-    d,
-    stride_xr,
-    stride_xc,
-    stride_or,
-    stride_oc,
+    x_ptr, out_ptr, d,
+    stride_xr, stride_xc,
+    stride_or, stride_oc,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)

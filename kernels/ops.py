@@ -7,13 +7,19 @@ references (CPU) and Triton kernels (CUDA) are interchangeable per engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
-from kernels.activation import silu_and_mul_ref
-from kernels.kv_write import write_kv_ref
-from kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref
-from kernels.rmsnorm import rms_norm_ref
-from kernels.rotary import rotary_ref
+from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.kv_write import write_kv, write_kv_ref
+from kernels.paged_attention import (
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+)
+from kernels.rmsnorm import rms_norm, rms_norm_ref
+from kernels.rotary import rotary, rotary_ref
+from kernels.triton_jit import interpreting, triton_available
 
 
 @dataclass(frozen=True)
@@ -37,11 +43,35 @@ TORCH_OPS = Ops(
     prefill_attention=paged_prefill_attention_ref,
 )
 
+TRITON_OPS = Ops(
+    name="triton",
+    rms_norm=rms_norm,
+    rotary=rotary,
+    silu_and_mul=silu_and_mul,
+    write_kv=write_kv,
+    decode_attention=paged_decode_attention,
+    prefill_attention=paged_prefill_attention,
+)
+
 
 def select_ops(device: str, backend: str = "auto") -> Ops:
-    """``auto``: Triton on CUDA, torch references elsewhere."""
+    """``auto``: Triton on CUDA when triton imports, torch references elsewhere.
+
+    Forcing ``triton`` off CUDA is allowed only under ``TRITON_INTERPRET=1``
+    (triton's CPU interpreter, for tests; far too slow to serve).
+    """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown kernel backend {backend!r}; expected auto, torch or triton")
-    if backend == "torch" or (backend == "auto" and not str(device).startswith("cuda")):
+    on_cuda = str(device).startswith("cuda")
+    if backend == "torch":
         return TORCH_OPS
-    raise ValueError("the triton kernel backend is not built yet; use --kernels torch")
+    if backend == "auto":
+        return TRITON_OPS if on_cuda and triton_available() else TORCH_OPS
+    if not triton_available():
+        raise ValueError("the triton kernel backend needs the 'triton' package; install it or use --kernels torch")
+    if not on_cuda and not interpreting():
+        raise ValueError(
+            f"the triton kernel backend needs a CUDA device, got {device!r}; use --kernels torch "
+            "(or set TRITON_INTERPRET=1 to run the kernels in triton's CPU interpreter, for tests)"
+        )
+    return TRITON_OPS
