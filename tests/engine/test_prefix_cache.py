@@ -1,0 +1,67 @@
+"""A second request that shares a 256+ token prefix with a finished one computes only its suffix."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.config import EngineConfig
+from services.engine.engine import Engine
+from services.engine.sampling_params import SamplingParams
+from tests.engine.recording import Recorder, run_to_completion
+
+pytestmark = pytest.mark.slow
+
+PREFIX = "Rules of the house. " + " ".join(f"Rule {i}: keep the door at number {i * 7} closed." for i in range(40))
+
+
+def _generate(engine: Engine, rid: str, ids: list[int]) -> list:
+    engine.add_request(rid, ids, SamplingParams(max_tokens=12, temperature=0))
+    return run_to_completion(engine)[rid]
+
+
+def test_shared_prefix_computes_only_the_suffix():
+    engine = Engine(EngineConfig(dtype="fp32"))
+    rec = Recorder(engine)
+    tok = engine.tokenizer
+    first = tok.encode(PREFIX + " Question: which door is number 14? Answer:")
+    second = tok.encode(PREFIX + " Question: how many rules are there? Answer:")
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert shared >= 256
+
+    _generate(engine, "first", first)
+    hits_before = engine.block_pool.prefix_hits
+    outs = _generate(engine, "second", second)
+
+    bs = engine.config.block_size
+    cached = outs[-1].num_cached_tokens
+    assert cached == (shared // bs) * bs >= 256
+    # the prompt pass of the second request ran only the uncached tail
+    prompt_steps = rec.scheduled["second"][: len(rec.scheduled["second"]) - (len(outs) - 1)]
+    assert sum(prompt_steps) == len(second) - cached
+    assert engine.block_pool.prefix_hits - hits_before == cached // bs
+    assert engine.block_pool.num_used == 0
+
+    # and the answer is what a cold engine gives
+    cold = Engine(EngineConfig(dtype="fp32", enable_prefix_caching=False))
+    cold_outs = _generate(cold, "second", second)
+    assert [t for o in outs for t in o.new_token_ids] == [t for o in cold_outs for t in o.new_token_ids]
+    assert cold_outs[-1].num_cached_tokens == 0
+
+
+def test_kv_events_describe_the_cache():
+    engine = Engine(EngineConfig(model="dummy:tiny", dtype="fp32", kv_cache_bytes=64 * 1024))
+    ids = list(range(10, 10 + 40))  # 2 full blocks of 16 + 8
+    engine.add_request("a", ids, SamplingParams(max_tokens=1, temperature=0))
+    run_to_completion(engine)
+    events = engine.take_kv_events()
+    stored = [h for e in events if type(e).__name__ == "BlockStored" for h in e.block_hashes]
+    from services.engine.block_hash import hash_prompt_blocks
+
+    assert stored == hash_prompt_blocks(ids, 16, engine.namespace)
+    assert engine.take_kv_events() == []  # drained
+    # filling the cache with other prompts evicts them, and says so
+    for i in range(12):
+        engine.add_request(f"f{i}", list(range(200 + i, 200 + i + 40)), SamplingParams(max_tokens=1))
+        run_to_completion(engine)
+    removed = {h for e in engine.take_kv_events() if type(e).__name__ == "BlockRemoved" for h in e.block_hashes}
+    assert set(stored) <= removed
