@@ -6,11 +6,13 @@ references (CPU) and Triton kernels (CUDA) are interchangeable per engine.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from collections.abc import Callable
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.kv_write import write_kv, write_kv_ref
+from kernels.paged_attention_cpu import paged_decode_attention_cpu
 from kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_ref,
@@ -43,6 +45,9 @@ TORCH_OPS = Ops(
     prefill_attention=paged_prefill_attention_ref,
 )
 
+# CPU: the references, but decode attention reads the paged cache in place (C kernel).
+CPU_OPS = dataclasses.replace(TORCH_OPS, name="cpu", decode_attention=paged_decode_attention_cpu)
+
 TRITON_OPS = Ops(
     name="triton",
     rms_norm=rms_norm,
@@ -55,7 +60,9 @@ TRITON_OPS = Ops(
 
 
 def select_ops(device: str, backend: str = "auto") -> Ops:
-    """``auto``: Triton on CUDA when triton imports, torch references elsewhere.
+    """``auto``: Triton on CUDA when triton imports; on CPU the references with the C
+    decode-attention kernel (which itself falls back to the reference where it
+    cannot run). ``torch``: the pure torch references everywhere.
 
     Forcing ``triton`` off CUDA is allowed only under ``TRITON_INTERPRET=1``
     (triton's CPU interpreter, for tests; far too slow to serve).
@@ -66,7 +73,9 @@ def select_ops(device: str, backend: str = "auto") -> Ops:
     if backend == "torch":
         return TORCH_OPS
     if backend == "auto":
-        return TRITON_OPS if on_cuda and triton_available() else TORCH_OPS
+        if on_cuda:
+            return TRITON_OPS if triton_available() else TORCH_OPS
+        return CPU_OPS
     if not triton_available():
         raise ValueError("the triton kernel backend needs the 'triton' package; install it or use --kernels torch")
     if not on_cuda and not interpreting():

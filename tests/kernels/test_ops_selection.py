@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 import kernels.ops as ops_module
-from kernels.ops import TORCH_OPS, TRITON_OPS, select_ops
+from kernels.ops import CPU_OPS, TORCH_OPS, TRITON_OPS, select_ops
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_auto_is_torch_off_cuda():
-    assert select_ops("cpu") is TORCH_OPS
+def test_auto_off_cuda_is_the_cpu_set_and_torch_forces_the_references():
+    assert select_ops("cpu") is CPU_OPS
     assert select_ops("cpu", "torch") is TORCH_OPS
     assert select_ops("cuda:0", "torch") is TORCH_OPS
 

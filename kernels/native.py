@@ -1,0 +1,90 @@
+"""CPU kernels in C: compiled once with the system compiler, loaded with ctypes.
+
+Why not a torch C++ extension: building against torch's headers takes minutes
+on a small machine; this C file needs none and compiles in about a second.
+ctypes releases the GIL during the call, and the OpenMP runtime it links
+(libgomp.so.1) is the one torch has already loaded, so both share one thread
+pool. The build is cached under ``$PDSERVE_CACHE_DIR/kernels`` keyed by the
+source, the compiler and the CPU's flags (it is built with -march=native). If no
+compiler is available, callers fall back to the torch references.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
+# -fno-math-errno lets gcc call the vector expf; no other fast-math (the kernels rely on -inf)
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build() -> Path:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc/cc) found")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + version.encode()
+                         + _cpu_flags().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"paged_attention_cpu-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+    os.close(fd)
+    try:
+        subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        os.replace(tmp, target)  # atomic: concurrent builders never see a half-written file
+        for stale in target.parent.glob(f"{_SOURCE.stem}-*.so"):
+            if stale != target:
+                stale.unlink(missing_ok=True)
+    except subprocess.CalledProcessError as exc:
+        os.unlink(tmp)
+        raise RuntimeError(f"compiling {_SOURCE.name} failed: {exc.stderr.strip()[:500]}") from None
+    return target
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (with one warning) where they cannot be built."""
+    if os.environ.get("PDSERVE_DISABLE_NATIVE_KERNELS"):
+        return None
+    try:
+        import torch  # noqa: F401  (loads torch's libgomp first, so ours resolves to it)
+
+        lib = ctypes.CDLL(str(_build()))
+    except (RuntimeError, OSError) as exc:
+        log.warning("native CPU kernels unavailable (%s); using the torch references", exc)
+        return None
+    i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    for name in ("paged_decode_attention_f32", "paged_decode_attention_bf16"):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64,
+                       i32, i32, i32, i32, i32, f32]
+    lib.pdserve_limits.restype = i32
+    lib.pdserve_limits.argtypes = [i32]
+    return lib
