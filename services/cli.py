@@ -15,9 +15,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks that run pdserve and a baseline side by side")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    from kvtransfer import bench as kvtransfer_bench
     from services.engine import bench as engine_bench
 
     engine_bench.add_parser(bench_sub)
+    kvtransfer_bench.add_parser(bench_sub)
     return parser
 
 

@@ -38,9 +38,13 @@ class AsyncEngine:
         while not self._stopped:
             while True:
                 try:
-                    self._commands.get_nowait()()
+                    command = self._commands.get_nowait()
                 except queue.Empty:
                     break
+                try:
+                    command()
+                except Exception:  # a fire-and-forget command (call() reports its own errors)
+                    log.exception("engine command failed")
             if not self.engine.has_unfinished():
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -114,9 +118,13 @@ class AsyncEngine:
             if started and not finished:
                 self.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(lambda: self.engine.abort(request_id))
+    def submit(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` on the engine thread between steps, without waiting for it."""
+        self._commands.put(fn)
         self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self.submit(lambda: self.engine.abort(request_id))
 
     def shutdown(self) -> None:
         self._stopped = True

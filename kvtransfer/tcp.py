@@ -1,0 +1,237 @@
+"""Plain TCP transport: the fallback where UCX is not installed or not usable.
+
+Wire format, per message: a 4-byte little-endian header length, the JSON
+header (with ``_payload``: the byte size of each buffer), then the payload
+buffers back to back.
+
+Each connection owns a blocking socket and two daemon threads, one reading
+and one writing, so a whole run of KV blocks moves in one ``sendall`` /
+``recv_into(MSG_WAITALL)`` straight from and into the cache memory, with the
+GIL released, instead of many small event-loop reads. Daemon threads (not a
+``ThreadPoolExecutor``, whose threads are joined at exit) so that a process
+never hangs on exit behind a blocked read. CUDA payloads are staged through
+host memory: TCP cannot read device memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import socket
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvtransfer.protocol import PREFIX_BYTES, decode_body, encode_header, header_length, payload_sizes
+from kvtransfer.transport import Connection, Listener, OnConnection, Transport, check_payload, split_address
+from services.errors import TransferError
+
+
+class _Worker:
+    """One daemon thread running blocking calls in order, results as asyncio futures."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable, *args) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._jobs.put((loop, fut, fn, args))
+        return fut
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            loop, fut, fn, args = job
+            try:
+                result, error = fn(*args), None
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine, never lost
+                result, error = None, e
+            with contextlib.suppress(RuntimeError):  # loop already closed: nobody is waiting
+                loop.call_soon_threadsafe(_settle, fut, result, error)
+
+
+def _settle(fut: asyncio.Future, result, error) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(result)
+    else:
+        fut.set_exception(error)
+
+
+def _host_view(t: torch.Tensor) -> memoryview:
+    return memoryview((t if t.device.type == "cpu" else t.cpu()).numpy())
+
+
+class TcpConnection(Connection):
+    def __init__(self, sock: socket.socket, peer: str):
+        sock.setblocking(True)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.peer = peer
+        self._sock = sock
+        self._closed = False
+        self._rx = _Worker(f"kv-tcp-rx-{peer}")
+        self._tx = _Worker(f"kv-tcp-tx-{peer}")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def send(self, header: dict, payload: Sequence[torch.Tensor] = ()) -> None:
+        frame = encode_header({**header, "_payload": [int(t.numel()) for t in payload]})
+        views = [_host_view(t) for t in payload]
+        await self._call(self._tx, self._send_all, frame, views)
+
+    async def recv(self) -> dict:
+        return await self._call(self._rx, self._read_header)
+
+    async def send_header(self, header: dict) -> None:
+        """Send a header alone, framing keys as given (ucx.py carries its payloads over UCX)."""
+        await self._call(self._tx, self._send_all, encode_header(header), [])
+
+    async def recv_payload(self, header: dict, dests: Sequence[torch.Tensor | None]) -> None:
+        sizes = payload_sizes(header)
+        if len(dests) != len(sizes):
+            raise TransferError(f"{len(dests)} destinations for {len(sizes)} payload buffers")
+        for dest, size in zip(dests, sizes):
+            check_payload(dest, size)
+        staged = [d.cpu() if d is not None and d.device.type != "cpu" else d for d in dests]
+        await self._call(self._rx, self._read_payload, sizes, staged)
+        for dest, host in zip(dests, staged):
+            if dest is not None and host is not dest:
+                dest.copy_(host)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # shutdown() wakes a thread blocked in recv/send on this socket; close() alone does not.
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        self._rx.stop()
+        self._tx.stop()
+
+    async def _call(self, worker: _Worker, fn: Callable, *args):
+        if self._closed:
+            raise TransferError(f"TCP connection to {self.peer} is closed")
+        fut = worker.submit(fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            # The thread may still be touching the buffers: cut the socket so it
+            # returns, and wait for it before letting the caller reuse them.
+            self.close()
+            with contextlib.suppress(BaseException):
+                await fut
+            raise
+        except (OSError, ValueError, EOFError) as e:
+            self.close()
+            raise TransferError(f"TCP connection to {self.peer} failed: {e}") from None
+
+    def _send_all(self, frame: bytes, views: list[memoryview]) -> None:
+        self._sock.sendall(frame)
+        for v in views:
+            self._sock.sendall(v)
+
+    def _read_exact(self, view: memoryview) -> None:
+        got, total = 0, len(view)
+        while got < total:
+            n = self._sock.recv_into(view[got:], total - got, socket.MSG_WAITALL)
+            if n == 0:
+                raise EOFError(f"peer closed the connection after {got} of {total} bytes")
+            got += n
+
+    def _read_header(self) -> dict:
+        prefix = bytearray(PREFIX_BYTES)
+        self._read_exact(memoryview(prefix))
+        body = bytearray(header_length(prefix))
+        self._read_exact(memoryview(body))
+        return decode_body(body)
+
+    def _read_payload(self, sizes: list[int], dests: list[torch.Tensor | None]) -> None:
+        scratch = None
+        for size, dest in zip(sizes, dests):
+            if dest is not None:
+                self._read_exact(memoryview(dest.numpy()))
+                continue
+            # Discarded payload: read it in bounded pieces rather than allocating its size.
+            scratch = scratch or memoryview(bytearray(1 << 20))
+            left = size
+            while left:
+                piece = min(left, len(scratch))
+                self._read_exact(scratch[:piece])
+                left -= piece
+
+
+class _TcpListener(Listener):
+    def __init__(self, address: str, sock: socket.socket, task: asyncio.Task, conns: set[asyncio.Task]):
+        self.address = address
+        self._sock = sock
+        self._task = task
+        self._conns = conns
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._sock.close()
+        for task in list(self._conns):
+            task.cancel()
+        await asyncio.gather(*self._conns, return_exceptions=True)
+
+
+class TcpTransport(Transport):
+    scheme = "tcp"
+
+    async def listen(self, host: str, port: int, on_connection: OnConnection) -> Listener:
+        loop = asyncio.get_running_loop()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+        conns: set[asyncio.Task] = set()
+
+        async def serve(conn: Connection) -> None:
+            try:
+                await on_connection(conn)
+            finally:
+                conn.close()
+
+        async def accept_loop() -> None:
+            while True:
+                client, addr = await loop.sock_accept(sock)
+                task = loop.create_task(serve(TcpConnection(client, f"tcp://{addr[0]}:{addr[1]}")))
+                conns.add(task)
+                task.add_done_callback(conns.discard)
+
+        task = loop.create_task(accept_loop())
+        bound = sock.getsockname()
+        return _TcpListener(f"tcp://{host}:{bound[1]}", sock, task, conns)
+
+    async def connect(self, address: str, timeout_s: float) -> Connection:
+        host, port = split_address(address, self.scheme)
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            family, _, _, _, sockaddr = infos[0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                await asyncio.wait_for(loop.sock_connect(sock, sockaddr), timeout_s)
+            except BaseException:
+                sock.close()
+                raise
+        except TimeoutError:
+            raise TransferError(f"connecting to {address} timed out after {timeout_s:g}s") from None
+        except OSError as e:
+            raise TransferError(f"cannot connect to {address}: {e}") from None
+        return TcpConnection(sock, address)

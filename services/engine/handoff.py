@@ -1,0 +1,115 @@
+"""The decode-first hand-off between two engines over kvtransfer.
+
+Decode side::
+
+    owner = EngineBlockOwner(async_engine)
+    receiver = Receiver(engine.kv_cache, engine.kv_spec, engine.namespace, owner)
+    pending = await reserve_for_transfer(async_engine, owner, receiver, rid, prompt, params, timeout_s)
+    ...give pending.descriptor.to_bytes() to the prefill side...
+    async for out in decode_after_transfer(async_engine, rid, await pending): ...
+
+Prefill side::
+
+    first_token = await prefill_and_send(async_engine, sender, descriptor, prompt, params)
+
+Ownership: the decode engine's blocks are reserved on its engine thread before
+the receiver learns of them; if the transfer fails, the receiver calls
+``owner.release`` and the reservation is released on the engine thread. On the
+prefill side, full blocks are sent as soon as their chunk is computed (they are
+never written again), the last partial block with the final chunk; the
+prefill-only request's blocks are released when the call ends, on every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+from kvtransfer import Completion, PendingTransfer, Receiver, Sender, TransferDescriptor
+from services.engine.async_engine import AsyncEngine
+from services.engine.engine import RequestOutput
+from services.engine.sampling_params import SamplingParams
+from services.errors import TransferError
+
+
+class EngineBlockOwner:
+    """kvtransfer's BlockOwner over an engine whose reservations are made ahead, on its thread."""
+
+    def __init__(self, async_engine: AsyncEngine):
+        self.async_engine = async_engine
+        self._ready: dict[str, list[int]] = {}
+
+    async def prepare(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0) -> int:
+        engine = self.async_engine.engine
+        blocks = await self.async_engine.call(lambda: engine.reserve(request_id, prompt, params, priority))
+        self._ready[request_id] = blocks
+        return len(blocks)
+
+    def reserve(self, transfer_id: str, num_blocks: int) -> Sequence[int]:
+        return self._ready.pop(transfer_id)
+
+    def release(self, transfer_id: str, block_ids: Sequence[int]) -> None:
+        self._ready.pop(transfer_id, None)
+        engine = self.async_engine.engine
+        self.async_engine.submit(lambda: engine.release(transfer_id))
+
+
+async def reserve_for_transfer(async_engine: AsyncEngine, owner: EngineBlockOwner, receiver: Receiver,
+                               request_id: str, prompt: list[int], params: SamplingParams,
+                               timeout_s: float, priority: int = 0) -> PendingTransfer:
+    """Reserve blocks for the prompt (CapacityError if there is no room) and expect its KV."""
+    num_blocks = await owner.prepare(request_id, prompt, params, priority)
+    try:
+        return receiver.reserve(request_id, num_blocks, timeout_s)
+    except BaseException:
+        owner.release(request_id, ())
+        raise
+
+
+async def decode_after_transfer(async_engine: AsyncEngine, request_id: str,
+                                completion: Completion) -> AsyncIterator[RequestOutput]:
+    """The reserved blocks hold the prompt's KV: decode from the first token, streaming outputs."""
+    engine = async_engine.engine
+    async for out in async_engine.stream(request_id, lambda: engine.start_decode(request_id, completion.first_token)):
+        yield out
+
+
+async def prefill_and_send(async_engine: AsyncEngine, sender: Sender, desc: TransferDescriptor,
+                           prompt: list[int], params: SamplingParams, priority: int = 0) -> int:
+    """Prefill ``prompt`` and write its KV into the descriptor's blocks as chunks finish.
+
+    Returns the first token, which the receiver also got with the final message.
+    Raises TransferError (after aborting the transfer) if anything fails.
+    """
+    rid = desc.transfer_id
+    engine = async_engine.engine
+    block_size = engine.config.block_size
+    sent = 0
+    prefilled = False
+    try:
+        async for out in async_engine.generate(prompt, params, request_id=rid, priority=priority,
+                                               prefill_only=True):
+            if out.finished and out.finish_reason != "prefilled":
+                raise TransferError(f"prefill of {rid} ended early: {out.finish_reason}")
+            blocks = out.block_ids or []
+            ready = len(blocks) if out.finished else min(out.num_computed_tokens, len(prompt)) // block_size
+            if len(blocks) != desc.num_blocks and out.finished:
+                raise TransferError(f"prefill of {rid} holds {len(blocks)} blocks, the receiver reserved "
+                                    f"{desc.num_blocks}")
+            if ready > sent:
+                await sender.send_blocks(desc, blocks[sent:ready], dst_offset=sent)
+                sent = ready
+            if out.finished:
+                prefilled = True
+                first = out.new_token_ids[0]
+                await sender.finish(desc, first)
+                return first
+        raise TransferError(f"prefill of {rid} produced no result")
+    except BaseException as exc:
+        await asyncio.shield(sender.abort(desc, f"prefill side failed: {exc}"))
+        raise
+    finally:
+        # a finished prefill-only request holds its blocks until released; an unfinished
+        # one was aborted (and freed) when its stream closed
+        if prefilled:
+            async_engine.submit(lambda: engine.release(rid))

@@ -1,0 +1,184 @@
+"""KV transfers between real processes over loopback, for UCX and TCP.
+
+Every test ends with the leak check: the receiver's block pool is back to all
+free (a completed transfer's blocks are freed by "finishing the sequence", as
+the decode engine would; a failed one's by the receiver through its owner).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from kvt_peer import NUM_BLOCKS, SPEC, Peer, RemoteError
+
+from kvtransfer import TransferDescriptor
+from services.engine.kv_cache import KVCacheSpec
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
+ALL_FREE = NUM_BLOCKS - 1
+
+
+@pytest.fixture(scope="module", params=["ucx", "tcp"])
+def transport(request):
+    if request.param == "ucx":
+        pytest.importorskip("ucxx", reason="the ucx transport needs ucxx (pip install ucxx-cu12)")
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def receiver(transport):
+    peer = Peer("receiver", transport, op_timeout_s=10)
+    yield peer
+    peer.close()
+
+
+@pytest.fixture(scope="module")
+def sender(transport):
+    peer = Peer("sender", transport, seed=1, op_timeout_s=10)
+    yield peer
+    peer.close()
+
+
+def _plan(rng: random.Random, desc: bytes, src_pool: list[int], chunks: int):
+    """Scattered source blocks for one transfer, sent in ``chunks`` pieces."""
+    d = TransferDescriptor.from_bytes(desc)
+    src = rng.sample(src_pool, d.num_blocks)
+    for b in src:
+        src_pool.remove(b)
+    bounds = sorted({0, d.num_blocks, *rng.sample(range(1, d.num_blocks), min(chunks, d.num_blocks) - 1)})
+    pieces = [(src[a:b], a) for a, b in itertools.pairwise(bounds)]
+    return d, src, pieces
+
+
+def _check_delivered(receiver, sender, d, src, first_token):
+    out = receiver.call("outcome", d.transfer_id)
+    assert out["first_token"] == first_token and out["meta"] == {"by": "test"}
+    assert out["nbytes"] == len(src) * SPEC.block_bytes
+    assert receiver.call("digests", list(d.block_ids)) == sender.call("digests", src)
+    receiver.call("finish_sequence", d.transfer_id)
+
+
+def test_concurrent_transfers_between_one_pair(receiver, sender):
+    rng = random.Random(7)
+    src_pool = list(range(1, NUM_BLOCKS))
+    jobs, plans = [], []
+    for i in range(8):
+        desc = receiver.call("reserve", f"req-{i}", rng.randint(1, 7), 20.0)
+        d, src, pieces = _plan(rng, desc, src_pool, chunks=3)
+        jobs.append((desc, pieces, 100 + i))
+        plans.append((d, src, 100 + i))
+    assert sender.call("send_many", jobs) == [None] * 8
+    for d, src, token in plans:
+        _check_delivered(receiver, sender, d, src, token)
+    assert receiver.call("free") == ALL_FREE
+
+
+def test_two_senders_to_one_receiver(receiver, sender, transport):
+    other = Peer("sender", transport, seed=2)
+    try:
+        rng = random.Random(11)
+        started = []
+        for peer in (sender, other):
+            src_pool = list(range(1, NUM_BLOCKS))
+            jobs = []
+            for i in range(4):
+                desc = receiver.call("reserve", f"{id(peer)}-{i}", rng.randint(2, 6), 20.0)
+                d, src, pieces = _plan(rng, desc, src_pool, chunks=2)
+                jobs.append((desc, pieces, i))
+                started.append((peer, d, src, i))
+            peer.job = peer.start("send_many", jobs)
+        for peer in (sender, other):
+            assert peer.result(peer.job) == [None] * 4
+        for peer, d, src, token in started:
+            _check_delivered(receiver, peer, d, src, token)
+        assert receiver.call("free") == ALL_FREE
+    finally:
+        other.close()
+
+
+def test_transfer_timeout_fails_both_sides(receiver, sender):
+    desc = receiver.call("reserve", "slow", 4, 0.5)
+    d = TransferDescriptor.from_bytes(desc)
+    sender.call("send", desc, [([1, 2], 0)], None)  # half the blocks, then the prefill "stalls"
+    with pytest.raises(RemoteError, match="timed out after 0.5s .2 of 4 blocks received"):
+        receiver.call("outcome", d.transfer_id)
+    assert receiver.call("free") == ALL_FREE
+    with pytest.raises(RemoteError, match="TransferError: .*slow.*timed out"):
+        sender.call("send", desc, [([3, 4], 2)], 5)
+
+
+def test_receiver_without_free_blocks(receiver, sender):
+    desc = receiver.call("reserve", "big", ALL_FREE, 20.0)
+    with pytest.raises(RemoteError, match="CapacityError: no room for 1 KV blocks"):
+        receiver.call("reserve", "one-more", 1, 20.0)
+    # A sender handed a descriptor for the refused reservation gets a clear error too.
+    d = TransferDescriptor.from_bytes(desc)
+    ghost = TransferDescriptor(d.address, "one-more", (1,), d.peer).to_bytes()
+    with pytest.raises(RemoteError, match="TransferError: .*unknown transfer one-more"):
+        sender.call("send", ghost, [([1], 0)], 0)
+    receiver.call("cancel", "big")
+    with pytest.raises(RemoteError, match="big cancelled"):
+        receiver.call("outcome", "big")
+    assert receiver.call("free") == ALL_FREE
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [({"spec": KVCacheSpec(4, 2, 64, 16, "float16")}, "dtype"), ({"namespace": "test/other-model"}, "namespace")],
+)
+def test_mismatched_peer_is_refused(receiver, transport, change, field):
+    odd = Peer("sender", transport, **change)
+    try:
+        desc = receiver.call("reserve", f"mismatch-{field}", 2, 30.0)
+        with pytest.raises(RemoteError, match=f"TransferError: .*incompatible KV peer.*{field}: ours="):
+            odd.call("send", desc, [([1, 2], 0)], 0)
+        # The receiver fails the transfer with the same reason at once, not by its timeout.
+        with pytest.raises(RemoteError, match=f"incompatible KV peer.*{field}"):
+            receiver.call("outcome", f"mismatch-{field}")
+        assert receiver.call("stats")["refused_peers"] >= 1
+        assert receiver.call("free") == ALL_FREE
+    finally:
+        odd.close()
+
+
+def test_idle_connection_costs_no_cpu(receiver, sender):
+    # With ucxx's own blocking progress, a process that had moved KV over UCX kept
+    # polling afterwards: about 0.9 s of CPU per idle second, on a 2-core machine.
+    desc = receiver.call("reserve", "before-idle", 2, 20.0)
+    sender.call("send", desc, [([1, 2], 0)], 0)
+    receiver.call("outcome", "before-idle")
+    receiver.call("finish_sequence", "before-idle")
+    assert receiver.call("idle_cpu", 1.0) < 0.25
+    assert sender.call("idle_cpu", 1.0) < 0.25
+
+
+def test_sender_killed_mid_transfer(transport):
+    receiver = Peer("receiver", transport)
+    doomed = Peer("sender", transport)
+    try:
+        desc = receiver.call("reserve", "orphan", 6, 30.0)
+        doomed.call("send", desc, [([1, 2, 3], 0)], None)
+        doomed.kill()
+        with pytest.raises(RemoteError, match="sender .* disconnected mid-transfer"):
+            receiver.call("outcome", "orphan", timeout=20)
+        assert receiver.call("free") == ALL_FREE
+    finally:
+        doomed.close()
+        receiver.close()
+
+
+def test_receiver_killed_mid_transfer(transport):
+    receiver = Peer("receiver", transport)
+    sender = Peer("sender", transport, op_timeout_s=10)
+    try:
+        desc = receiver.call("reserve", "headless", 6, 30.0)
+        sender.call("send", desc, [([1, 2, 3], 0)], None)
+        receiver.kill()
+        with pytest.raises(RemoteError, match="TransferError: .*(lost|closed|failed|connect)"):
+            sender.call("send", desc, [([4, 5, 6], 3)], 9, timeout=30)
+        assert sender.call("stats")["failed"] == 1
+    finally:
+        sender.close()
+        receiver.close()
