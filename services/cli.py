@@ -17,9 +17,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     from kvtransfer import bench as kvtransfer_bench
     from services.engine import bench as engine_bench
+    from services.engine import gpu_bench
 
     engine_bench.add_parser(bench_sub)
     kvtransfer_bench.add_parser(bench_sub)
+    gpu_bench.add_parser(bench_sub)
     return parser
 
 

@@ -24,6 +24,7 @@ class EngineConfig:
     max_num_seqs: int = 128
     long_prefill_chunk: int = 512
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # True: no CUDA graphs; every decode step launches its kernels one by one
     seed: int = 0  # for dummy weights
 
     def __post_init__(self) -> None:

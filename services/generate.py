@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.monotonic()
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels,
-                                 max_model_len=args.max_model_len,
+                                 max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
                                  kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)) if args.kv_cache_gb else None))
     print(f"[pdserve] loaded {engine.model_name} ({engine.config.dtype}, {engine.config.device}) in "
           f"{time.monotonic() - t0:.1f}s; KV cache {engine.block_pool.num_usable} blocks x "
@@ -167,3 +167,5 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: Triton on CUDA, torch elsewhere")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache size (default 2 on CPU)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: run every decode step eagerly (graphs are captured at start on CUDA)")

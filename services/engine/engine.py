@@ -26,6 +26,7 @@ import torch
 from kernels.ops import select_ops
 from services.config import EngineConfig
 from services.engine.block_pool import BlockPool, KVEvent
+from services.engine.cuda_graph import capture_decode_graphs
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from services.engine.kv_manager import KVManager
 from services.engine.loader import load_model, resolve_model
@@ -86,6 +87,7 @@ class Engine:
             self.kv,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, config.device)
+        self.runner.cuda_graphs = capture_decode_graphs(config, self.model, self.kv_cache, self.max_model_len)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}

@@ -26,6 +26,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = torch.device(device)
+        # Set by the engine on CUDA (services.engine.cuda_graph): replays decode-only steps.
+        self.cuda_graphs = None
 
     def _prepare(self, batch: list[ScheduledRequest]):
         bs = self.block_size
@@ -80,6 +82,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
+        if self.cuda_graphs is not None:
+            replayed = self.cuda_graphs.execute(sched.scheduled)
+            if replayed is not None:
+                return replayed
         input_ids, positions, meta, sample_rows, sampled = self._prepare(sched.scheduled)
         hidden = self.model(input_ids, positions, meta)
         if not sampled:

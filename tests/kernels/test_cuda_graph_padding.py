@@ -1,0 +1,76 @@
+"""What a CUDA graph computes, checked where no graph can run: the graph runner's
+padded static-buffer forward equals the eager runner, row for row, and the
+padding rows leave the KV cache untouched.
+
+On CPU this runs the Triton kernels in the interpreter (dummy:tiny, fp32), so
+the padding conventions (slot -1, context 1 over the null block, zero-padded
+block-table columns) are checked against the real kernels. On CUDA it runs them
+natively; replay itself is tests/kernels/test_cuda_graph_replay.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.config import EngineConfig
+from services.engine.cuda_graph import CudaGraphRunner
+from services.engine.engine import Engine
+from services.engine.kv_cache import KVCacheSpec
+from services.engine.model_config import preset_config
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tests.engine.checks import assert_no_leaks, drain
+from tests.kernels.conftest import DEVICE
+
+BLOCK_SIZE = 4
+
+
+def _tiny_triton_engine() -> Engine:
+    cfg = preset_config("tiny")
+    block = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE, "float32").block_bytes
+    return Engine(EngineConfig(model="dummy:tiny", dtype="fp32", device=DEVICE, kernels="triton",
+                               block_size=BLOCK_SIZE, kv_cache_bytes=128 * block, long_prefill_chunk=6,
+                               enforce_eager=True))
+
+
+@torch.inference_mode()
+def test_padded_static_forward_equals_the_eager_runner():
+    engine = _tiny_triton_engine()
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        for rid, n in (("a", 5), ("b", 6), ("c", 3)):
+            engine.add_request(rid, [20 + i for i in range(n)], params)
+        engine.add_request("long", [40 + i for i in range(14)], params)
+        engine.step()  # prompts a, b, c whole; "long" a 6-token chunk (long_prefill_chunk)
+        long = engine.requests["long"]
+        assert long.num_computed_tokens == 6 and not long.output_token_ids
+        # Three real rows: decodes of a and b, and one more prompt token of "long",
+        # a one-token step that does not sample. They pad up to a batch of 4.
+        sched = engine.scheduler.schedule()
+        rows = [s for s in sched.scheduled if s.request.request_id in ("a", "b")]
+        assert [s.num_new_tokens for s in rows] == [1, 1]
+        rows.append(ScheduledRequest(long, 1))
+        assert not rows[-1].samples
+
+        graphs = CudaGraphRunner(engine.model, engine.kv_cache, BLOCK_SIZE, max_batch=8,
+                                 max_model_len=engine.max_model_len)
+        b, w = graphs.plan(rows)
+        needed = max(s.request.num_computed_tokens // BLOCK_SIZE + 1 for s in rows)
+        assert (b, w) == (4, graphs.widths[0]) and w > needed, "the batch must be padded in rows and columns"
+
+        before = engine.kv_cache.clone()
+        eager_sampled, eager_logits = engine.runner.execute(SchedulerOutput(rows))
+        eager_kv = engine.kv_cache.clone()
+        engine.kv_cache.copy_(before)
+        padded_sampled, padded_logits = graphs.run_padded(rows)
+
+        assert [r.request_id for r in padded_sampled] == [r.request_id for r in eager_sampled] == ["a", "b"]
+        torch.testing.assert_close(padded_logits, eager_logits, rtol=1e-5, atol=1e-5)
+        # The real rows wrote the same K/V, and the padding row wrote nothing.
+        torch.testing.assert_close(engine.kv_cache, eager_kv, rtol=1e-6, atol=1e-6)
+        changed = (engine.kv_cache != before).flatten(1).any(dim=1).nonzero().flatten().tolist()
+        expected = sorted({s.request.block_ids[s.request.num_computed_tokens // BLOCK_SIZE] for s in rows})
+        assert changed == expected, "only the real rows' current blocks may change"
+    finally:
+        drain(engine)
+    assert_no_leaks(engine)
