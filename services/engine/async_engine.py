@@ -9,6 +9,7 @@ asyncio.Queue through ``call_soon_threadsafe``. A caller that stops iterating
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -81,7 +82,8 @@ class AsyncEngine:
             try:
                 result = fn()
             except BaseException as exc:  # handed to the awaiting caller
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
+                # bind exc now: Python unbinds the except-clause name when the block ends
+                loop.call_soon_threadsafe(lambda e=exc: fut.done() or fut.set_exception(e))
             else:
                 loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
 
@@ -94,10 +96,12 @@ class AsyncEngine:
                        priority: int = 0, prefill_only: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream a new request's outputs; raises InvalidRequestError before the first one if it is bad."""
         rid = request_id or f"req-{next(_ids)}"
-        async for out in self.stream(
-            rid, lambda: self.engine.add_request(rid, prompt_token_ids, params, priority, prefill_only)
-        ):
-            yield out
+        stream = self.stream(rid, lambda: self.engine.add_request(rid, prompt_token_ids, params, priority,
+                                                                  prefill_only))
+        # close the inner stream with this one, so a consumer that stops iterating aborts now, not at GC
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                yield out
 
     async def stream(self, request_id: str, start: Callable[[], object]) -> AsyncIterator[RequestOutput]:
         """Run ``start`` on the engine thread (it creates ``request_id``), then stream its outputs."""
@@ -105,18 +109,26 @@ class AsyncEngine:
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already streaming", param="request_id")
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        started = finished = False
+        added = False  # set on the engine thread once ``start`` succeeded
+        finished = False
+
+        def run_start() -> None:
+            nonlocal added
+            start()
+            added = True
+
         try:
-            await self.call(start)
-            started = True
+            await self.call(run_start)
             while not finished:
                 out = await q.get()
                 finished = out.finished
                 yield out
         finally:
             self._streams.pop(request_id, None)
-            if started and not finished:
-                self.abort(request_id)
+            if not finished:
+                # Queued behind run_start (commands run in order), so a consumer that left
+                # before its request was even added still aborts it; a failed start aborts nothing.
+                self.submit(lambda: added and self.engine.abort(request_id))
 
     def submit(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` on the engine thread between steps, without waiting for it."""

@@ -18,7 +18,6 @@ are held after it finishes until the caller calls ``release`` (or ``abort``).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch

@@ -28,6 +28,7 @@ from services.errors import ModelLoadError, ModelNotFoundError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,9 @@ def resolve_model(spec: str | None) -> ModelSource:
         cfg = ModelConfig.from_hf(json.loads(config_file.read_text()))
     except (ValueError, KeyError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"bad config.json in {directory}: {exc}") from exc
-    return ModelSource(name=name, config=cfg, weights_dir=directory, tokenizer_dir=directory)
+    # A checkpoint without tokenizer files still serves token-id prompts.
+    has_tokenizer = any((directory / f).is_file() for f in _TOKENIZER_FILES)
+    return ModelSource(name=name, config=cfg, weights_dir=directory, tokenizer_dir=directory if has_tokenizer else None)
 
 
 def _iter_safetensors(directory: Path):

@@ -54,6 +54,15 @@ class ModelConfig:
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
             scaling = None
+        max_pos = cfg.get("max_position_embeddings", 4096)
+        # pdserve attends to the whole context. A sliding window changes attention only past its
+        # width, so capping the context at the window keeps every output exact (Mistral v0.1:
+        # 4096 of 32768). Qwen2 declares a window but uses it only with use_sliding_window.
+        use_window = cfg.get("use_sliding_window")
+        if use_window is None:
+            use_window = model_type == "mistral"
+        if use_window and cfg.get("sliding_window"):
+            max_pos = min(max_pos, cfg["sliding_window"])
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -64,7 +73,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or hidden // num_heads,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_pos,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=float(theta),
             rope_scaling=dict(scaling) if scaling else None,

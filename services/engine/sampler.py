@@ -84,8 +84,10 @@ class Sampler:
             self._generators[req.request_id] = gen
         return gen
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
-        """``logits``: fp32 ``[len(reqs), vocab]``; modified in place."""
+        """``logits``: fp32 ``[len(reqs), vocab]``; modified in place (the runner's logits are
+        inference tensors, so this must run in inference mode too)."""
         want_logprobs = [r.params.logprobs is not None for r in reqs]
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
 

@@ -30,6 +30,22 @@ class SamplingParams:
 
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # Types first: values come from JSON, and a comparison with the wrong type would
+        # surface as a TypeError that names no parameter.
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise bad(name, f"must be a number, got {value!r}")
+        for name in ("max_tokens", "top_k", "seed", "logprobs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, int) or (value is None and name != "top_k")):
+                raise bad(name, f"must be an integer, got {value!r}")
+        if not isinstance(self.stop, list):
+            raise bad("stop", f"must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list) or any(
+                isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be a list of integers, got {self.stop_token_ids!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not self.temperature >= 0:

@@ -137,7 +137,10 @@ class Scheduler:
             if not req.block_ids:
                 self.kv.match_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget, chunk)
-            if not self.kv.allocate(req, n, reserve=self.config.watermark_blocks):
+            # The watermark keeps room for running requests to grow; with none running it
+            # would only starve a request that needs the whole cache, forever.
+            reserve = self.config.watermark_blocks if self.running else 0
+            if not self.kv.allocate(req, n, reserve=reserve):
                 self.kv.free(req)  # drop the prefix references until it fits
                 break
             heapq.heappop(self._waiting)
