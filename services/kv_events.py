@@ -1,0 +1,54 @@
+"""KV events on a Redis stream: workers publish what their prefix caches store and evict.
+
+Stream ``pd:kv-events``; one entry per publish with fields ``worker`` (its id)
+and ``events``, a JSON list of ``[kind, [block hashes]]`` in the order they
+happened: ``"s"`` stored, ``"r"`` removed, ``"c"`` cleared (the worker started
+with an empty cache, or reset it: forget everything it had). Routers read the
+stream from the beginning to rebuild their prefix index, then follow it. The
+stream is capped (approximately) at ``MAXLEN`` entries; a router that starts
+after old entries were trimmed under-counts those blocks, which costs cache
+hits, never correctness (a worker verifies every hit against stored tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterable
+
+from services.engine.block_pool import BlockRemoved, BlockStored, KVEvent
+
+STREAM_KEY = "pd:kv-events"
+MAXLEN = 1_000_000
+
+STORED, REMOVED, CLEARED = "s", "r", "c"
+
+
+def encode(events: Iterable[KVEvent]) -> list[list]:
+    """Engine events -> ``[kind, hashes]`` runs (adjacent events of one kind merged)."""
+    runs: list[list] = []
+    for event in events:
+        kind = STORED if isinstance(event, BlockStored) else REMOVED
+        if runs and runs[-1][0] == kind:
+            runs[-1][1].extend(event.block_hashes)
+        else:
+            runs.append([kind, list(event.block_hashes)])
+    return runs
+
+
+async def publish(redis, worker_id: str, runs: list[list]) -> None:
+    if runs:
+        await redis.xadd(STREAM_KEY, {"worker": worker_id, "events": json.dumps(runs)},
+                         maxlen=MAXLEN, approximate=True)
+
+
+async def publish_cleared(redis, worker_id: str) -> None:
+    await publish(redis, worker_id, [[CLEARED, []]])
+
+
+def decode_entry(fields: dict) -> tuple[str, list[tuple[str, list[int]]]]:
+    """A stream entry's fields -> (worker id, [(kind, hashes)])."""
+    get = lambda k: fields.get(k, fields.get(k.encode()))  # noqa: E731 (bytes or str keys)
+    worker = get("worker")
+    events = get("events")
+    worker = worker.decode() if isinstance(worker, bytes) else worker
+    return worker, [(kind, hashes) for kind, hashes in json.loads(events)]

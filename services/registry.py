@@ -1,0 +1,136 @@
+"""The worker registry in Redis: workers heartbeat what they are and how loaded; routers read it.
+
+Each worker owns one key, ``pd:worker:<id>`` (a JSON ``WorkerInfo``), rewritten
+every heartbeat with a TTL, and adds its id to the set ``pd:workers``. A worker
+that dies stops heartbeating and its key expires, so it leaves every router's
+pool within the TTL; readers drop ids whose key is gone from the set. A worker
+that drains deregisters at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+WORKERS_KEY = "pd:workers"
+ROLES = ("prefill", "decode")
+
+
+def worker_key(worker_id: str) -> str:
+    return f"pd:worker:{worker_id}"
+
+
+def new_worker_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    role: str  # prefill | decode
+    address: str  # gRPC host:port
+    model: str
+    namespace: str  # the engine's prefix-cache namespace: block hashes are only comparable within one
+    block_size: int
+    max_model_len: int
+    metrics_address: str = ""  # host:port of /metrics
+    ready: bool = False
+    draining: bool = False
+    # load, refreshed each heartbeat
+    num_running: int = 0
+    num_waiting: int = 0
+    queued_prefill_tokens: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    heartbeat_at: float = field(default_factory=time.time)
+
+    @property
+    def kv_blocks_free(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_used
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: str | bytes) -> "WorkerInfo":
+        fields = json.loads(data)
+        known = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in fields.items() if k in known})
+
+
+class Registrar:
+    """Keeps one worker's entry alive: ``start`` registers and heartbeats, ``stop`` deregisters.
+
+    ``refresh`` is called before each heartbeat to update the load fields.
+    """
+
+    def __init__(self, redis, info: WorkerInfo, refresh: Callable[[WorkerInfo], None] | None = None,
+                 interval_s: float = 1.0, ttl_s: float = 3.0):
+        if ttl_s <= interval_s:
+            raise ValueError("the registry TTL must exceed the heartbeat interval")
+        self.redis = redis
+        self.info = info
+        self.refresh = refresh
+        self.interval_s = interval_s
+        self.ttl_ms = int(ttl_s * 1000)
+        self._task: asyncio.Task | None = None
+
+    async def beat(self) -> None:
+        if self.refresh is not None:
+            self.refresh(self.info)
+        self.info.heartbeat_at = time.time()
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(worker_key(self.info.worker_id), self.info.to_json(), px=self.ttl_ms)
+            pipe.sadd(WORKERS_KEY, self.info.worker_id)
+            await pipe.execute()
+
+    async def start(self) -> None:
+        await self.beat()
+        self._task = asyncio.create_task(self._run(), name="registry-heartbeat")
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.beat()
+            except Exception as exc:  # Redis away for a moment: the TTL decides, keep trying
+                log.warning("heartbeat failed: %s", exc)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.delete(worker_key(self.info.worker_id))
+                pipe.srem(WORKERS_KEY, self.info.worker_id)
+                await pipe.execute()
+        except Exception as exc:
+            log.warning("deregister failed (the entry expires by itself): %s", exc)
+
+
+async def read_workers(redis) -> list[WorkerInfo]:
+    """Every live worker's entry; ids whose entry expired are dropped from the set."""
+    ids = sorted(m.decode() if isinstance(m, bytes) else m for m in await redis.smembers(WORKERS_KEY))
+    if not ids:
+        return []
+    values = await redis.mget([worker_key(i) for i in ids])
+    workers, gone = [], []
+    for worker_id, value in zip(ids, values):
+        if value is None:
+            gone.append(worker_id)
+        else:
+            workers.append(WorkerInfo.from_json(value))
+    if gone:
+        await redis.srem(WORKERS_KEY, *gone)
+    return workers
