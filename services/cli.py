@@ -13,6 +13,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.add_parser(sub)
+    from services import client, up
+    from services.decode import server as decode_server
+    from services.prefill import server as prefill_server
+    from services.router import server as router_server
+
+    up.add_parser(sub)
+    prefill_server.add_parser(sub)
+    decode_server.add_parser(sub)
+    router_server.add_parser(sub)
+    client.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks that run pdserve and a baseline side by side")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     from kvtransfer import bench as kvtransfer_bench

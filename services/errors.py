@@ -60,3 +60,19 @@ class TransferError(PdserveError):
     code = "kv_transfer_error"
     http_status = 502
     grpc_status = "UNAVAILABLE"
+
+
+class DeadlineExceededError(PdserveError):
+    """The request's deadline passed; the work was dropped, not run."""
+
+    code = "deadline_exceeded"
+    http_status = 504
+    grpc_status = "DEADLINE_EXCEEDED"
+
+
+class NoWorkerError(PdserveError):
+    """No ready worker can take the request now (none registered, all draining or failed)."""
+
+    code = "service_unavailable"
+    http_status = 503
+    grpc_status = "UNAVAILABLE"

@@ -277,4 +277,5 @@ class Engine:
             "prefix_cache_queries": pool.prefix_queries,
             "prefix_cache_hits": pool.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            "queued_prefill_tokens": self.scheduler.queued_prefill_tokens,
         }

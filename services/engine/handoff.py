@@ -10,7 +10,7 @@ Decode side::
 
 Prefill side::
 
-    first_token = await prefill_and_send(async_engine, sender, descriptor, prompt, params)
+    result = await prefill_and_send(async_engine, sender, descriptor, prompt, params)
 
 Ownership: the decode engine's blocks are reserved on its engine thread before
 the receiver learns of them; if the transfer fails, the receiver calls
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 from kvtransfer import Completion, PendingTransfer, Receiver, Sender, TransferDescriptor
 from services.engine.async_engine import AsyncEngine
@@ -74,11 +75,16 @@ async def decode_after_transfer(async_engine: AsyncEngine, request_id: str,
         yield out
 
 
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: int  # the receiver got it with the final message too
+    num_cached_tokens: int  # prompt tokens this engine's prefix cache served
+
+
 async def prefill_and_send(async_engine: AsyncEngine, sender: Sender, desc: TransferDescriptor,
-                           prompt: list[int], params: SamplingParams, priority: int = 0) -> int:
+                           prompt: list[int], params: SamplingParams, priority: int = 0) -> PrefillResult:
     """Prefill ``prompt`` and write its KV into the descriptor's blocks as chunks finish.
 
-    Returns the first token, which the receiver also got with the final message.
     Raises TransferError (after aborting the transfer) if anything fails.
     """
     rid = desc.transfer_id
@@ -103,7 +109,7 @@ async def prefill_and_send(async_engine: AsyncEngine, sender: Sender, desc: Tran
                 prefilled = True
                 first = out.new_token_ids[0]
                 await sender.finish(desc, first)
-                return first
+                return PrefillResult(first, out.num_cached_tokens)
         raise TransferError(f"prefill of {rid} produced no result")
     except BaseException as exc:
         await asyncio.shield(sender.abort(desc, f"prefill side failed: {exc}"))

@@ -95,6 +95,12 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens admitted or waiting whose KV is not computed yet (a router's load signal)."""
+        waiting = sum(r.num_tokens - r.num_computed_tokens for *_, r in self._waiting if r.status is Status.WAITING)
+        return waiting + sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.running)
+
     def has_work(self) -> bool:
         return bool(self.running) or self.num_waiting > 0
 

@@ -64,9 +64,9 @@ async def main(role: str, transport: str, dtype: str) -> None:
         rid = cmd["rid"]
         desc = TransferDescriptor.from_bytes(bytes.fromhex(cmd["descriptor"]))
         try:
-            first = await prefill_and_send(aengine, sender, desc, cmd["prompt"],
-                                           SamplingParams(max_tokens=cmd["max_tokens"], temperature=0))
-            reply({"rid": rid, "first_token": first})
+            result = await prefill_and_send(aengine, sender, desc, cmd["prompt"],
+                                            SamplingParams(max_tokens=cmd["max_tokens"], temperature=0))
+            reply({"rid": rid, "first_token": result.first_token})
         except Exception as exc:
             reply({"rid": rid, "error": f"{type(exc).__name__}: {exc}"})
 

@@ -1,0 +1,1 @@
+"""The decode service: reserves blocks, receives KV, decodes under continuous batching."""

@@ -1,0 +1,207 @@
+"""``pdserve decode``: the DecodeWorker gRPC service around an engine.
+
+Ownership of a reservation (see services.engine.handoff)::
+
+    Reserve  -> blocks held by this engine, transfer open in the Receiver
+    Decode   -> claims it: waits for the KV, then joins the continuous batch
+    no Decode within transfer_timeout + claim grace -> freed (router died)
+    transfer fails / times out / is cancelled -> the Receiver releases the blocks
+    Decode cancelled (router gone) -> transfer cancelled, or request aborted
+
+Decode with ``local_prefill`` runs the whole request here (conditional
+disaggregation), with no reservation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvtransfer import PendingTransfer, Receiver
+from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services import telemetry
+from services.engine.handoff import EngineBlockOwner, decode_after_transfer, reserve_for_transfer
+from services.engine.sampling_params import SamplingParams
+from services.errors import InvalidRequestError
+from services.grpc_codec import abort_with, check_deadline, chunk_from_output, sampling_from_proto
+from services.prefill.server import load_message
+from services.worker import WorkerRuntime, add_worker_args, configs_from_args, run_worker
+
+_CLAIM_GRACE_S = 10.0
+
+
+@dataclass
+class _Reservation:
+    pending: PendingTransfer
+    params: SamplingParams
+    num_prompt_tokens: int
+    reserved_at: float = field(default_factory=time.perf_counter)
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, runtime: WorkerRuntime):
+        self.rt = runtime
+        self.owner: EngineBlockOwner | None = None
+        self.receiver: Receiver | None = None
+        self.reservations: dict[str, _Reservation] = {}
+
+    async def setup(self) -> None:
+        engine = self.rt.engine
+        self.owner = EngineBlockOwner(self.rt.aengine)
+        self.receiver = Receiver(engine.kv_cache, engine.kv_spec, engine.namespace, self.owner, self.rt.transfer)
+        await self.receiver.start()
+
+    async def teardown(self) -> None:
+        if self.receiver is not None:
+            await self.receiver.close()  # fails open transfers, releasing their blocks
+
+    # ---- reservation ----------------------------------------------------
+    async def Reserve(self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext):
+        req = request.request
+        with telemetry.server_span("reserve", context, request_id=req.request_id):
+            try:
+                async with self.rt.admit():
+                    check_deadline(req.deadline)
+                    if not req.request_id:
+                        raise InvalidRequestError("request_id is required", param="request_id")
+                    if req.request_id in self.reservations:
+                        raise InvalidRequestError(f"request {req.request_id!r} already has a reservation",
+                                                  param="request_id")
+                    params = sampling_from_proto(req.sampling)
+                    timeout = (request.transfer_timeout_s if request.HasField("transfer_timeout_s")
+                               else self.rt.config.transfer_timeout_s)
+                    if timeout <= 0:
+                        raise InvalidRequestError("transfer_timeout_s must be > 0", param="transfer_timeout_s")
+                    pending = await reserve_for_transfer(self.rt.aengine, self.owner, self.receiver, req.request_id,
+                                                         list(req.token_ids), params, timeout, req.priority)
+            except Exception as exc:
+                await abort_with(context, exc)
+            rid = req.request_id
+            self.reservations[rid] = _Reservation(pending, params, len(req.token_ids))
+            asyncio.get_running_loop().call_later(timeout + _CLAIM_GRACE_S, self._expire, rid, pending)
+            return worker_pb2.ReserveResponse(descriptor=pending.descriptor.to_bytes(),
+                                              num_blocks=pending.descriptor.num_blocks)
+
+    def _expire(self, rid: str, pending: PendingTransfer) -> None:
+        """Nobody claimed the reservation (the router died between Reserve and Decode): free it."""
+        res = self.reservations.get(rid)
+        if res is None or res.pending is not pending:
+            return
+        del self.reservations[rid]
+        self._drop(rid, pending)
+
+    def _drop(self, rid: str, pending: PendingTransfer) -> None:
+        """Free an unclaimed reservation whatever its transfer's state."""
+        if not pending.done():
+            # open transfer: the receiver releases the blocks once no write can touch them
+            self.receiver.cancel(rid, "reservation dropped")
+        else:  # the KV arrived (a failed transfer was released by the receiver already)
+            engine = self.rt.engine
+            self.rt.aengine.submit(lambda: rid in engine.requests and engine.release(rid))
+
+    # ---- decoding -------------------------------------------------------
+    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+        req = request.request
+        rid = req.request_id
+        with telemetry.server_span("decode", context, request_id=rid, local_prefill=request.local_prefill):
+            started = time.perf_counter()
+            try:
+                if request.local_prefill:
+                    async with self.rt.admit():
+                        check_deadline(req.deadline)
+                        params = sampling_from_proto(req.sampling)
+                        outputs = self.rt.aengine.generate(list(req.token_ids), params, request_id=rid,
+                                                           priority=req.priority)
+                        async for msg in self._relay(outputs, started):
+                            yield msg
+                else:
+                    res = self.reservations.pop(rid, None)
+                    if res is None:
+                        raise InvalidRequestError(f"request {rid!r} has no reservation here (Reserve first)",
+                                                  param="request_id")
+                    async for msg in self._decode_reserved(rid, res, started):
+                        yield msg
+            except Exception as exc:
+                await abort_with(context, exc)
+
+    async def _decode_reserved(self, rid: str, res: _Reservation, started: float):
+        completion = None
+        claimed = False
+        async with self.rt.track():  # admitted at Reserve; drain waits for it
+            try:
+                try:
+                    completion = await res.pending
+                except asyncio.CancelledError:
+                    self.receiver.cancel(rid, "the decode call was cancelled")
+                    raise
+                telemetry.KV_TRANSFER_SECONDS.labels(role="decode").observe(completion.seconds)
+                telemetry.KV_TRANSFER_BYTES.labels(role="decode").inc(completion.nbytes)
+                claimed = True
+                async for msg in self._relay(decode_after_transfer(self.rt.aengine, rid, completion), started):
+                    yield msg
+            finally:
+                if completion is not None and not claimed:
+                    # the KV arrived just as we were cancelled: the reservation is still held
+                    engine = self.rt.engine
+                    self.rt.aengine.submit(lambda: rid in engine.requests and engine.release(rid))
+
+    async def _relay(self, outputs, started: float):
+        tok = self.rt.engine.tokenizer
+        token_text = (lambda t: tok.decode([t], skip_special_tokens=False)) if tok else None
+        first_at = None
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                if out.error:
+                    raise RuntimeError(out.error)
+                if out.new_token_ids or out.new_text:
+                    if first_at is None:
+                        first_at = time.perf_counter()
+                    yield worker_pb2.TokenChunkOrFinish(chunk=chunk_from_output(out, token_text))
+                if out.finished:
+                    now = time.perf_counter()
+                    yield worker_pb2.TokenChunkOrFinish(finish=common_pb2.Finish(
+                        finish_reason=out.finish_reason or "stop",
+                        usage=common_pb2.Usage(prompt_tokens=out.num_prompt_tokens,
+                                               completion_tokens=out.num_output_tokens,
+                                               cached_prompt_tokens=out.num_cached_tokens),
+                        timings=common_pb2.Timings(ttft_ms=((first_at or now) - started) * 1e3,
+                                                   e2e_ms=(now - started) * 1e3),
+                        decode_worker=self.rt.worker_id))
+
+    async def Abort(self, request: worker_pb2.AbortRequest, context):
+        rid = request.request_id
+        res = self.reservations.pop(rid, None)
+        if res is not None:
+            self._drop(rid, res.pending)
+            return worker_pb2.AbortResponse(aborted=True)
+        known = self.rt.engine is not None and rid in self.rt.engine.requests
+        if known:
+            self.receiver.cancel(rid, "aborted")  # a claimed transfer still in flight
+            self.rt.aengine.abort(rid)
+        return worker_pb2.AbortResponse(aborted=known)
+
+    async def GetLoad(self, request, context):
+        return load_message(self.rt)
+
+
+def run(args) -> int:
+    worker, engine, transfer = configs_from_args(args, "decode")
+    rt = WorkerRuntime(worker, engine, transfer)
+    servicer = DecodeServicer(rt)
+
+    def add(server: grpc.aio.Server) -> list[str]:
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+        return ["pdserve.v1.DecodeWorker"]
+
+    return run_worker(rt, add, servicer.setup, servicer.teardown)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("decode", help="run one decode worker (gRPC; registers in Redis)",
+                       description="Run one decode worker: reserves KV blocks, receives prefilled KV, decodes.")
+    add_worker_args(p, "decode")
+    p.set_defaults(func=run)

@@ -1,0 +1,1 @@
+"""The prefill service: computes prompts' KV and writes it into decode workers' blocks."""

@@ -1,0 +1,325 @@
+"""Running one request through the workers: routing, the decode-first hand-off, retries.
+
+One attempt::
+
+    choose decode worker (free KV blocks, load)
+    local prefill?  -> Decode(local_prefill)                     (conditional disaggregation)
+    else            -> choose prefill worker (cached prefix vs load)
+                       Reserve on decode -> descriptor
+                       Decode(request_id) opened; Prefill(descriptor) started beside it
+                       the Decode stream yields once the KV has arrived
+
+A failed attempt is retried on other workers, up to ``max_attempts``:
+
+- before any token reached the caller: the same request again, avoiding the
+  worker that failed (a prefill or transfer failure blames the prefill worker);
+- after tokens were streamed (the decode worker died mid-stream): the prompt
+  plus the tokens already streamed, with max_tokens reduced by as many, so the
+  caller sees no duplicate or missing token (greedy output is unchanged;
+  sampled output continues from a fresh random stream).
+
+Bad input (INVALID_ARGUMENT) is never retried. Each attempt has its own worker
+request id (``<id>.<attempt>``), so a failed attempt still being torn down on a
+worker never collides with its retry. A caller that goes away cancels the
+calls, which aborts the work and frees its blocks on both workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services import telemetry
+from services.engine.block_hash import hash_prompt_blocks
+from services.engine.sampling_params import SamplingParams
+from services.errors import InvalidRequestError, NoWorkerError, PdserveError
+from services.grpc_codec import check_deadline, error_from_rpc, worker_request
+from services.registry import WorkerInfo
+from services.router.policy import RouterPolicyConfig, decode_is_busy, policy_from_config, should_prefill_locally
+from services.router.prefix_index import PrefixIndex
+from services.router.worker_pool import WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DispatchConfig:
+    max_attempts: int = 3
+    transfer_timeout_s: float = 60.0
+    failed_worker_backoff_s: float = 5.0  # a worker whose RPC failed UNAVAILABLE is skipped this long
+    disaggregation: str = "auto"  # auto (conditional) | always | never
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError("transfer_timeout_s must be > 0")
+        if self.disaggregation not in ("auto", "always", "never"):
+            raise ValueError(f"disaggregation must be auto, always or never; got {self.disaggregation!r}")
+
+
+@dataclass
+class _Served:
+    """Reported by an attempt just before its Finish."""
+
+    prefill_worker: str
+    decode_worker: str
+    cached_tokens: int
+    prefill_ms: float
+
+
+class _AttemptFailed(Exception):
+    """``blame`` is the worker to avoid next time (None: nobody in particular)."""
+
+    def __init__(self, error: PdserveError, blame: WorkerInfo | None, retryable: bool = True):
+        super().__init__(error.message)
+        self.error = error
+        self.blame = blame
+        self.retryable = retryable
+
+
+class _PrefillFailed(Exception):
+    def __init__(self, rpc_error: grpc.aio.AioRpcError, worker: WorkerInfo):
+        super().__init__(rpc_error.details())
+        self.rpc_error = rpc_error
+        self.worker = worker
+
+
+class Channels:
+    """One gRPC channel per worker address, shared by every request."""
+
+    def __init__(self):
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+        return ch
+
+    async def aclose(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+
+class Dispatcher:
+    def __init__(self, pool: WorkerPool, index: PrefixIndex, config: DispatchConfig | None = None,
+                 policy_config: RouterPolicyConfig | None = None):
+        self.pool = pool
+        self.index = index
+        self.config = config or DispatchConfig()
+        self.policy_config = policy_config or RouterPolicyConfig()
+        self.policy = policy_from_config(self.policy_config)
+        self.channels = Channels()
+
+    async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0,
+                       deadline: float = 0.0) -> AsyncIterator[common_pb2.TokenChunk | common_pb2.Finish]:
+        """Stream the request's token chunks, then its Finish; raises a PdserveError on failure."""
+        started = time.perf_counter()
+        emitted: list[int] = []
+        first_at = None
+        served = _Served("", "", 0, 0.0)
+        avoid_prefill: set[str] = set()
+        avoid_decode: set[str] = set()
+        outcome = "error"
+        try:
+            for attempt in range(1, self.config.max_attempts + 1):
+                check_deadline(deadline)
+                remaining = params
+                if emitted and params.max_tokens is not None:
+                    remaining = dataclasses.replace(params, max_tokens=params.max_tokens - len(emitted))
+                try:
+                    async for item in self._attempt(f"{request_id}.{attempt}", token_ids + emitted, remaining,
+                                                    priority, deadline, avoid_prefill, avoid_decode):
+                        if isinstance(item, _Served):
+                            served = dataclasses.replace(item, cached_tokens=max(item.cached_tokens,
+                                                                                  served.cached_tokens))
+                        elif isinstance(item, common_pb2.TokenChunk):
+                            if first_at is None and item.token_ids:
+                                first_at = time.perf_counter()
+                                telemetry.TTFT_SECONDS.labels(role="router").observe(first_at - started)
+                            emitted.extend(item.token_ids)
+                            yield item
+                        else:
+                            now = time.perf_counter()
+                            item.usage.prompt_tokens = len(token_ids)
+                            item.usage.completion_tokens = len(emitted)
+                            item.usage.cached_prompt_tokens = served.cached_tokens
+                            item.timings.ttft_ms = ((first_at or now) - started) * 1e3
+                            item.timings.e2e_ms = (now - started) * 1e3
+                            item.timings.prefill_ms = served.prefill_ms
+                            item.prefill_worker = served.prefill_worker
+                            item.decode_worker = served.decode_worker
+                            telemetry.E2E_LATENCY_SECONDS.labels(role="router").observe(now - started)
+                            outcome = "ok" if item.finish_reason != "abort" else "aborted"
+                            yield item
+                            return
+                    raise _AttemptFailed(NoWorkerError("the decode worker ended its stream without a finish"),
+                                         None)
+                except _AttemptFailed as failed:
+                    if not failed.retryable or attempt == self.config.max_attempts:
+                        outcome = "invalid" if isinstance(failed.error, InvalidRequestError) else "error"
+                        raise failed.error from None
+                    if failed.blame is not None:
+                        avoid = avoid_prefill if failed.blame.role == "prefill" else avoid_decode
+                        avoid.add(failed.blame.worker_id)
+                    telemetry.RETRIES.labels(role="router").inc()
+                    log.warning("request %s: attempt %d failed (%s); retrying elsewhere", request_id, attempt,
+                                failed.error.message)
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "aborted"
+            raise
+        finally:
+            telemetry.REQUESTS.labels(role="router", outcome=outcome).inc()
+
+    async def _attempt(self, wrid: str, prompt: list[int], params: SamplingParams, priority: int, deadline: float,
+                       avoid_prefill: set[str], avoid_decode: set[str]):
+        decode_workers = self.pool.decode_workers()
+        if not decode_workers:
+            raise _AttemptFailed(NoWorkerError("no decode worker is ready"), None, retryable=False)
+        sample = decode_workers[0]
+        block_size, namespace = sample.block_size, sample.namespace
+        if len(prompt) >= sample.max_model_len:
+            raise _AttemptFailed(InvalidRequestError(
+                f"prompt has {len(prompt)} tokens, but the model's context is {sample.max_model_len} tokens "
+                "(including at least one generated token); shorten the prompt", param="prompt"), None, False)
+        hashes = hash_prompt_blocks(prompt, block_size, namespace)
+        try:
+            d = self.policy.choose_decode(decode_workers, -(-len(prompt) // block_size), self.pool,
+                                          exclude=avoid_decode)
+        except PdserveError as exc:
+            raise _AttemptFailed(exc, None, retryable=False) from None
+        decode = d.worker
+        prefill_workers = [w for w in self.pool.prefill_workers()
+                           if w.namespace == namespace and w.worker_id not in avoid_prefill]
+        request = worker_request(wrid, prompt, params, priority, deadline)
+        decode_stub = worker_pb2_grpc.DecodeWorkerStub(self.channels.get(decode.address))
+        metadata = telemetry.grpc_metadata()
+
+        choice = None
+        if prefill_workers and self.config.disaggregation != "never":
+            choice = self.policy.choose_prefill(prefill_workers, hashes, block_size, self.pool, self.index)
+        if choice is None or self._prefill_locally(decode, prompt, hashes, choice):
+            self._count(d.worker, "local_prefill")
+            token = self.pool.begin(decode.worker_id, len(prompt))
+            try:
+                call = decode_stub.Decode(worker_pb2.DecodeRequest(request=request, local_prefill=True),
+                                          metadata=metadata)
+                async for item in self._relay(call, decode, None):
+                    if isinstance(item, common_pb2.Finish):
+                        yield _Served("", decode.worker_id, item.usage.cached_prompt_tokens, 0.0)
+                    yield item
+            finally:
+                self.pool.end(token)
+            return
+
+        prefill = choice.worker
+        self._count(prefill, choice.reason)
+        self._count(decode, d.reason)
+        # Predict the worker's cache: the next request with this prefix goes there even before
+        # its KV events arrive (they confirm this, or remove what it evicts).
+        self.index.apply(prefill.worker_id, [("s", hashes)])
+        token = self.pool.begin(prefill.worker_id, len(prompt) - choice.overlap_blocks * block_size)
+        prefill_task: asyncio.Task | None = None
+        call = None
+        try:
+            try:
+                reserved = await decode_stub.Reserve(worker_pb2.ReserveRequest(
+                    request=request, transfer_timeout_s=self.config.transfer_timeout_s), metadata=metadata)
+            except grpc.aio.AioRpcError as exc:
+                raise self._failure(exc, decode) from None
+            call = decode_stub.Decode(worker_pb2.DecodeRequest(request=worker_pb2.WorkerRequest(request_id=wrid)),
+                                      metadata=metadata)
+            prefill_stub = worker_pb2_grpc.PrefillWorkerStub(self.channels.get(prefill.address))
+            prefill_task = asyncio.create_task(self._prefill(
+                prefill_stub, worker_pb2.PrefillRequest(request=request, descriptor=reserved.descriptor),
+                metadata, prefill))
+            # A prefill that fails before the KV arrived must not leave the decode call waiting
+            # out its transfer timeout: cancel the call, which frees the reservation.
+            prefill_task.add_done_callback(
+                lambda t: t.cancelled() or t.exception() is None or call.cancel())
+            prefill_task.add_done_callback(lambda t: self.pool.end_prefill(token))
+            async for item in self._relay(call, decode, prefill_task):
+                if isinstance(item, common_pb2.Finish):
+                    result = None
+                    with contextlib.suppress(Exception):  # its reply trails the KV by a moment
+                        result = await asyncio.wait_for(asyncio.shield(prefill_task), 5.0)
+                    yield _Served(prefill.worker_id, decode.worker_id, result.cached_tokens if result else 0,
+                                  result.prefill_ms if result else 0.0)
+                yield item
+        finally:
+            self.pool.end(token)
+            if prefill_task is not None and not prefill_task.done():
+                prefill_task.cancel()
+            if call is not None and not call.done():
+                call.cancel()
+
+    def _prefill_locally(self, decode: WorkerInfo, prompt: list[int], hashes: list[int], choice) -> bool:
+        if self.config.disaggregation == "always":
+            return False
+        uncached = len(prompt) - self.index.overlap(decode.worker_id, hashes) * decode.block_size
+        queue = self.pool.load(choice.worker.worker_id).pending_prefill_tokens
+        busy = decode_is_busy(self.pool.load(decode.worker_id), self.policy_config)
+        return should_prefill_locally(uncached, queue, True, self.policy_config, decode_busy=busy)
+
+    def _count(self, worker: WorkerInfo, reason: str) -> None:
+        telemetry.ROUTING_DECISIONS.labels(policy=self.policy_config.policy, role=worker.role,
+                                           worker=worker.worker_id, reason=reason).inc()
+
+    @staticmethod
+    async def _prefill(stub, request: worker_pb2.PrefillRequest, metadata, worker: WorkerInfo):
+        try:
+            return await stub.Prefill(request, metadata=metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise _PrefillFailed(exc, worker) from None
+
+    async def _relay(self, call, decode: WorkerInfo, prefill_task: asyncio.Task | None):
+        """The decode stream's chunks and finish; a failure becomes _AttemptFailed naming whom to blame."""
+
+        def prefill_failure() -> _PrefillFailed | None:
+            if prefill_task is None or not prefill_task.done() or prefill_task.cancelled():
+                return None
+            exc = prefill_task.exception()
+            return exc if isinstance(exc, _PrefillFailed) else None
+
+        try:
+            async for msg in call:
+                kind = msg.WhichOneof("kind")
+                if kind == "chunk":
+                    yield msg.chunk
+                elif kind == "finish":
+                    yield msg.finish
+                    return
+        except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
+            # The decode stream also fails when the prefill side aborts the transfer: blame the cause.
+            cause = prefill_failure()
+            if cause is None and isinstance(exc, grpc.aio.AioRpcError) and prefill_task is not None \
+                    and not prefill_task.done():
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(prefill_task), 0.5)
+                cause = prefill_failure()
+            if cause is not None:
+                raise self._failure(cause.rpc_error, cause.worker) from None
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise self._failure(exc, decode) from None
+
+    def _failure(self, exc: grpc.aio.AioRpcError, worker: WorkerInfo) -> _AttemptFailed:
+        error = error_from_rpc(exc)
+        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            return _AttemptFailed(error, None, retryable=False)
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            self.pool.mark_failed(worker.worker_id, self.config.failed_worker_backoff_s)
+        return _AttemptFailed(error, worker)
+
+    async def aclose(self) -> None:
+        await self.channels.aclose()

@@ -1,0 +1,198 @@
+"""``pdserve router``: the router process and its public gRPC Generation API.
+
+Until the gateway serves clients, the router's Generation service is the front
+door: it tokenizes (chat template included), validates, and runs each request
+through the Dispatcher. It keeps the worker pool (registry) and the global
+prefix index (KV-event stream, rebuilt from the start of the stream when the
+router starts) up to date in the background. Ready (health SERVING) once the
+index has caught up with the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+import uuid
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from proto.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from services import telemetry
+from services.errors import InvalidRequestError, NoWorkerError
+from services.grpc_codec import abort_with, sampling_from_proto
+from services.router.dispatch import DispatchConfig, Dispatcher
+from services.router.policy import POLICY_NAMES, RouterPolicyConfig
+from services.router.prefix_index import KVEventFollower, PrefixIndex
+from services.router.worker_pool import WorkerPool
+
+log = logging.getLogger(__name__)
+SERVICE = "pdserve.v1.Generation"
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, dispatcher: Dispatcher, pool: WorkerPool, tokenizer, model_name: str):
+        self.dispatcher = dispatcher
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    def _prompt(self, request) -> list[int]:
+        kind = request.WhichOneof("input")
+        if kind is None:
+            raise InvalidRequestError("give a prompt: text, chat or token_ids", param="input")
+        if request.model and request.model != self.model_name:
+            from services.errors import ModelNotFoundError
+
+            raise ModelNotFoundError(f"model {request.model!r} is not served here; this deployment serves "
+                                     f"{self.model_name!r}")
+        if kind == "token_ids":
+            ids = list(request.token_ids.ids)
+            if not ids:
+                raise InvalidRequestError("token_ids is empty", param="token_ids")
+            return ids
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer; send token_ids", param="input")
+        if kind == "text":
+            if not request.text:
+                raise InvalidRequestError("text is empty", param="text")
+            return self.tokenizer.encode(request.text)
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        return self.tokenizer.apply_chat_template(messages)
+
+    def _max_model_len(self) -> int:
+        workers = self.pool.decode_workers()
+        return workers[0].max_model_len if workers else 0
+
+    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        with telemetry.server_span("generate", context, request_id=rid):
+            try:
+                prompt = self._prompt(request)
+                params = sampling_from_proto(request.sampling)
+                stream = not request.HasField("stream") or request.stream
+                deadline = time.time() + context.time_remaining() if context.time_remaining() else 0.0
+                merged = common_pb2.TokenChunk()
+                async for item in self.dispatcher.generate(rid, prompt, params, request.priority, deadline):
+                    if isinstance(item, common_pb2.TokenChunk):
+                        if stream:
+                            yield generate_pb2.GenerateResponse(chunk=item, request_id=rid)
+                        else:
+                            merged.token_ids.extend(item.token_ids)
+                            merged.text += item.text
+                            merged.logprobs.extend(item.logprobs)
+                    else:
+                        if not stream:
+                            yield generate_pb2.GenerateResponse(chunk=merged, request_id=rid)
+                        yield generate_pb2.GenerateResponse(finish=item, request_id=rid)
+            except Exception as exc:
+                await abort_with(context, exc)
+
+    async def Tokenize(self, request: generate_pb2.TokenizeRequest, context):
+        try:
+            ids = self._prompt(request)
+        except Exception as exc:
+            await abort_with(context, exc)
+        return generate_pb2.TokenizeResponse(token_ids=ids, max_model_len=self._max_model_len())
+
+    async def ListModels(self, request, context):
+        return generate_pb2.ListModelsResponse(
+            models=[generate_pb2.Model(id=self.model_name, max_model_len=self._max_model_len())])
+
+
+async def serve(args) -> None:
+    import redis.asyncio as aioredis
+
+    telemetry.setup_tracing("pdserve-router")
+    tokenizer, model_name = load_tokenizer(args.model)
+    redis = aioredis.Redis.from_url(args.redis_url)
+    index = PrefixIndex()
+    pool = WorkerPool(redis, refresh_s=0.25, on_removed=index.drop_worker)
+    follower = KVEventFollower(redis, index)
+    policy = RouterPolicyConfig(policy=args.policy, temperature=args.temperature,
+                                local_prefill_max_tokens=args.local_prefill_max_tokens,
+                                prefill_queue_limit_tokens=args.prefill_queue_limit_tokens, seed=args.seed)
+    dispatcher = Dispatcher(pool, index, DispatchConfig(max_attempts=args.max_attempts,
+                                                        transfer_timeout_s=args.transfer_timeout,
+                                                        disaggregation=args.disaggregation), policy)
+    server = grpc.aio.server()
+    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(dispatcher, pool, tokenizer, model_name),
+                                                       server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    if port == 0:
+        raise ValueError(f"cannot listen on {args.host}:{args.port}")
+    await server.start()
+    metrics = telemetry.start_metrics_server(args.host, args.metrics_port) if args.metrics_port >= 0 else "off"
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await pool.start()
+        await follower.start()
+        await follower.caught_up()
+        for name in ("", SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        print(f"[pdserve] router ready on {args.host}:{port} (policy {args.policy}, metrics {metrics})", flush=True)
+        await stop.wait()
+        for name in ("", SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.stop(grace=args.drain_timeout)
+    finally:
+        await server.stop(grace=None)
+        await follower.stop()
+        await pool.stop()
+        await dispatcher.aclose()
+        await redis.aclose()
+
+
+def load_tokenizer(model: str | None):
+    """The served model's name and tokenizer; the router loads no weights."""
+    from services.engine.loader import resolve_model
+    from services.engine.tokenizer import Tokenizer
+
+    source = resolve_model(model)
+    return (Tokenizer(source.tokenizer_dir) if source.tokenizer_dir else None), source.name
+
+
+def run(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(args))
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("router", help="run the router (public gRPC Generation API; routes to workers)",
+                       description="Run the KV-aware router: reads the worker registry and KV events from Redis "
+                                   "and serves the public gRPC Generation API.")
+    p.add_argument("--model", default=None, help="the served model (for its tokenizer); default SmolLM2-135M")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (0: a free one)")
+    p.add_argument("--metrics-port", type=int, default=0, help="/metrics port (0: a free one; -1: off)")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--policy", default="kv-aware", choices=POLICY_NAMES)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="softmax temperature for near-ties between workers (0: deterministic)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the tie-breaking sampler")
+    p.add_argument("--disaggregation", default="auto", choices=["auto", "always", "never"],
+                   help="auto: prefill short prompts on the decode worker when cheaper (and when no prefill "
+                        "worker is ready)")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                   help="auto mode: uncached prompts up to this many tokens prefill on the decode worker (0: off)")
+    p.add_argument("--prefill-queue-limit-tokens", type=int, default=0,
+                   help="auto mode: prefill on the decode worker when the prefill queue exceeds this (0: off)")
+    p.add_argument("--max-attempts", type=int, default=3, help="tries per request across workers")
+    p.add_argument("--transfer-timeout", type=float, default=60.0)
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.set_defaults(func=run)
+
+
+__all__ = ["GenerationServicer", "NoWorkerError", "add_parser", "serve"]

@@ -1,0 +1,284 @@
+"""What the prefill and decode services share: the engine, a grpc.aio server with health,
+registration in Redis, KV-event publishing, metrics, and graceful drain.
+
+Start-up order (readiness means "model loaded and registered")::
+
+    gRPC server up, health NOT_SERVING   <- liveness answers from here on
+    engine loaded (in a thread), role set-up (KV receiver or sender)
+    KV "cleared" event, registry entry, heartbeats
+    health SERVING                       <- the router may send work
+
+Drain on SIGTERM/SIGINT: health NOT_SERVING and ``draining`` (new work gets
+UNAVAILABLE, so the router retries elsewhere), deregister, wait for in-flight
+RPCs up to ``drain_timeout_s``, abort what is left (its blocks are freed), stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvtransfer import TransferConfig
+from services import kv_events, telemetry
+from services.config import EngineConfig
+from services.errors import NoWorkerError
+from services.registry import ROLES, Registrar, WorkerInfo, new_worker_id
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerConfig:
+    role: str
+    host: str = "127.0.0.1"
+    port: int = 0  # gRPC; 0 picks a free port
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    metrics_port: int | None = 0  # None: no /metrics server
+    heartbeat_s: float = 1.0
+    registry_ttl_s: float = 3.0
+    kv_events_interval_s: float = 0.02
+    stats_interval_s: float = 0.25
+    drain_timeout_s: float = 30.0
+    transfer_timeout_s: float = 60.0  # decode: a reservation waits this long for its KV
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.registry_ttl_s <= self.heartbeat_s:
+            raise ValueError("registry_ttl_s must exceed heartbeat_s")
+        for name in ("heartbeat_s", "kv_events_interval_s", "stats_interval_s", "drain_timeout_s",
+                     "transfer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+
+
+class WorkerRuntime:
+    def __init__(self, config: WorkerConfig, engine_config: EngineConfig, transfer: TransferConfig):
+        self.config = config
+        self.engine_config = engine_config
+        self.transfer = transfer
+        self.worker_id = new_worker_id(config.role)
+        self.engine = None
+        self.aengine = None
+        self.redis = None
+        self.info: WorkerInfo | None = None
+        self.ready = False
+        self.draining = False
+        self.inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._stop = asyncio.Event()
+        self._stats: dict = {}
+        self._tasks: list[asyncio.Task] = []
+        self.health = health.aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+        self.metrics_address = ""
+
+    # ---- used by the servicers ------------------------------------------
+    @contextlib.asynccontextmanager
+    async def admit(self):
+        """Count an RPC that takes new work; refused (UNAVAILABLE) unless ready and not draining."""
+        if not self.ready or self.draining:
+            raise NoWorkerError(f"worker {self.worker_id} is {'draining' if self.draining else 'not ready'}")
+        async with self.track():
+            yield
+
+    @contextlib.asynccontextmanager
+    async def track(self):
+        """Count in-flight work that was admitted earlier (a claimed reservation); drain waits for it."""
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+
+    def load(self) -> dict:
+        return dict(self._stats, draining=self.draining)
+
+    # ---- lifecycle ------------------------------------------------------
+    async def serve(self, add_servicers: Callable[[grpc.aio.Server], list[str]],
+                    setup: Callable[[], Awaitable[None]], teardown: Callable[[], Awaitable[None]]) -> None:
+        """Run until SIGTERM/SIGINT (or ``stop()``), then drain. ``add_servicers`` returns service names."""
+        import redis.asyncio as aioredis
+
+        from services.engine.async_engine import AsyncEngine
+        from services.engine.engine import Engine
+
+        cfg = self.config
+        telemetry.setup_tracing(f"pdserve-{cfg.role}")
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        names = add_servicers(self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        for name in ("", *names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if port == 0:
+            raise ValueError(f"cannot listen on {cfg.host}:{cfg.port}")
+        self.address = f"{cfg.host}:{port}"
+        await self.server.start()
+        if cfg.metrics_port is not None:
+            self.metrics_address = telemetry.start_metrics_server(cfg.host, cfg.metrics_port)
+        log.info("%s listening on %s (metrics %s); loading the model", self.worker_id, self.address,
+                 self.metrics_address or "off")
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._stop.set)
+
+        self.engine = await asyncio.to_thread(Engine, self.engine_config)
+        self.aengine = AsyncEngine(self.engine)
+        registrar = None
+        try:
+            await setup()
+            self.redis = aioredis.Redis.from_url(cfg.redis_url)
+            self._stats = await self.aengine.call(self.engine.stats)
+            self.info = WorkerInfo(
+                worker_id=self.worker_id, role=cfg.role, address=self.address, model=self.engine.model_name,
+                namespace=self.engine.namespace, block_size=self.engine.config.block_size,
+                max_model_len=self.engine.max_model_len, metrics_address=self.metrics_address, ready=True)
+            await kv_events.publish_cleared(self.redis, self.worker_id)
+            registrar = Registrar(self.redis, self.info, self._refresh_info, cfg.heartbeat_s, cfg.registry_ttl_s)
+            await registrar.start()
+            self._tasks = [asyncio.create_task(self._publish_kv_events(), name="kv-events"),
+                           asyncio.create_task(self._poll_stats(), name="stats")]
+            self.ready = True
+            for name in ("", *names):
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            log.info("%s ready: %s on %s", self.worker_id, self.engine.model_name, self.address)
+            print(f"[pdserve] {cfg.role} worker {self.worker_id} ready on {self.address}", flush=True)
+            await self._stop.wait()
+            await self._drain(names, registrar)
+        finally:
+            await self._shutdown(registrar, teardown)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def _drain(self, names: list[str], registrar: Registrar) -> None:
+        log.info("%s draining (%d in flight)", self.worker_id, self.inflight)
+        self.draining = True
+        for name in ("", *names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await registrar.stop()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), self.config.drain_timeout_s)
+        if self.inflight:
+            log.warning("%s: %d requests still in flight after %.0f s; aborting them", self.worker_id,
+                        self.inflight, self.config.drain_timeout_s)
+
+    async def _shutdown(self, registrar: Registrar | None, teardown: Callable[[], Awaitable[None]]) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if registrar is not None:
+            await registrar.stop()
+        if self.server is not None:
+            await self.server.stop(grace=1.0)  # cancels what is left; their streams abort their requests
+        with contextlib.suppress(Exception):
+            await teardown()
+        if self.aengine is not None:
+            self.aengine.shutdown()
+        if self.redis is not None:
+            with contextlib.suppress(Exception):
+                await self.redis.aclose()
+
+    # ---- background -----------------------------------------------------
+    def _refresh_info(self, info: WorkerInfo) -> None:
+        s = self._stats
+        info.draining = self.draining
+        info.num_running = int(s.get("num_running", 0))
+        info.num_waiting = int(s.get("num_waiting", 0))
+        info.queued_prefill_tokens = int(s.get("queued_prefill_tokens", 0))
+        info.kv_blocks_total = int(s.get("kv_blocks_total", 0))
+        info.kv_blocks_used = int(s.get("kv_blocks_used", 0))
+
+    async def _publish_kv_events(self) -> None:
+        """Drain the prefix cache's events and publish them; routers index them within milliseconds."""
+        engine = self.engine
+        while True:
+            await asyncio.sleep(self.config.kv_events_interval_s)
+            try:
+                events = await self.aengine.call(engine.take_kv_events)
+                await kv_events.publish(self.redis, self.worker_id, kv_events.encode(events))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: the events of this interval are lost (hits may drop)
+                log.warning("publishing KV events failed: %s", exc)
+
+    async def _poll_stats(self) -> None:
+        exporter = telemetry.EngineStatsExporter(self.config.role, self.worker_id)
+        engine = self.engine
+        while True:
+            try:
+                self._stats = await self.aengine.call(engine.stats)
+                exporter.update(self._stats)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("reading engine stats failed: %s", exc)
+            await asyncio.sleep(self.config.stats_interval_s)
+
+
+def run_worker(runtime: WorkerRuntime, add_servicers, setup, teardown) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    started = time.monotonic()
+    asyncio.run(runtime.serve(add_servicers, setup, teardown))
+    log.info("%s stopped after %.0f s", runtime.worker_id, time.monotonic() - started)
+    return 0
+
+
+def add_worker_args(p, role: str) -> None:
+    """Flags of `pdserve prefill|decode` (what a container runs)."""
+    from services.generate import add_engine_args
+
+    add_engine_args(p)
+    p.add_argument("--max-num-seqs", type=int, default=128, help="cap on running sequences")
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one engine step")
+    p.add_argument("--long-prefill-chunk", type=int, default=512, help="largest prefill chunk of one request")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (gRPC and KV transfer)")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
+    p.add_argument("--metrics-port", type=int, default=0, help="/metrics port (0: a free one; -1: off)")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="registry and KV-event stream")
+    p.add_argument("--transport", default="ucx", choices=["ucx", "tcp"], help="KV transfer transport")
+    p.add_argument("--allow-transport-fallback", action="store_true",
+                   help="use TCP if UCX is unavailable instead of failing")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
+    if role == "decode":
+        p.add_argument("--transfer-timeout", type=float, default=60.0,
+                       help="seconds a reservation waits for its KV before it is freed")
+
+
+def configs_from_args(args, role: str) -> tuple[WorkerConfig, EngineConfig, TransferConfig]:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    engine = EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels,
+        max_model_len=args.max_model_len,
+        kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
+        enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, long_prefill_chunk=args.long_prefill_chunk)
+    worker = WorkerConfig(role=role, host=args.host, port=args.port, redis_url=args.redis_url,
+                          metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                          drain_timeout_s=args.drain_timeout,
+                          transfer_timeout_s=getattr(args, "transfer_timeout", 60.0))
+    transfer = TransferConfig(transport=args.transport, allow_fallback=args.allow_transport_fallback,
+                              host=args.host)
+    return worker, engine, transfer
