@@ -160,7 +160,8 @@ class WorkerRuntime:
             for name in ("", *names):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
             log.info("%s ready: %s on %s", self.worker_id, self.engine.model_name, self.address)
-            print(f"[pdserve] {cfg.role} worker {self.worker_id} ready on {self.address}", flush=True)
+            print(f"[pdserve] {cfg.role} worker {self.worker_id} ready on {self.address} "
+                  f"(metrics {self.metrics_address or 'off'})", flush=True)
             await self._stop.wait()
             await self._drain(names, registrar)
         finally:

@@ -40,7 +40,7 @@ from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import telemetry
 from services.engine.block_hash import hash_prompt_blocks
 from services.engine.sampling_params import SamplingParams
-from services.errors import InvalidRequestError, NoWorkerError, PdserveError
+from services.errors import CapacityError, InvalidRequestError, NoWorkerError, PdserveError
 from services.grpc_codec import check_deadline, error_from_rpc, worker_request
 from services.registry import WorkerInfo
 from services.router.policy import RouterPolicyConfig, decode_is_busy, policy_from_config, should_prefill_locally
@@ -55,6 +55,9 @@ class DispatchConfig:
     max_attempts: int = 3
     transfer_timeout_s: float = 60.0
     failed_worker_backoff_s: float = 5.0  # a worker whose RPC failed UNAVAILABLE is skipped this long
+    # No decode worker has room for the prompt's KV right now: wait (backing off) this long for
+    # running requests to finish before answering RESOURCE_EXHAUSTED. Waiting is not an attempt.
+    capacity_wait_s: float = 30.0
     disaggregation: str = "auto"  # auto (conditional) | always | never
 
     def __post_init__(self) -> None:
@@ -84,6 +87,11 @@ class _AttemptFailed(Exception):
         self.error = error
         self.blame = blame
         self.retryable = retryable
+
+    @property
+    def no_room(self) -> bool:
+        """Every decode worker is full for now: wait, it is nobody's fault."""
+        return isinstance(self.error, CapacityError) and self.retryable
 
 
 class _PrefillFailed(Exception):
@@ -131,8 +139,12 @@ class Dispatcher:
         avoid_prefill: set[str] = set()
         avoid_decode: set[str] = set()
         outcome = "error"
+        attempt = 0
+        waited_until = time.monotonic() + self.config.capacity_wait_s
+        backoff = 0.02
         try:
-            for attempt in range(1, self.config.max_attempts + 1):
+            while attempt < self.config.max_attempts:
+                attempt += 1
                 check_deadline(deadline)
                 remaining = params
                 if emitted and params.max_tokens is not None:
@@ -166,6 +178,11 @@ class Dispatcher:
                     raise _AttemptFailed(NoWorkerError("the decode worker ended its stream without a finish"),
                                          None)
                 except _AttemptFailed as failed:
+                    if failed.no_room and time.monotonic() + backoff < waited_until:
+                        attempt -= 1  # same attempt number: its worker request id was never used
+                        await asyncio.sleep(backoff)
+                        backoff = min(backoff * 2, 0.5)
+                        continue
                     if not failed.retryable or attempt == self.config.max_attempts:
                         outcome = "invalid" if isinstance(failed.error, InvalidRequestError) else "error"
                         raise failed.error from None
@@ -193,11 +210,12 @@ class Dispatcher:
                 f"prompt has {len(prompt)} tokens, but the model's context is {sample.max_model_len} tokens "
                 "(including at least one generated token); shorten the prompt", param="prompt"), None, False)
         hashes = hash_prompt_blocks(prompt, block_size, namespace)
+        blocks_needed = -(-len(prompt) // block_size)
         try:
-            d = self.policy.choose_decode(decode_workers, -(-len(prompt) // block_size), self.pool,
-                                          exclude=avoid_decode)
+            d = self.policy.choose_decode(decode_workers, blocks_needed, self.pool, exclude=avoid_decode)
         except PdserveError as exc:
-            raise _AttemptFailed(exc, None, retryable=False) from None
+            fits_somewhere = blocks_needed <= max(w.kv_blocks_total for w in decode_workers)
+            raise _AttemptFailed(exc, None, retryable=isinstance(exc, CapacityError) and fits_somewhere) from None
         decode = d.worker
         prefill_workers = [w for w in self.pool.prefill_workers()
                            if w.namespace == namespace and w.worker_id not in avoid_prefill]
@@ -317,6 +335,8 @@ class Dispatcher:
         error = error_from_rpc(exc)
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
             return _AttemptFailed(error, None, retryable=False)
+        if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return _AttemptFailed(error, None)  # full for now, not broken
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
             self.pool.mark_failed(worker.worker_id, self.config.failed_worker_backoff_s)
         return _AttemptFailed(error, worker)

@@ -1,0 +1,128 @@
+"""Per-request result streams: decode workers write token chunks, the gateway reads them back.
+
+Stream ``pd:res:{<request_id>}``; each entry has ``type`` (``chunk`` |
+``final`` | ``error``) and ``data`` (JSON). A stream holds any number of
+chunks, then exactly one terminal event (``final``: finish reason, usage,
+timings; ``error``: ``{"code", "message"}``); readers stop at the first
+terminal event, so anything written after one is never seen. Every write
+refreshes the stream's TTL, so a stream expires ``ttl_s`` after its last event.
+
+Entry ids are the SSE ``id:`` the gateway sends: a reader given the last id a
+client saw gets exactly the entries after it (XREAD is exclusive of the id),
+with no duplicate and no gap.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+from services.errors import DeadlineExceededError, InvalidRequestError
+from services.queue.errors import NotFoundError
+from services.queue.keys import result_stream
+from services.queue.message import text
+
+CHUNK, FINAL, ERROR = "chunk", "final", "error"
+TERMINAL = (FINAL, ERROR)
+_ENTRY_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
+
+
+def decode_event(fields: dict) -> tuple[str, Any]:
+    f = {text(k): v for k, v in fields.items()}
+    return text(f.get("type", "")), json.loads(f["data"]) if "data" in f else None
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class ResultWriter:
+    def __init__(self, redis, ttl_s: int = 600):
+        if ttl_s < 1:
+            raise ValueError("ttl_s must be >= 1")
+        self.redis = redis
+        self.ttl_s = ttl_s
+
+    async def append_chunks(self, items: Iterable[tuple[str, dict]]) -> list[str]:
+        """One engine step's chunks for many requests, in one pipelined round trip; returns their entry ids."""
+        items = list(items)
+        if not items:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for request_id, chunk in items:
+                pipe.xadd(result_stream(request_id), {"type": CHUNK, "data": json.dumps(chunk)})
+            for request_id in dict.fromkeys(rid for rid, _ in items):
+                pipe.expire(result_stream(request_id), self.ttl_s)
+            replies = await pipe.execute()
+        return [text(r) for r in replies[:len(items)]]
+
+    async def finish(self, request_id: str, final: dict) -> str:
+        return await self._terminal(request_id, FINAL, final)
+
+    async def error(self, request_id: str, code: str, message: str) -> str:
+        return await self._terminal(request_id, ERROR, {"code": code, "message": message})
+
+    async def _terminal(self, request_id: str, kind: str, data: dict) -> str:
+        key = result_stream(request_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(key, {"type": kind, "data": json.dumps(data)})
+            pipe.expire(key, self.ttl_s)
+            entry_id, _ = await pipe.execute()
+        return text(entry_id)
+
+
+class ResultReader:
+    def __init__(self, redis):
+        self.redis = redis
+
+    async def last_event(self, request_id: str) -> tuple[str, str, Any] | None:
+        """The newest event of a request's stream, or None when the stream does not exist."""
+        entries = await self.redis.xrevrange(result_stream(request_id), "+", "-", count=1)
+        if not entries:
+            return None
+        entry_id, fields = entries[0]
+        return (text(entry_id), *decode_event(fields))
+
+    async def read(self, request_id: str, last_id: str = "0", block_ms: int = 1000,
+                   timeout_s: float | None = 30.0) -> AsyncIterator[tuple[str, str, Any]]:
+        """Yield ``(entry_id, type, data)`` after ``last_id``, in order, ending after a final or error event.
+
+        ``timeout_s`` bounds the wait for the next event (None: no bound): when it
+        passes, a stream that does not exist raises ``NotFoundError`` (expired, or
+        never enqueued) and one that does raises ``DeadlineExceededError``.
+        Resuming after the terminal event ends at once with nothing.
+        """
+        if not isinstance(last_id, str) or not _ENTRY_ID.fullmatch(last_id):
+            raise InvalidRequestError(f"not a result event id: {last_id!r}", param="last_id")
+        if block_ms < 1:
+            raise ValueError("block_ms must be >= 1")
+        key = result_stream(request_id)
+        if _id_key(last_id) != (0, 0):
+            last = await self.last_event(request_id)
+            if last is not None and last[1] in TERMINAL and _id_key(last[0]) <= _id_key(last_id):
+                return
+        waiting_since = time.monotonic()
+        while True:
+            wait_ms = block_ms
+            if timeout_s is not None:
+                left_ms = int((waiting_since + timeout_s - time.monotonic()) * 1000)
+                if left_ms <= 0:
+                    if not await self.redis.exists(key):
+                        raise NotFoundError(f"no result stream for request {request_id!r} after {timeout_s:g} s "
+                                            f"(it expired, or the request was never queued)")
+                    raise DeadlineExceededError(f"no result event for request {request_id!r} in {timeout_s:g} s")
+                wait_ms = max(1, min(block_ms, left_ms))
+            reply = await self.redis.xread({key: last_id}, count=256, block=wait_ms)
+            if not reply:
+                continue
+            for entry_id, fields in reply[0][1]:
+                last_id = text(entry_id)
+                kind, data = decode_event(fields)
+                yield last_id, kind, data
+                if kind in TERMINAL:
+                    return
+            waiting_since = time.monotonic()

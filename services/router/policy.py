@@ -1,0 +1,256 @@
+"""Routing policies: which prefill worker computes a prompt, which decode worker runs it.
+
+``kv-aware`` (the default) scores each prefill worker by the work a request
+would wait for there, in prompt tokens; lower wins::
+
+    cost = uncached_tokens                                   # prompt tokens not in its prefix cache
+         + load_weight   * (queued_prefill_tokens + inflight_prefill_tokens)
+         + request_tokens * (num_running + num_waiting + inflight_requests)
+
+    uncached_tokens = num_tokens - overlap_blocks * block_size
+
+so a cached prefix attracts a request only while the holder's queue is shorter
+than the prefix it saves: a hot prefix spills to other workers under load.
+Candidates within ``tie_tokens`` of the best are sampled with weights
+``exp(-(cost - best) / (temperature * tie_tokens))``; ``temperature`` 0 takes
+the cheapest, first by worker id on an exact tie (deterministic). Sampling
+keeps several routers with one view of the cluster from herding onto one worker.
+
+``least-load`` takes the fewest pending prefill tokens; ``round-robin`` cycles
+over workers by id. Decode choice is shared: only workers with enough free KV
+blocks, then the fewest requests, then the most free blocks (round-robin cycles
+over those that fit).
+
+Pure logic: no torch, no gRPC. Policies read loads from a ``WorkerPool`` and
+overlaps from a ``PrefixIndex``; they never mutate either (the caller calls
+``pool.begin`` with the chosen worker).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+
+from services.errors import CapacityError, NoWorkerError
+from services.registry import WorkerInfo
+from services.router.prefix_index import PrefixIndex
+from services.router.worker_pool import WorkerLoad, WorkerPool
+
+POLICY_NAMES = ("kv-aware", "least-load", "round-robin")
+
+
+@dataclass
+class RouterPolicyConfig:
+    policy: str = "kv-aware"
+    # Prompt tokens of cost per prompt token queued or in flight on a worker: 1.0 means
+    # waiting behind a token costs as much as computing one of your own.
+    load_weight: float = 1.0
+    # Fixed cost per request on a worker (scheduling, a batch slot), in prompt tokens.
+    request_tokens: float = 8.0
+    # Costs within this many tokens of the best are near-ties, sampled by temperature.
+    tie_tokens: float = 32.0
+    # 0: deterministic (cheapest, then first by id). 1: a near-tie ``tie_tokens`` worse is e times less likely.
+    temperature: float = 0.0
+    seed: int | None = None
+    # Conditional disaggregation (``should_prefill_locally``). 0 disables local prefill of short
+    # prompts: with prefill workers present every prompt is disaggregated, so a deployment
+    # behaves as configured unless it opts in (a few hundred tokens suits GPUs, where a short
+    # prefill costs less than the hand-off's round trip).
+    local_prefill_max_tokens: int = 0
+    # Pending prefill tokens on the chosen prefill worker above which the decode worker
+    # prefills instead (the prefill tier is saturated). 0 disables.
+    prefill_queue_limit_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"unknown routing policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
+        for name in ("load_weight", "request_tokens", "tie_tokens", "temperature"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        for name in ("local_prefill_max_tokens", "prefill_queue_limit_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 disables), got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    worker: WorkerInfo
+    reason: str  # prefix_hit | load | least_load | round_robin | only_worker | most_room
+    overlap_blocks: int = 0
+    cost: float = 0.0  # the policy's score for the winner (kv-aware: tokens); 0 where it has none
+
+
+class RoutingPolicy:
+    name = ""
+
+    def __init__(self, config: RouterPolicyConfig | None = None):
+        self.config = config or RouterPolicyConfig(policy=self.name)
+        self.rng = random.Random(self.config.seed)
+
+    def choose_prefill(self, workers: Sequence[WorkerInfo], block_hashes: Sequence[int], block_size: int,
+                       pool: WorkerPool, index: PrefixIndex | None, exclude: Iterable[str] = (), *,
+                       num_tokens: int | None = None) -> Decision:
+        """Pick the prefill worker. ``num_tokens``: the prompt's length (default: its full blocks).
+
+        Raises NoWorkerError when no candidate is left after ``exclude``.
+        """
+        candidates = _candidates(workers, exclude, "prefill")
+        overlaps = index.overlaps(block_hashes) if index is not None else {}
+        if num_tokens is None:
+            num_tokens = len(block_hashes) * block_size
+        if len(candidates) == 1:
+            only = candidates[0]
+            return Decision(only, "only_worker", overlaps.get(only.worker_id, 0))
+        return self._pick_prefill(candidates, overlaps, num_tokens, block_size, pool)
+
+    def _pick_prefill(self, candidates: list[WorkerInfo], overlaps: dict[str, int], num_tokens: int,
+                      block_size: int, pool: WorkerPool) -> Decision:
+        raise NotImplementedError
+
+    def choose_decode(self, workers: Sequence[WorkerInfo], num_blocks_needed: int, pool: WorkerPool,
+                      exclude: Iterable[str] = ()) -> Decision:
+        """Pick a decode worker with ``num_blocks_needed`` free KV blocks.
+
+        Raises NoWorkerError when no candidate is left, CapacityError when none has room.
+        """
+        candidates = _candidates(workers, exclude, "decode")
+        loads = {w.worker_id: pool.load(w.worker_id) for w in candidates}
+        fits = [w for w in candidates if loads[w.worker_id].kv_blocks_free >= num_blocks_needed]
+        if not fits:
+            roomiest = max(candidates, key=lambda w: loads[w.worker_id].kv_blocks_free)
+            largest = max(w.kv_blocks_total for w in candidates)
+            hint = (f"it exceeds every worker's whole cache (largest: {largest} blocks)"
+                    if num_blocks_needed > largest else "retry later")
+            raise CapacityError(
+                f"no decode worker has {num_blocks_needed} free KV blocks for this request "
+                f"(most free: {loads[roomiest.worker_id].kv_blocks_free} on {roomiest.worker_id}, "
+                f"{len(candidates)} worker(s) considered); {hint}")
+        if len(candidates) == 1:
+            return Decision(fits[0], "only_worker")
+        if len(fits) == 1:
+            return Decision(fits[0], "most_room")
+        return self._pick_decode(fits, loads)
+
+    def _pick_decode(self, fits: list[WorkerInfo], loads: dict[str, WorkerLoad]) -> Decision:
+        best = min(fits, key=lambda w: (loads[w.worker_id].num_requests, -loads[w.worker_id].kv_blocks_free,
+                                        w.worker_id))
+        return Decision(best, "least_load", cost=loads[best.worker_id].num_requests)
+
+
+class KVAwarePolicy(RoutingPolicy):
+    name = "kv-aware"
+
+    def cost(self, load: WorkerLoad, uncached_tokens: int) -> float:
+        c = self.config
+        return (uncached_tokens + c.load_weight * load.pending_prefill_tokens
+                + c.request_tokens * load.num_requests)
+
+    def _pick_prefill(self, candidates, overlaps, num_tokens, block_size, pool):
+        scored = []  # (cost, worker, overlap), candidates already sorted by id
+        for w in candidates:
+            overlap = overlaps.get(w.worker_id, 0)
+            uncached = max(0, num_tokens - overlap * block_size)
+            scored.append((self.cost(pool.load(w.worker_id), uncached), w, overlap))
+        best = min(s[0] for s in scored)
+        if self.config.temperature == 0:
+            cost, worker, overlap = next(s for s in scored if s[0] == best)
+        else:
+            near = [s for s in scored if s[0] <= best + self.config.tie_tokens]
+            scale = self.config.temperature * max(self.config.tie_tokens, 1.0)
+            weights = [math.exp(-(s[0] - best) / scale) for s in near]
+            cost, worker, overlap = self.rng.choices(near, weights=weights)[0]
+        return Decision(worker, "prefix_hit" if overlap > 0 else "load", overlap, cost)
+
+
+class LeastLoadPolicy(RoutingPolicy):
+    name = "least-load"
+
+    def _pick_prefill(self, candidates, overlaps, num_tokens, block_size, pool):
+        def key(w):
+            load = pool.load(w.worker_id)
+            return load.pending_prefill_tokens, load.num_requests, w.worker_id
+
+        best = min(candidates, key=key)
+        return Decision(best, "least_load", overlaps.get(best.worker_id, 0),
+                        pool.load(best.worker_id).pending_prefill_tokens)
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    """Cycles by worker id, resuming after the last one chosen, so joins and leaves keep the rotation fair."""
+
+    name = "round-robin"
+
+    def __init__(self, config: RouterPolicyConfig | None = None):
+        super().__init__(config)
+        self._last: dict[str, str] = {}  # role -> last worker id chosen
+
+    def _next(self, role: str, workers: list[WorkerInfo]) -> WorkerInfo:
+        last = self._last.get(role)
+        chosen = next((w for w in workers if last is None or w.worker_id > last), workers[0])
+        self._last[role] = chosen.worker_id
+        return chosen
+
+    def _pick_prefill(self, candidates, overlaps, num_tokens, block_size, pool):
+        chosen = self._next("prefill", candidates)
+        return Decision(chosen, "round_robin", overlaps.get(chosen.worker_id, 0))
+
+    def _pick_decode(self, fits, loads):
+        return Decision(self._next("decode", fits), "round_robin")
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {p.name: p for p in (KVAwarePolicy, LeastLoadPolicy, RoundRobinPolicy)}
+
+
+def make_policy(name: str, **config) -> RoutingPolicy:
+    """The policy called ``name``, configured by ``RouterPolicyConfig`` fields given as keywords."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    known = {f.name for f in fields(RouterPolicyConfig)} - {"policy"}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"unknown routing policy option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return POLICIES[name](RouterPolicyConfig(policy=name, **config))
+
+
+def policy_from_config(config: RouterPolicyConfig) -> RoutingPolicy:
+    return POLICIES[config.policy](config)
+
+
+def decode_is_busy(load: WorkerLoad, config: RouterPolicyConfig) -> bool:
+    """Too busy to take a local prefill: requests already wait there, or it already has a full
+    local-prefill allowance of prompt tokens pending (local prefills stall its decode batch)."""
+    return load.num_waiting > 0 or load.pending_prefill_tokens >= max(config.local_prefill_max_tokens, 1)
+
+
+def should_prefill_locally(uncached_tokens: int, prefill_queue_tokens: int, has_prefill_workers: bool,
+                           config: RouterPolicyConfig, *, decode_busy: bool = False) -> bool:
+    """Conditional disaggregation: run this prompt's prefill on its decode worker?
+
+    ``uncached_tokens``: prompt tokens the decode worker would compute (its own cache
+    considered). ``prefill_queue_tokens``: pending prefill tokens on the prefill worker the
+    request would otherwise go to. ``decode_busy``: see ``decode_is_busy``.
+
+    Yes when there is no prefill worker; when the prompt is short enough
+    (``local_prefill_max_tokens``, 0 disables) and the decode worker is not busy, as the
+    hand-off's round trip would cost more than the compute; or when the prefill tier is
+    saturated (``prefill_queue_limit_tokens``, 0 disables), as waiting in that queue costs
+    more than slowing the decode batch.
+    """
+    if not has_prefill_workers:
+        return True
+    if 0 < config.local_prefill_max_tokens and uncached_tokens <= config.local_prefill_max_tokens \
+            and not decode_busy:
+        return True
+    return 0 < config.prefill_queue_limit_tokens < prefill_queue_tokens
+
+
+def _candidates(workers: Sequence[WorkerInfo], exclude: Iterable[str], role: str) -> list[WorkerInfo]:
+    excluded = set(exclude)
+    candidates = sorted((w for w in workers if w.worker_id not in excluded), key=lambda w: w.worker_id)
+    if not candidates:
+        detail = f" ({len(excluded)} excluded after failing)" if excluded and workers else ""
+        raise NoWorkerError(f"no {role} worker is available{detail}")
+    return candidates

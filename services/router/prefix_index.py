@@ -1,0 +1,239 @@
+"""Which worker holds which KV block: a global index built from the KV-event stream.
+
+Two maps kept in step: block hash -> holders (what a lookup walks) and
+worker -> hashes (so forgetting a worker costs its own blocks, not the index).
+Block hashes are chained (``services.engine.block_hash``), so a prompt's blocks
+are only useful to a worker as a *leading* run: a hit on block k without blocks
+0..k-1 cannot be served from cache, so overlap stops at the first miss.
+
+The index is advisory. It lags the workers by the stream's latency and may
+under- or over-count after trims or lost events; a wrong guess costs a cache
+hit or a slightly worse placement, never a wrong answer (a worker verifies
+every hit against its stored tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Sequence
+
+from services.kv_events import CLEARED, REMOVED, STORED, STREAM_KEY, decode_entry
+
+log = logging.getLogger(__name__)
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._holders: dict[int, set[str]] = {}  # block hash -> worker ids
+        self._blocks: dict[str, set[int]] = {}  # worker id -> block hashes
+
+    def apply(self, worker_id: str, runs: Iterable[tuple[str, Sequence[int]]]) -> None:
+        """Apply one publish's ``(kind, hashes)`` runs in order. Unknown kinds are skipped."""
+        for kind, hashes in runs:
+            if kind == STORED:
+                self._store(worker_id, hashes)
+            elif kind == REMOVED:
+                self._remove(worker_id, hashes)
+            elif kind == CLEARED:
+                self.drop_worker(worker_id)
+            else:
+                log.warning("unknown KV event kind %r from %s", kind, worker_id)
+
+    def _store(self, worker_id: str, hashes: Sequence[int]) -> None:
+        mine = self._blocks.setdefault(worker_id, set())
+        for h in hashes:
+            mine.add(h)
+            self._holders.setdefault(h, set()).add(worker_id)
+
+    def _remove(self, worker_id: str, hashes: Sequence[int]) -> None:
+        mine = self._blocks.get(worker_id)
+        if mine is None:
+            return
+        for h in hashes:
+            if h in mine:
+                mine.discard(h)
+                self._unhold(worker_id, h)
+        if not mine:
+            del self._blocks[worker_id]
+
+    def _unhold(self, worker_id: str, h: int) -> None:
+        holders = self._holders.get(h)
+        if holders is not None:
+            holders.discard(worker_id)
+            if not holders:
+                del self._holders[h]
+
+    def drop_worker(self, worker_id: str) -> None:
+        """Forget everything ``worker_id`` held (it cleared its cache, died or left)."""
+        for h in self._blocks.pop(worker_id, ()):
+            self._unhold(worker_id, h)
+
+    def overlap(self, worker_id: str, block_hashes: Sequence[int]) -> int:
+        """How many leading blocks of the prompt ``worker_id`` holds."""
+        mine = self._blocks.get(worker_id)
+        if not mine:
+            return 0
+        n = 0
+        for h in block_hashes:
+            if h not in mine:
+                break
+            n += 1
+        return n
+
+    def overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """Leading-block overlap of every worker that holds at least the first block.
+
+        Walks the prompt once, narrowing the set of workers that held every block
+        so far; a worker leaves the set at its first miss with the count so far,
+        and the walk stops once the set is empty. Workers absent from the answer have 0.
+        """
+        result: dict[str, int] = {}
+        alive: set[str] = set()
+        for n, h in enumerate(block_hashes):
+            holders = self._holders.get(h, set())
+            still = set(holders) if n == 0 else alive & holders
+            for worker_id in alive - still:
+                result[worker_id] = n
+            alive = still
+            if not alive:
+                break
+        for worker_id in alive:  # held the whole prompt
+            result[worker_id] = len(block_hashes)
+        return result
+
+    def num_blocks(self, worker_id: str) -> int:
+        return len(self._blocks.get(worker_id, ()))
+
+    def workers(self) -> list[str]:
+        """Ids of every worker the index holds blocks for."""
+        return sorted(self._blocks)
+
+    def __len__(self) -> int:
+        """Distinct block hashes held by anyone."""
+        return len(self._holders)
+
+
+def _parse_id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _entries(reply) -> list:
+    """One stream's XREAD reply -> [(id, fields)], whichever shape the client's protocol gives:
+    RESP2 ``[[stream, entries]]``, RESP3 ``{stream: [entries]}`` or ``{stream: entries}``."""
+    groups = reply.values() if isinstance(reply, dict) else (group[1] for group in reply)
+    out: list = []
+    for entries in groups:
+        if entries and isinstance(entries[0], list) and entries[0] and isinstance(entries[0][0], (list, tuple)):
+            entries = entries[0]
+        out.extend(entries)
+    return out
+
+
+class KVEventFollower:
+    """Keeps a ``PrefixIndex`` in step with the ``pd:kv-events`` stream.
+
+    Reads the stream from its start (the index is rebuilt on every router start),
+    then follows it with blocking reads. Redis errors are logged and retried with
+    backoff from ``last_id``, so nothing is applied twice or skipped (bar entries
+    trimmed meanwhile, which the stream's cap allows).
+    """
+
+    def __init__(self, redis, index: PrefixIndex, *, stream: str = STREAM_KEY, block_ms: int = 1000,
+                 batch: int = 500, max_backoff_s: float = 5.0):
+        self.redis = redis
+        self.index = index
+        self.stream = stream
+        self.block_ms = block_ms
+        self.batch = batch
+        self.max_backoff_s = max_backoff_s
+        self.last_id = "0"
+        self.entries_applied = 0
+        self._target: tuple[int, int] | None = None  # the stream's last entry id when we started
+        self._caught_up = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._stopping = False
+            self._task = asyncio.create_task(self._run(), name="kv-event-follower")
+
+    async def stop(self) -> None:
+        # redis-py can swallow a cancel that lands as a blocking read completes (redis-py
+        # issue #2028) and carry on reading; the flag ends the loop after that read, and
+        # cancelling again covers a read that is still blocked.
+        self._stopping = True
+        task, self._task = self._task, None
+        while task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task], timeout=self.block_ms / 1000 + 0.5)
+        if task is not None and not task.cancelled() and task.exception() is not None:
+            log.error("KV event follower failed: %r", task.exception())
+
+    async def caught_up(self, timeout: float | None = None) -> bool:
+        """True once everything in the stream at start has been applied; False on timeout."""
+        try:
+            await asyncio.wait_for(self._caught_up.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    @property
+    def is_caught_up(self) -> bool:
+        return self._caught_up.is_set()
+
+    async def _learn_target(self) -> None:
+        # XREVRANGE, not XINFO's last-generated-id: that id may belong to a deleted
+        # entry we could never read, and we would wait for it forever.
+        last = await self.redis.xrevrange(self.stream, count=1)
+        if not last:
+            self._caught_up.set()  # empty or missing stream: nothing to rebuild
+        else:
+            self._target = _parse_id(_text(last[0][0]))
+        self._check_caught_up()
+
+    def _check_caught_up(self) -> None:
+        if self._target is not None and self.last_id != "0" and _parse_id(self.last_id) >= self._target:
+            self._caught_up.set()
+
+    async def _run(self) -> None:
+        backoff = 0.1
+        while not self._stopping:
+            try:
+                if not self._caught_up.is_set() and self._target is None:
+                    await self._learn_target()
+                reply = await self.redis.xread({self.stream: self.last_id}, count=self.batch, block=self.block_ms)
+                backoff = 0.1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("reading %s failed (retrying in %.1fs from %s): %s", self.stream, backoff,
+                            self.last_id, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.max_backoff_s)
+                continue
+            if not reply:
+                # A blocking read that timed out empty: we are at the end, whatever the target said
+                # (the target entry may have been trimmed away under us).
+                if self._target is not None:
+                    self._caught_up.set()
+                continue
+            for entry_id, fields in _entries(reply):
+                self._apply(fields)
+                self.last_id = _text(entry_id)
+            self._check_caught_up()
+
+    def _apply(self, fields: dict) -> None:
+        try:
+            worker_id, runs = decode_entry(fields)
+        except Exception as exc:  # a malformed entry must not stop the follower
+            log.warning("skipping malformed KV event entry: %s", exc)
+            return
+        self.index.apply(worker_id, runs)
+        self.entries_applied += 1

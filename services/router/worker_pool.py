@@ -1,0 +1,213 @@
+"""The router's view of the live workers: the registry, refreshed, plus what this router has in flight.
+
+Heartbeats (about 1 s apart) are too slow for bursts: fifty requests arriving in
+one heartbeat would all see the same idle worker. So the router also counts
+what it has sent itself: ``begin`` when it dispatches, ``end`` when the worker
+is done with the request (``end_prefill`` when only the prefill part is). A
+request a worker already reported in its heartbeat is then counted twice
+until it ends; that errs towards spreading, which is the safe direction.
+
+Exclusion: a worker is offered to policies only while it is ready, not
+draining, and not marked failed. ``mark_failed`` (its RPC just failed) holds it
+out for a window and until a heartbeat newer than the window's end arrives, so
+a worker that died is not retried before its registry entry expires. A worker
+whose entry expires leaves the pool and ``on_removed`` is told (the router
+drops it from the prefix index).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from services.registry import WorkerInfo, read_workers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's load as the router sees it: last heartbeat plus this router's in-flight work."""
+
+    worker_id: str
+    num_running: int = 0
+    num_waiting: int = 0
+    queued_prefill_tokens: int = 0
+    kv_blocks_free: int = 0
+    inflight_requests: int = 0
+    inflight_prefill_tokens: int = 0
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens ahead of a new request: reported queue plus what this router sent since."""
+        return self.queued_prefill_tokens + self.inflight_prefill_tokens
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_running + self.num_waiting + self.inflight_requests
+
+
+@dataclass(frozen=True)
+class InflightToken:
+    """Opaque handle from ``begin``; hand it to ``end`` exactly once (a second ``end`` is a no-op)."""
+
+    id: int
+    worker_id: str
+
+
+@dataclass
+class _Tracked:
+    info: WorkerInfo
+    beat_seen_at: float  # router clock when a new heartbeat_at was last observed
+
+
+class WorkerPool:
+    def __init__(self, redis, refresh_s: float = 0.5, model: str | None = None,
+                 on_removed: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        if refresh_s <= 0:
+            raise ValueError(f"refresh_s must be positive, got {refresh_s}")
+        self.redis = redis
+        self.refresh_s = refresh_s
+        self.model = model  # None: every model's workers
+        self.on_removed = on_removed
+        self._clock = clock
+        self._workers: dict[str, _Tracked] = {}
+        self._failed_until: dict[str, float] = {}  # worker id -> router clock
+        self._tokens: dict[int, tuple[str, int]] = {}  # token id -> (worker id, prefill tokens)
+        self._inflight: dict[str, list[int]] = {}  # worker id -> [requests, prefill tokens]
+        self._ids = itertools.count()
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+
+    # ---- registry -------------------------------------------------------
+    async def start(self) -> None:
+        """First refresh now (errors propagate: a router without Redis cannot route), then in the background."""
+        await self.refresh()
+        if self._task is None:
+            self._stopping = False
+            self._task = asyncio.create_task(self._run(), name="worker-pool-refresh")
+
+    async def stop(self) -> None:
+        # A flag as well as cancel: redis-py can swallow a cancel that lands as a reply
+        # arrives (redis-py issue #2028), so cancel until done and let the loop see the flag.
+        self._stopping = True
+        task, self._task = self._task, None
+        while task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task], timeout=self.refresh_s + 0.5)
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except Exception as exc:  # keep the last known set; the next refresh may work
+                log.warning("worker registry refresh failed: %s", exc)
+
+    async def refresh(self) -> None:
+        self.update(await read_workers(self.redis))
+
+    def update(self, workers: Iterable[WorkerInfo]) -> None:
+        """Replace the known set with ``workers`` (what the registry holds now)."""
+        now = self._clock()
+        fresh = {w.worker_id: w for w in workers if self.model is None or w.model == self.model}
+        for worker_id in [w for w in self._workers if w not in fresh]:
+            del self._workers[worker_id]
+            self._failed_until.pop(worker_id, None)
+            log.info("worker %s left the pool", worker_id)
+            if self.on_removed is not None:
+                try:
+                    self.on_removed(worker_id)
+                except Exception:
+                    log.exception("on_removed(%s) failed", worker_id)
+        for worker_id, info in fresh.items():
+            old = self._workers.get(worker_id)
+            if old is None:
+                log.info("worker %s (%s at %s) joined the pool", worker_id, info.role, info.address)
+                self._workers[worker_id] = _Tracked(info, now)
+            else:
+                if info.heartbeat_at != old.info.heartbeat_at:
+                    old.beat_seen_at = now
+                old.info = info
+
+    # ---- who can take work ------------------------------------------------
+    def workers(self) -> list[WorkerInfo]:
+        """Every known worker of the model, usable or not, by id."""
+        return [self._workers[w].info for w in sorted(self._workers)]
+
+    def get(self, worker_id: str) -> WorkerInfo | None:
+        tracked = self._workers.get(worker_id)
+        return tracked.info if tracked is not None else None
+
+    def is_usable(self, worker_id: str) -> bool:
+        tracked = self._workers.get(worker_id)
+        if tracked is None or not tracked.info.ready or tracked.info.draining:
+            return False
+        until = self._failed_until.get(worker_id)
+        if until is not None:
+            # Back only once the window passed *and* the worker heartbeated after it.
+            if self._clock() < until or tracked.beat_seen_at < until:
+                return False
+            del self._failed_until[worker_id]
+        return True
+
+    def prefill_workers(self) -> list[WorkerInfo]:
+        return self._usable("prefill")
+
+    def decode_workers(self) -> list[WorkerInfo]:
+        return self._usable("decode")
+
+    def _usable(self, role: str) -> list[WorkerInfo]:
+        return [self._workers[w].info for w in sorted(self._workers)
+                if self._workers[w].info.role == role and self.is_usable(w)]
+
+    def mark_failed(self, worker_id: str, for_s: float = 5.0) -> None:
+        """Hold ``worker_id`` out of routing now, for ``for_s`` and until it heartbeats after that."""
+        until = self._clock() + for_s
+        self._failed_until[worker_id] = max(until, self._failed_until.get(worker_id, until))
+        log.warning("worker %s marked failed for %.1fs", worker_id, for_s)
+
+    # ---- in-flight accounting ---------------------------------------------
+    def begin(self, worker_id: str, prefill_tokens: int = 0) -> InflightToken:
+        """Count a request dispatched to ``worker_id`` with ``prefill_tokens`` still to compute there."""
+        if prefill_tokens < 0:
+            raise ValueError(f"prefill_tokens must be >= 0, got {prefill_tokens}")
+        token = InflightToken(next(self._ids), worker_id)
+        self._tokens[token.id] = (worker_id, prefill_tokens)
+        counts = self._inflight.setdefault(worker_id, [0, 0])
+        counts[0] += 1
+        counts[1] += prefill_tokens
+        return token
+
+    def end_prefill(self, token: InflightToken) -> None:
+        """The request's prefill finished; it stays in flight (e.g. decoding after a local prefill)."""
+        entry = self._tokens.get(token.id)
+        if entry is not None and entry[1]:
+            self._inflight[entry[0]][1] -= entry[1]
+            self._tokens[token.id] = (entry[0], 0)
+
+    def end(self, token: InflightToken) -> None:
+        """The worker is done with the request (any outcome). Idempotent."""
+        entry = self._tokens.pop(token.id, None)
+        if entry is None:
+            return
+        worker_id, prefill_tokens = entry
+        counts = self._inflight[worker_id]
+        counts[0] -= 1
+        counts[1] -= prefill_tokens
+        if counts[0] == 0:
+            del self._inflight[worker_id]
+
+    def load(self, worker_id: str) -> WorkerLoad:
+        """Heartbeat fields plus this router's in-flight counts. KeyError for an unknown worker."""
+        info = self._workers[worker_id].info
+        requests, prefill_tokens = self._inflight.get(worker_id, (0, 0))
+        return WorkerLoad(worker_id=worker_id, num_running=info.num_running, num_waiting=info.num_waiting,
+                          queued_prefill_tokens=info.queued_prefill_tokens,
+                          kv_blocks_free=info.kv_blocks_free, inflight_requests=requests,
+                          inflight_prefill_tokens=prefill_tokens)

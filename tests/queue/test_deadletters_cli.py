@@ -1,0 +1,149 @@
+"""``pdserve deadletters`` against a real server: list, show, re-drive, and clear errors."""
+
+import argparse
+import asyncio
+import json
+
+import pytest
+import redis.asyncio as aioredis
+
+from services import deadletters_cli
+from services.errors import InvalidRequestError
+from services.queue import (
+    AdmissionQueue,
+    NotFoundError,
+    QueueConfig,
+    QueueConsumer,
+    QueueUnavailableError,
+)
+from services.queue.keys import DEAD_STREAM, result_stream, tier_stream
+
+from .conftest import make_request
+
+
+def cli(*argv):
+    parser = argparse.ArgumentParser(prog="pdserve")
+    deadletters_cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["deadletters", *argv])
+    return args.func(args)
+
+
+def run(redis_url, fn):
+    async def go():
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            return await fn(client)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
+
+
+def kill(redis_url, *requests, flush=True):
+    """Queue the requests and fail each for good; returns their dead-letter ids."""
+
+    async def go(r):
+        if flush:
+            await r.flushdb()
+        queue, consumer = AdmissionQueue(r), QueueConsumer(r, consumer="router-x")
+        for req in requests:
+            await queue.enqueue(req)
+        for d in await consumer.next(count=len(requests)):
+            await consumer.fail(d, f"exploded on {d.request_id}", "decode-3", retryable=False)
+        return [e[0].decode() for e in await r.xrange(DEAD_STREAM)]
+
+    return run(redis_url, go)
+
+
+def test_list_show_and_redrive(redis_url, capsys):
+    req = make_request("interactive", tokens=7, deadline=4102444800.0)
+    [dead_id] = kill(redis_url, req)
+
+    assert cli("list", "--redis-url", redis_url) == 0
+    out = capsys.readouterr().out
+    assert dead_id in out and req.request_id in out and "exploded on" in out and "decode-3" in out
+
+    assert cli("list", "--redis-url", redis_url, "--json") == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["total"] == 1 and listed["dead_letters"][0]["id"] == dead_id
+    assert listed["dead_letters"][0]["delivery_count"] == 1
+
+    assert cli("show", dead_id, "--redis-url", redis_url, "--json") == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["request_id"] == req.request_id and shown["tier"] == "interactive"
+    assert json.loads(shown["fields"]["token_ids"]) == req.token_ids
+    assert cli("show", dead_id, "--redis-url", redis_url) == 0
+    assert "prompt tokens:   7" in capsys.readouterr().out
+
+    assert cli("redrive", dead_id, "--redis-url", redis_url) == 0
+    assert f"re-drove {dead_id}" in capsys.readouterr().out
+
+    async def after(r):
+        assert await r.xlen(DEAD_STREAM) == 0
+        assert not await r.exists(result_stream(req.request_id))  # the old error event is gone
+        [d] = await QueueConsumer(r).next()
+        return d
+
+    d = run(redis_url, after)
+    assert d.request_id == req.request_id and d.delivery_count == 1 and d.tier == "interactive"
+    assert d.request.token_ids == req.token_ids and d.request.deadline > req.deadline  # budget from now
+
+
+def test_redrive_resets_delivery_history(redis_url):
+    cfg = QueueConfig(max_deliveries=2)
+    req = make_request("batch")
+
+    async def go(r):
+        await r.flushdb()
+        queue, consumer = AdmissionQueue(r, cfg), QueueConsumer(r, config=cfg)
+        await queue.enqueue(req)
+        while deliveries := await consumer.next():
+            await consumer.fail(deliveries[0], "flaky", "decode-0")
+        [(dead_id, _)] = await r.xrange(DEAD_STREAM)
+        return dead_id.decode()
+
+    dead_id = run(redis_url, go)
+    assert cli("redrive", dead_id, "--redis-url", redis_url, "--json") == 0
+
+    async def again(r):
+        consumer = QueueConsumer(r, config=cfg)
+        [d] = await consumer.next()
+        assert d.delivery_count == 1
+        assert await consumer.fail(d, "flaky", "decode-0") == "retried"  # a full set of tries again
+        await consumer.ack((await consumer.next())[0])
+        assert (await AdmissionQueue(r, cfg).depth()).requests == 0
+
+    run(redis_url, again)
+
+
+def test_redrive_all(redis_url, capsys):
+    dead_ids = kill(redis_url, make_request("standard"), make_request("batch"), make_request("standard"))
+    assert len(dead_ids) == 3
+    assert cli("redrive", "--all", "--redis-url", redis_url, "--json") == 0
+    redriven = json.loads(capsys.readouterr().out)["redriven"]
+    assert [x["dead_id"] for x in redriven] == dead_ids
+
+    async def check(r):
+        assert await r.xlen(DEAD_STREAM) == 0
+        return await r.xlen(tier_stream("standard")), await r.xlen(tier_stream("batch"))
+
+    assert run(redis_url, check) == (2, 1)
+    assert cli("list", "--redis-url", redis_url) == 0
+    assert "no dead letters" in capsys.readouterr().out
+
+
+def test_errors_are_clear(redis_url):
+    kill(redis_url, make_request())
+    with pytest.raises(NotFoundError, match="no dead letter with id '1-1'") as info:
+        cli("show", "1-1", "--redis-url", redis_url)
+    assert info.value.http_status == 404  # services.cli: exit 2
+    with pytest.raises(NotFoundError, match="no dead letter"):
+        cli("redrive", "1-1", "--redis-url", redis_url)
+    with pytest.raises(InvalidRequestError, match="not a dead-letter id"):
+        cli("show", "bogus", "--redis-url", redis_url)
+    with pytest.raises(QueueUnavailableError, match="cannot reach Redis at redis://127.0.0.1:1/0"):
+        cli("list", "--redis-url", "redis://127.0.0.1:1/0")
+    with pytest.raises(ValueError, match="--limit"):
+        cli("list", "--limit", "0", "--redis-url", redis_url)
+    with pytest.raises(SystemExit):  # neither an id nor --all
+        cli("redrive", "--redis-url", redis_url)

@@ -1,0 +1,198 @@
+"""The disaggregated stack end to end: router -> prefill -> KV over UCX -> decode, as real processes.
+
+One stack (2 prefill workers, 1 decode worker, kv-aware router, fp32) serves
+every test in this module; each test ends with the leak check (no KV block in
+use on any worker once nothing runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import grpc
+import pytest
+
+from tests.services.stack import Stack
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The quick brown fox",
+    "Write a haiku about the sea.",
+    "List three prime numbers:",
+    "def fibonacci(n):",
+    "Paris is the capital of",
+    "Explain gravity to a child in one sentence.",
+    "1, 2, 3, 4,",
+    "The best way to learn a language is",
+]
+WORKERS = ["prefill-0", "prefill-1", "decode-0"]
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url):
+    with Stack(redis_url, prefill=2, decode=1) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy tokens of an in-process engine (the single-engine run) for a prompt."""
+    from services.config import EngineConfig
+    from services.engine.engine import Engine
+    from services.engine.sampling_params import SamplingParams
+
+    engine = Engine(EngineConfig(dtype="float32"))
+
+    def run(prompt_ids: list[int], max_tokens: int) -> list[int]:
+        rid = f"ref-{len(engine.requests)}-{id(prompt_ids)}"
+        engine.add_request(rid, prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0))
+        tokens = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == rid:
+                    tokens.extend(out.new_token_ids)
+        return tokens
+
+    run.tokenizer = engine.tokenizer
+    return run
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(stack):
+    yield
+    assert stack.wait_idle(WORKERS) == {w: 0 for w in WORKERS}
+
+
+def _counter(metrics: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_concurrent_greedy_output_equals_single_engine(stack, reference):
+    async def run_all():
+        return await asyncio.gather(*(stack.agenerate(stack.request(text=p, max_tokens=12)) for p in PROMPTS))
+
+    results = asyncio.run(run_all())
+    for prompt, (ids, text, finish) in zip(PROMPTS, results):
+        expected = reference(reference.tokenizer.encode(prompt), 12)
+        assert ids == expected, prompt
+        assert text == reference.tokenizer.decode(expected)
+        assert finish.usage.completion_tokens == len(ids)
+        assert finish.usage.prompt_tokens == len(reference.tokenizer.encode(prompt))
+        assert finish.prefill_worker.startswith("prefill-") and finish.decode_worker.startswith("decode-")
+        assert finish.finish_reason in ("stop", "length")
+
+
+def test_chat_and_token_id_prompts(stack, reference):
+    ids, text, finish = stack.generate(stack.request(chat="What is the capital of France?", max_tokens=10))
+    assert "Paris" in text
+    prompt = reference.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    assert finish.usage.prompt_tokens == len(prompt)
+    ids2, _, _ = stack.generate(stack.request(token_ids=prompt, max_tokens=10))
+    assert ids2 == ids == reference(prompt, 10)
+
+
+def test_shared_prefix_goes_to_the_worker_that_cached_it(stack):
+    prefix = " ".join(f"fact {i}: the sky was {['blue', 'grey', 'red'][i % 3]} on day {i}." for i in range(40))
+    before = _counter(stack.metrics("router"), "pdserve_routing_decisions_total", reason="prefix_hit")
+    _, _, first = stack.generate(stack.request(text=prefix + " Question one?", max_tokens=2))
+    served_by = first.prefill_worker
+    hits_before = _counter(stack.metrics(_name(stack, served_by)), "pdserve_prefix_cache_hits_total")
+    for q in ("Question two?", "Question three?", "Question four?"):
+        _, _, finish = stack.generate(stack.request(text=f"{prefix} {q}", max_tokens=2))
+        assert finish.prefill_worker == served_by
+        assert finish.usage.cached_prompt_tokens >= finish.usage.prompt_tokens - 32  # all but the last blocks
+    after = _counter(stack.metrics("router"), "pdserve_routing_decisions_total", reason="prefix_hit")
+    assert after - before >= 3
+    # the worker's own prefix-cache hit counter grew (its stats reach /metrics every 0.25 s)
+    _eventually(lambda: _counter(stack.metrics(_name(stack, served_by)), "pdserve_prefix_cache_hits_total")
+                > hits_before)
+
+
+def test_hot_prefix_does_not_starve_the_other_worker(stack):
+    prefix = " ".join(f"rule {i}: always answer politely and precisely." for i in range(60))
+
+    async def burst():
+        reqs = [stack.request(text=f"{prefix} Request {i}.", max_tokens=2) for i in range(16)]
+        return await asyncio.gather(*(stack.agenerate(r) for r in reqs))
+
+    served = [finish.prefill_worker for _, _, finish in asyncio.run(burst())]
+    assert len(set(served)) == 2, f"every request went to one worker: {served}"
+
+
+def test_bad_input_gets_invalid_argument(stack):
+    cases = [
+        (stack.request(text="", max_tokens=4), "text is empty"),
+        (stack.request(token_ids=[10**7], max_tokens=4), "outside the vocabulary"),
+        (stack.request(text="hi", max_tokens=4, temperature=-1.0), "temperature"),
+        (stack.request(text="hi", max_tokens=4, top_p=0.0), "top_p"),
+        (stack.request(token_ids=[1] * 10_000, max_tokens=4), "context"),
+        (stack.request(max_tokens=4), "give a prompt"),
+    ]
+    for req, words in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            stack.generate(req)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, req
+        assert words in err.value.details(), err.value.details()
+    req = stack.request(text="hi", max_tokens=4)
+    req.model = "no-such-model"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        stack.generate(req)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no-such-model" in err.value.details()
+    # the stack still serves
+    _, text, _ = stack.generate(stack.request(text="Paris is the capital of", max_tokens=4))
+    assert text
+
+
+def test_client_going_away_frees_blocks(stack):
+    async def abandon():
+        task = asyncio.create_task(stack.agenerate(stack.request(text="Count to one hundred:", max_tokens=200,
+                                                                 ignore_eos=True)))
+        await asyncio.sleep(1.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(abandon())
+    # the leak check (autouse fixture) asserts the decode worker freed the request's blocks
+
+
+def test_tokenize_and_list_models(stack, reference):
+    from proto.pdserve.v1 import generate_pb2, generate_pb2_grpc
+
+    async def calls():
+        async with grpc.aio.insecure_channel(stack.address) as ch:
+            stub = generate_pb2_grpc.GenerationStub(ch)
+            tok = await stub.Tokenize(generate_pb2.TokenizeRequest(text="Hello world"))
+            models = await stub.ListModels(generate_pb2.ListModelsRequest())
+            return tok, models
+
+    tok, models = asyncio.run(calls())
+    assert list(tok.token_ids) == reference.tokenizer.encode("Hello world")
+    assert models.models[0].id == "SmolLM2-135M-Instruct" and models.models[0].max_model_len > 1000
+    assert tok.max_model_len == models.models[0].max_model_len
+
+
+def _name(stack: Stack, worker_id: str) -> str:
+    return next(n for n, p in stack.procs.items() if p.worker_id == worker_id)
+
+
+def _eventually(check, timeout_s: float = 5.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition never became true"
+        time.sleep(0.1)
+
+
+def test_worker_metrics_and_traces_are_exposed(stack):
+    text = stack.metrics("decode-0")
+    assert re.search(r'pdserve_kv_blocks_total\{role="decode",worker="decode-[^"]+"\} [1-9]', text)
+    assert "pdserve_kv_transfer_seconds_bucket" in text
+    assert "pdserve_ttft_seconds_count" in stack.metrics("router")
