@@ -77,6 +77,11 @@ def new_consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+# HTTP status of an error event, by OpenAI error type (services.errors codes)
+_STATUS = {"invalid_request_error": 400, "model_not_found": 404, "capacity_exceeded": 429,
+           "request_aborted": 499, "kv_transfer_error": 502, "service_unavailable": 503, "deadline_exceeded": 504}
+
+
 class QueueConsumer:
     def __init__(self, redis, group: str = "routers", consumer: str | None = None,
                  config: QueueConfig | None = None):
@@ -223,7 +228,7 @@ class QueueConsumer:
                     await self._dead_letter(d, str(data.get("message", "error")), last_worker or "",
                                             str(data.get("code", "internal_error")), client_told=True)
             elif d.request.expired(now):
-                await self.results.error(d.request_id, "deadline_exceeded", "deadline exceeded")
+                await self.results.error(d.request_id, "deadline_exceeded", "deadline exceeded", 504)
                 await self._finalize(d.tier, d.entry_id, d.request_id, "expired")
             elif d.delivery_count > self.config.max_deliveries:
                 reason = last_error or "its consumer stopped before reporting an error"
@@ -244,7 +249,7 @@ class QueueConsumer:
     async def _dead_letter(self, d: Delivery, error: str, worker: str, code: str,
                            client_told: bool = False) -> str:
         if not client_told:  # first: a crash after this is healed on redelivery (see the module docstring)
-            await self.results.error(d.request_id, code, error)
+            await self.results.error(d.request_id, code, error, _STATUS.get(code, 500))
         fields = d.request.to_fields()
         fields.update(self._dead_meta(d.tier, d.entry_id, error, code, worker, d.delivery_count))
         dead_id = await self._finalize(d.tier, d.entry_id, d.request_id, "dead", fields)
@@ -260,7 +265,7 @@ class QueueConsumer:
         except InvalidRequestError:
             request_id = ""
         if request_id:
-            await self.results.error(request_id, "invalid_request_error", f"malformed queued request: {error}")
+            await self.results.error(request_id, "invalid_request_error", f"malformed queued request: {error}", 400)
         attempts = fields.get("attempts", "")
         deliveries = times_delivered + (int(attempts) if attempts.isdigit() else 0)
         dead = {k: v for k, v in fields.items() if k not in _DELIVERY_META}

@@ -7,6 +7,16 @@ timings; ``error``: ``{"code", "message"}``); readers stop at the first
 terminal event, so anything written after one is never seen. Every write
 refreshes the stream's TTL, so a stream expires ``ttl_s`` after its last event.
 
+Event data (JSON)::
+
+    chunk  {"token_ids": [int], "text": str,                   written by decode workers,
+            "logprobs": [{"token_id", "token", "logprob",      one pipeline per engine step
+                          "top": [{"token_id", "token", "logprob"}]}]   (only if requested)}
+    final  {"finish_reason": "stop" | "length" | "abort",     written by the router
+            "usage": {"prompt_tokens", "completion_tokens", "cached_prompt_tokens"},
+            "timings": {"ttft_ms", "e2e_ms", "queue_ms", "prefill_ms"}}
+    error  {"code": str, "message": str, "status": int}       OpenAI error type and HTTP status
+
 Entry ids are the SSE ``id:`` the gateway sends: a reader given the last id a
 client saw gets exactly the entries after it (XREAD is exclusive of the id),
 with no duplicate and no gap.
@@ -63,8 +73,8 @@ class ResultWriter:
     async def finish(self, request_id: str, final: dict) -> str:
         return await self._terminal(request_id, FINAL, final)
 
-    async def error(self, request_id: str, code: str, message: str) -> str:
-        return await self._terminal(request_id, ERROR, {"code": code, "message": message})
+    async def error(self, request_id: str, code: str, message: str, status: int = 500) -> str:
+        return await self._terminal(request_id, ERROR, {"code": code, "message": message, "status": status})
 
     async def _terminal(self, request_id: str, kind: str, data: dict) -> str:
         key = result_stream(request_id)

@@ -150,7 +150,7 @@ def test_always_failing_request_is_dead_lettered(with_redis):
         assert f["request_id"] == req.request_id and json.loads(f["token_ids"]) == req.token_ids
         assert await pending(r, "standard") == 0 and await r.xlen(tier_stream("standard")) == 0
         assert await result_events(r, req.request_id) == [
-            ("error", {"code": "internal_error", "message": "decode crashed (try 3)"})]
+            ("error", {"code": "internal_error", "message": "decode crashed (try 3)", "status": 500})]
         depth = await queue.depth()
         assert depth.requests == 0 and depth.prompt_tokens == 0 and depth.dead == 1
         assert (await queue.state(req.request_id))["status"] == "dead"
@@ -221,7 +221,7 @@ def test_expired_deadline_at_dequeue_is_an_error_not_a_delivery(with_redis):
         got = await consumer.next(count=5)
         assert [d.request_id for d in got] == [fine.request_id]
         assert await result_events(r, late.request_id) == [
-            ("error", {"code": "deadline_exceeded", "message": "deadline exceeded"})]
+            ("error", {"code": "deadline_exceeded", "message": "deadline exceeded", "status": 504})]
         assert await pending(r, "interactive") == 1  # only `fine`, which is being worked on
         assert (await queue.state(late.request_id))["status"] == "expired"
         assert await r.xlen(DEAD_STREAM) == 0

@@ -97,13 +97,13 @@ def test_reader_follows_a_live_stream(with_redis):
             for i in range(4):
                 await asyncio.sleep(0.02)
                 await writer.append_chunks([("live", {"text": str(i)})])
-            await writer.error("live", "kv_transfer_error", "decode worker died")
+            await writer.error("live", "kv_transfer_error", "decode worker died", 502)
 
         task = asyncio.create_task(decode())
         events = await collect(reader, "live", block_ms=50, timeout_s=5)
         await task
         assert [(k, d.get("text")) for _, k, d in events[:4]] == [("chunk", str(i)) for i in range(4)]
-        assert events[-1][1:] == ("error", {"code": "kv_transfer_error", "message": "decode worker died"})
+        assert events[-1][1:] == ("error", {"code": "kv_transfer_error", "message": "decode worker died", "status": 502})
 
     with_redis(go)
 
