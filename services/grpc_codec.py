@@ -48,9 +48,9 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 
 def worker_request(request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0,
-                   deadline: float = 0.0) -> worker_pb2.WorkerRequest:
-    return worker_pb2.WorkerRequest(request_id=request_id, token_ids=token_ids,
-                                    sampling=sampling_to_proto(params), priority=priority, deadline=deadline)
+                   deadline: float = 0.0, results_to: str = "") -> worker_pb2.WorkerRequest:
+    return worker_pb2.WorkerRequest(request_id=request_id, token_ids=token_ids, sampling=sampling_to_proto(params),
+                                    priority=priority, deadline=deadline, results_to=results_to)
 
 
 def check_deadline(deadline: float) -> None:

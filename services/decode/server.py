@@ -28,6 +28,7 @@ from services.engine.handoff import EngineBlockOwner, decode_after_transfer, res
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError
 from services.grpc_codec import abort_with, check_deadline, chunk_from_output, sampling_from_proto
+from services.decode.step_results import StepResultWriter
 from services.prefill.server import load_message
 from services.worker import WorkerRuntime, add_worker_args, configs_from_args, run_worker
 
@@ -39,6 +40,7 @@ class _Reservation:
     pending: PendingTransfer
     params: SamplingParams
     num_prompt_tokens: int
+    results_to: str
     reserved_at: float = field(default_factory=time.perf_counter)
 
 
@@ -48,16 +50,26 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.owner: EngineBlockOwner | None = None
         self.receiver: Receiver | None = None
         self.reservations: dict[str, _Reservation] = {}
+        self.results: StepResultWriter | None = None
 
     async def setup(self) -> None:
+        import redis.asyncio as aioredis
+
         engine = self.rt.engine
         self.owner = EngineBlockOwner(self.rt.aengine)
         self.receiver = Receiver(engine.kv_cache, engine.kv_spec, engine.namespace, self.owner, self.rt.transfer)
         await self.receiver.start()
+        tok = engine.tokenizer
+        self.results = StepResultWriter(aioredis.Redis.from_url(self.rt.config.redis_url),
+                                        (lambda t: tok.decode([t], skip_special_tokens=False)) if tok else None)
+        self.results.start()
+        self.rt.aengine.on_step = self.results.on_step
 
     async def teardown(self) -> None:
         if self.receiver is not None:
             await self.receiver.close()  # fails open transfers, releasing their blocks
+        if self.results is not None:
+            await self.results.stop()
 
     # ---- reservation ----------------------------------------------------
     async def Reserve(self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext):
@@ -81,7 +93,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             except Exception as exc:
                 await abort_with(context, exc)
             rid = req.request_id
-            self.reservations[rid] = _Reservation(pending, params, len(req.token_ids))
+            self.reservations[rid] = _Reservation(pending, params, len(req.token_ids), req.results_to)
             asyncio.get_running_loop().call_later(timeout + _CLAIM_GRACE_S, self._expire, rid, pending)
             return worker_pb2.ReserveResponse(descriptor=pending.descriptor.to_bytes(),
                                               num_blocks=pending.descriptor.num_blocks)
@@ -116,7 +128,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         params = sampling_from_proto(req.sampling)
                         outputs = self.rt.aengine.generate(list(req.token_ids), params, request_id=rid,
                                                            priority=req.priority)
-                        async for msg in self._relay(outputs, started):
+                        async for msg in self._relay(rid, outputs, started, req.results_to):
                             yield msg
                 else:
                     res = self.reservations.pop(rid, None)
@@ -141,7 +153,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 telemetry.KV_TRANSFER_SECONDS.labels(role="decode").observe(completion.seconds)
                 telemetry.KV_TRANSFER_BYTES.labels(role="decode").inc(completion.nbytes)
                 claimed = True
-                async for msg in self._relay(decode_after_transfer(self.rt.aengine, rid, completion), started):
+                outputs = decode_after_transfer(self.rt.aengine, rid, completion)
+                async for msg in self._relay(rid, outputs, started, res.results_to):
                     yield msg
             finally:
                 if completion is not None and not claimed:
@@ -149,28 +162,39 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     engine = self.rt.engine
                     self.rt.aengine.submit(lambda: rid in engine.requests and engine.release(rid))
 
-    async def _relay(self, outputs, started: float):
+    async def _relay(self, rid: str, outputs, started: float, results_to: str):
+        """Outputs -> chunks on the stream, or (results mode) into Redis with only the Finish here."""
         tok = self.rt.engine.tokenizer
         token_text = (lambda t: tok.decode([t], skip_special_tokens=False)) if tok else None
         first_at = None
-        async with contextlib.aclosing(outputs):
-            async for out in outputs:
-                if out.error:
-                    raise RuntimeError(out.error)
-                if out.new_token_ids or out.new_text:
-                    if first_at is None:
-                        first_at = time.perf_counter()
-                    yield worker_pb2.TokenChunkOrFinish(chunk=chunk_from_output(out, token_text))
-                if out.finished:
-                    now = time.perf_counter()
-                    yield worker_pb2.TokenChunkOrFinish(finish=common_pb2.Finish(
-                        finish_reason=out.finish_reason or "stop",
-                        usage=common_pb2.Usage(prompt_tokens=out.num_prompt_tokens,
-                                               completion_tokens=out.num_output_tokens,
-                                               cached_prompt_tokens=out.num_cached_tokens),
-                        timings=common_pb2.Timings(ttft_ms=((first_at or now) - started) * 1e3,
-                                                   e2e_ms=(now - started) * 1e3),
-                        decode_worker=self.rt.worker_id))
+        if results_to:
+            self.results.track(rid, results_to)  # before the request's first step: see start_decode
+        try:
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    if out.error:
+                        raise RuntimeError(out.error)
+                    if out.new_token_ids or out.new_text:
+                        if first_at is None:
+                            first_at = time.perf_counter()
+                        if not results_to:
+                            yield worker_pb2.TokenChunkOrFinish(chunk=chunk_from_output(out, token_text))
+                    if out.finished:
+                        if results_to:
+                            await self.results.flushed(rid)
+                        yield self._finish(out, started, first_at)
+        finally:
+            if results_to:
+                self.results.untrack(rid)
+
+    def _finish(self, out, started: float, first_at: float | None) -> worker_pb2.TokenChunkOrFinish:
+        now = time.perf_counter()
+        return worker_pb2.TokenChunkOrFinish(finish=common_pb2.Finish(
+            finish_reason=out.finish_reason or "stop",
+            usage=common_pb2.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+                                   cached_prompt_tokens=out.num_cached_tokens),
+            timings=common_pb2.Timings(ttft_ms=((first_at or now) - started) * 1e3, e2e_ms=(now - started) * 1e3),
+            decode_worker=self.rt.worker_id))
 
     async def Abort(self, request: worker_pb2.AbortRequest, context):
         rid = request.request_id

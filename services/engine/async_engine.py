@@ -31,6 +31,9 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stopped = False
+        # Called on the engine thread with each step's outputs, before they are delivered
+        # (the decode service batches one Redis write per step from here).
+        self.on_step: Callable[[list[RequestOutput]], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -55,6 +58,11 @@ class AsyncEngine:
             except Exception as exc:  # a bug or device failure: fail the in-flight requests, keep serving
                 log.exception("engine step failed")
                 outputs = self._fail_all(f"engine step failed: {exc}")
+            if self.on_step is not None and outputs:
+                try:
+                    self.on_step(outputs)
+                except Exception:
+                    log.exception("step hook failed")
             for out in outputs:
                 self._deliver(out.request_id, out)
 

@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -130,10 +130,18 @@ class Dispatcher:
         self.channels = Channels()
 
     async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0,
-                       deadline: float = 0.0) -> AsyncIterator[common_pb2.TokenChunk | common_pb2.Finish]:
-        """Stream the request's token chunks, then its Finish; raises a PdserveError on failure."""
+                       deadline: float = 0.0, results_to: str = "", emitted: list[int] | None = None,
+                       read_emitted: Callable[[], Awaitable[list[int]]] | None = None,
+                       ) -> AsyncIterator[common_pb2.TokenChunk | common_pb2.Finish]:
+        """Stream the request's token chunks, then its Finish; raises a PdserveError on failure.
+
+        ``results_to``: the decode workers write the chunks to that Redis result stream and
+        only the Finish comes back here; ``read_emitted`` then tells, before a retry, which
+        tokens the stream already holds (``emitted``: those it held before the first attempt,
+        when a request is redelivered after a router died).
+        """
         started = time.perf_counter()
-        emitted: list[int] = []
+        emitted = list(emitted or [])
         first_at = None
         served = _Served("", "", 0, 0.0)
         avoid_prefill: set[str] = set()
@@ -146,12 +154,21 @@ class Dispatcher:
             while attempt < self.config.max_attempts:
                 attempt += 1
                 check_deadline(deadline)
+                if read_emitted is not None and attempt > 1:
+                    emitted = await read_emitted()
+                resumed_from = len(emitted)
+                attempt_started = time.perf_counter()
                 remaining = params
                 if emitted and params.max_tokens is not None:
+                    if params.max_tokens <= len(emitted):  # it had finished; only the final event was lost
+                        yield common_pb2.Finish(finish_reason="length", usage=common_pb2.Usage(
+                            prompt_tokens=len(token_ids), completion_tokens=len(emitted)))
+                        outcome = "ok"
+                        return
                     remaining = dataclasses.replace(params, max_tokens=params.max_tokens - len(emitted))
                 try:
                     async for item in self._attempt(f"{request_id}.{attempt}", token_ids + emitted, remaining,
-                                                    priority, deadline, avoid_prefill, avoid_decode):
+                                                    priority, deadline, avoid_prefill, avoid_decode, results_to):
                         if isinstance(item, _Served):
                             served = dataclasses.replace(item, cached_tokens=max(item.cached_tokens,
                                                                                   served.cached_tokens))
@@ -163,10 +180,15 @@ class Dispatcher:
                             yield item
                         else:
                             now = time.perf_counter()
+                            if results_to:  # the chunks went to Redis; the decode worker counted them
+                                item.usage.completion_tokens += resumed_from
+                                if resumed_from == 0:
+                                    item.timings.ttft_ms += (attempt_started - started) * 1e3
+                            else:
+                                item.usage.completion_tokens = len(emitted)
+                                item.timings.ttft_ms = ((first_at or now) - started) * 1e3
                             item.usage.prompt_tokens = len(token_ids)
-                            item.usage.completion_tokens = len(emitted)
                             item.usage.cached_prompt_tokens = served.cached_tokens
-                            item.timings.ttft_ms = ((first_at or now) - started) * 1e3
                             item.timings.e2e_ms = (now - started) * 1e3
                             item.timings.prefill_ms = served.prefill_ms
                             item.prefill_worker = served.prefill_worker
@@ -199,7 +221,7 @@ class Dispatcher:
             telemetry.REQUESTS.labels(role="router", outcome=outcome).inc()
 
     async def _attempt(self, wrid: str, prompt: list[int], params: SamplingParams, priority: int, deadline: float,
-                       avoid_prefill: set[str], avoid_decode: set[str]):
+                       avoid_prefill: set[str], avoid_decode: set[str], results_to: str = ""):
         decode_workers = self.pool.decode_workers()
         if not decode_workers:
             raise _AttemptFailed(NoWorkerError("no decode worker is ready"), None, retryable=False)
@@ -219,7 +241,7 @@ class Dispatcher:
         decode = d.worker
         prefill_workers = [w for w in self.pool.prefill_workers()
                            if w.namespace == namespace and w.worker_id not in avoid_prefill]
-        request = worker_request(wrid, prompt, params, priority, deadline)
+        request = worker_request(wrid, prompt, params, priority, deadline, results_to)
         decode_stub = worker_pb2_grpc.DecodeWorkerStub(self.channels.get(decode.address))
         metadata = telemetry.grpc_metadata()
 

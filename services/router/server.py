@@ -118,6 +118,14 @@ async def serve(args) -> None:
     dispatcher = Dispatcher(pool, index, DispatchConfig(max_attempts=args.max_attempts,
                                                         transfer_timeout_s=args.transfer_timeout,
                                                         disaggregation=args.disaggregation), policy)
+    queue_worker = None
+    if args.queue:
+        from services.queue import QueueConfig
+        from services.router.queue_worker import QueueWorker
+
+        queue_worker = QueueWorker(redis, dispatcher, QueueConfig(max_deliveries=args.max_deliveries,
+                                                                  claim_idle_ms=args.claim_idle_ms),
+                                   max_inflight=args.max_inflight)
     server = grpc.aio.server()
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(dispatcher, pool, tokenizer, model_name),
                                                        server)
@@ -139,14 +147,21 @@ async def serve(args) -> None:
         await pool.start()
         await follower.start()
         await follower.caught_up()
+        if queue_worker is not None:
+            await queue_worker.start()
         for name in ("", SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         print(f"[pdserve] router ready on {args.host}:{port} (policy {args.policy}, metrics {metrics})", flush=True)
         await stop.wait()
         for name in ("", SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if queue_worker is not None:
+            await queue_worker.stop(drain_s=args.drain_timeout)
+            queue_worker = None
         await server.stop(grace=args.drain_timeout)
     finally:
+        if queue_worker is not None:
+            await queue_worker.stop()
         await server.stop(grace=None)
         await follower.stop()
         await pool.stop()
@@ -191,7 +206,15 @@ def add_parser(sub) -> None:
                    help="auto mode: prefill on the decode worker when the prefill queue exceeds this (0: off)")
     p.add_argument("--max-attempts", type=int, default=3, help="tries per request across workers")
     p.add_argument("--transfer-timeout", type=float, default=60.0)
-    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish on SIGTERM")
+    p.add_argument("--no-queue", dest="queue", action="store_false",
+                   help="do not consume the Redis admission queue (serve gRPC Generate only)")
+    p.add_argument("--max-inflight", type=int, default=64, help="queued requests this router runs at once")
+    p.add_argument("--claim-idle-ms", type=int, default=30_000,
+                   help="reclaim queue entries another router left pending this long")
+    p.add_argument("--max-deliveries", type=int, default=3,
+                   help="deliveries after which a failing request is dead-lettered")
     p.set_defaults(func=run)
 
 

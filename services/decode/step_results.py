@@ -1,0 +1,102 @@
+"""Token chunks to Redis result streams: one pipelined write per engine step, in order.
+
+The engine thread hands each step's outputs to ``on_step`` (before delivering
+them to their streams); the chunks of every results-mode request in that step
+become one batch, and one writer task sends batches in order, merging any that
+queued up while a write was in flight. A request's Finish goes out on its
+Decode stream only after ``flushed`` says its last chunk is in Redis, so the
+router's final event can never overtake a chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from services.engine.engine import RequestOutput
+from services.queue.results import ResultWriter
+
+log = logging.getLogger(__name__)
+
+
+def chunk_event(out: RequestOutput, token_text: Callable[[int], str] | None) -> dict:
+    data: dict = {"token_ids": list(out.new_token_ids), "text": out.new_text}
+    if out.logprobs and any(lp is not None for lp in out.logprobs):
+        text = token_text or (lambda _t: "")
+        data["logprobs"] = [
+            {"token_id": lp.token_id, "token": text(lp.token_id), "logprob": lp.logprob,
+             "top": [{"token_id": t, "token": text(t), "logprob": p} for t, p in lp.top]}
+            for lp in out.logprobs if lp is not None]
+    return data
+
+
+class StepResultWriter:
+    def __init__(self, redis, token_text: Callable[[int], str] | None = None, ttl_s: int = 600):
+        self.writer = ResultWriter(redis, ttl_s)
+        self.token_text = token_text
+        self.targets: dict[str, str] = {}  # engine request id -> client request id (result stream)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._batches: asyncio.Queue = asyncio.Queue()
+        self._enqueued = 0
+        self._written = 0
+        self._last_batch: dict[str, int] = {}
+        self._progress = asyncio.Condition()
+        self._lost: dict[str, Exception] = {}  # engine request id -> why a chunk of it was not written
+        self._task: asyncio.Task | None = None
+        self.steps_written = 0  # pipelines sent (a test counts them against steps)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.create_task(self._run(), name="step-results")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def track(self, request_id: str, results_to: str) -> None:
+        self.targets[request_id] = results_to
+
+    def untrack(self, request_id: str) -> None:
+        self.targets.pop(request_id, None)
+        self._last_batch.pop(request_id, None)
+        self._lost.pop(request_id, None)
+
+    # engine thread
+    def on_step(self, outputs: list[RequestOutput]) -> None:
+        items = [(out.request_id, self.targets[out.request_id], chunk_event(out, self.token_text))
+                 for out in outputs if out.request_id in self.targets and (out.new_token_ids or out.new_text)]
+        if items:
+            self._loop.call_soon_threadsafe(self._enqueue, items)
+
+    def _enqueue(self, items: list[tuple[str, str, dict]]) -> None:
+        self._enqueued += 1
+        for engine_rid, _, _ in items:
+            self._last_batch[engine_rid] = self._enqueued
+        self._batches.put_nowait((self._enqueued, items))
+
+    async def _run(self) -> None:
+        while True:
+            seq, items = await self._batches.get()
+            while not self._batches.empty():  # writes fell behind: merge, order kept
+                seq, more = self._batches.get_nowait()
+                items += more
+            try:
+                await self.writer.append_chunks([(rid, data) for _, rid, data in items])
+                self.steps_written += 1
+            except Exception as exc:  # Redis away: the requests whose chunks these were fail
+                log.warning("writing result chunks failed: %s", exc)
+                for engine_rid, _, _ in items:
+                    self._lost[engine_rid] = exc
+            async with self._progress:
+                self._written = seq
+                self._progress.notify_all()
+
+    async def flushed(self, request_id: str) -> None:
+        """Wait until every chunk of ``request_id`` handed to ``on_step`` so far is written."""
+        target = self._last_batch.get(request_id, 0)
+        async with self._progress:
+            await self._progress.wait_for(lambda: self._written >= target)
+        if request_id in self._lost:
+            raise RuntimeError(f"cannot write results to Redis: {self._lost.pop(request_id)}")

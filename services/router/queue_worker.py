@@ -1,0 +1,217 @@
+"""The router's consumer of the admission queue: dequeue fairly, dispatch, finalize.
+
+    loop: while fewer than max_inflight requests run, take deliveries (weighted-fair
+          across tiers) and start one task each; every claim_idle_ms / 3, touch the
+          running entries (so no other router reclaims live work) and reclaim what
+          a dead router left pending for claim_idle_ms.
+    task: cancelled already? -> final "abort", ack
+          tokens already in its result stream (a redelivery) -> resume after them
+          Dispatcher.generate(results_to=request id): decode workers write the chunks
+          -> final event (usage, timings with queue wait) -> ack
+          failure -> consumer.fail: retried (re-queued) or, after max_deliveries,
+          dead-lettered with an error event for the client
+    cancel: PUBLISH on the cancel channel (the gateway's client left) cancels the
+          task, which cancels the worker calls and frees their blocks.
+
+The ack comes only after the final event is in the result stream, so a router
+that dies at any point leaves either a finished request (skipped on
+redelivery) or a pending one that another router resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from services import telemetry
+from services.engine.sampling_params import SamplingParams
+from services.errors import InvalidRequestError, PdserveError
+from services.queue import QueueConfig, QueueConsumer
+from services.queue.cancel import CANCEL_CHANNEL, is_cancelled
+from services.queue.consumer import Delivery
+from services.queue.keys import result_stream, tier_stream
+from services.queue.results import CHUNK, ResultWriter, decode_event
+from services.router.dispatch import Dispatcher
+
+log = logging.getLogger(__name__)
+
+
+class QueueWorker:
+    def __init__(self, redis, dispatcher: Dispatcher, config: QueueConfig | None = None, max_inflight: int = 64,
+                 consumer: str | None = None):
+        if max_inflight < 1:
+            raise ValueError("max_inflight must be >= 1")
+        self.redis = redis
+        self.dispatcher = dispatcher
+        self.config = config or QueueConfig()
+        self.consumer = QueueConsumer(redis, consumer=consumer, config=self.config)
+        self.results = ResultWriter(redis, self.config.result_ttl_s)
+        self.max_inflight = max_inflight
+        self.running: dict[str, tuple[Delivery, asyncio.Task]] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._room = asyncio.Event()
+        self._room.set()
+
+    async def start(self) -> None:
+        await self.consumer.ensure_groups()
+        self._tasks = [asyncio.create_task(self._consume(), name="queue-consume"),
+                       asyncio.create_task(self._maintain(), name="queue-maintain"),
+                       asyncio.create_task(self._listen_cancels(), name="queue-cancels")]
+
+    async def stop(self, drain_s: float = 0.0) -> None:
+        """Stop taking work; give running requests ``drain_s``, then cancel them (left pending: reclaimed)."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        running = [task for _, task in self.running.values()]
+        if running and drain_s > 0:
+            await asyncio.wait(running, timeout=drain_s)
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+
+    # ---- loops ----------------------------------------------------------
+    async def _consume(self) -> None:
+        while True:
+            await self._room.wait()
+            try:
+                deliveries = await self.consumer.next(count=self.max_inflight - len(self.running), block_ms=500)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: back off, the entries stay queued
+                log.warning("reading the admission queue failed: %s", exc)
+                await asyncio.sleep(1.0)
+                continue
+            for d in deliveries:
+                self._start(d)
+
+    def _start(self, d: Delivery) -> None:
+        if d.request_id in self.running:  # a duplicate delivery of work in hand
+            return
+        task = asyncio.create_task(self._handle(d), name=f"request-{d.request_id}")
+        self.running[d.request_id] = (d, task)
+        if len(self.running) >= self.max_inflight:
+            self._room.clear()
+
+        def done(_t: asyncio.Task) -> None:
+            self.running.pop(d.request_id, None)
+            self._room.set()
+
+        task.add_done_callback(done)
+
+    async def _maintain(self) -> None:
+        interval = self.config.claim_idle_ms / 3000
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                for d, _ in list(self.running.values()):  # reset their idle time: they are alive
+                    await self.redis.xclaim(tier_stream(d.tier), self.consumer.group, self.consumer.consumer, 0,
+                                            [d.entry_id], justid=True)
+                if len(self.running) < self.max_inflight:
+                    for d in await self.consumer.reclaim(count=self.max_inflight - len(self.running)):
+                        log.info("reclaimed %s (delivery %d) from a silent router", d.request_id, d.delivery_count)
+                        self._start(d)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("queue maintenance failed: %s", exc)
+
+    async def _listen_cancels(self) -> None:
+        while True:
+            pubsub = self.redis.pubsub()
+            try:
+                await pubsub.subscribe(CANCEL_CHANNEL)
+                async for msg in pubsub.listen():
+                    if msg.get("type") != "message":
+                        continue
+                    rid = msg["data"].decode() if isinstance(msg["data"], bytes) else msg["data"]
+                    entry = self.running.get(rid)
+                    if entry is not None:
+                        log.info("request %s cancelled by its client", rid)
+                        entry[1].cancel()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("cancel channel failed: %s; resubscribing", exc)
+                await asyncio.sleep(1.0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
+    # ---- one request ----------------------------------------------------
+    async def _handle(self, d: Delivery) -> None:
+        req = d.request
+        queue_ms = max(0.0, (time.time() - req.enqueued_at) * 1e3)
+        telemetry.QUEUE_WAIT_SECONDS.labels(role="router").observe(queue_ms / 1e3)
+        parent = telemetry.context_from_carrier({"traceparent": req.traceparent} if req.traceparent else {})
+        tracer = telemetry.tracer("pdserve.router")
+        tracer.start_span("queue_wait", context=parent, start_time=int(req.enqueued_at * 1e9),
+                          attributes={"request_id": req.request_id, "tier": d.tier}).end()
+        with tracer.start_as_current_span("route", context=parent,
+                                          attributes={"request_id": req.request_id, "tier": d.tier,
+                                                      "delivery": d.delivery_count}):
+            try:
+                if await is_cancelled(self.redis, req.request_id):
+                    await self._final(d, {"finish_reason": "abort", "usage": {}, "timings": {"queue_ms": queue_ms}})
+                    return
+                params = SamplingParams(**req.sampling)
+                emitted = await self._emitted(req.request_id) if d.delivery_count > 1 else []
+                finish = None
+                async for item in self.dispatcher.generate(
+                        req.request_id, req.token_ids, params, self._priority(d.tier), req.deadline,
+                        results_to=req.request_id, emitted=emitted,
+                        read_emitted=lambda: self._emitted(req.request_id)):
+                    finish = item  # results mode: only the Finish comes back
+                await self._final(d, {
+                    "finish_reason": finish.finish_reason,
+                    "usage": {"prompt_tokens": finish.usage.prompt_tokens,
+                              "completion_tokens": finish.usage.completion_tokens,
+                              "cached_prompt_tokens": finish.usage.cached_prompt_tokens},
+                    "timings": {"queue_ms": queue_ms, "ttft_ms": queue_ms + finish.timings.ttft_ms,
+                                "e2e_ms": queue_ms + finish.timings.e2e_ms, "prefill_ms": finish.timings.prefill_ms},
+                    "prefill_worker": finish.prefill_worker, "decode_worker": finish.decode_worker})
+            except asyncio.CancelledError:
+                # the client left (or this router is stopping: then the entry stays pending for another)
+                if await _quietly(is_cancelled(self.redis, req.request_id)):
+                    await asyncio.shield(self._final(d, {"finish_reason": "abort", "usage": {},
+                                                         "timings": {"queue_ms": queue_ms}}))
+                raise
+            except (PdserveError, TypeError, ValueError) as exc:
+                if isinstance(exc, TypeError):  # SamplingParams got an unknown field
+                    exc = InvalidRequestError(f"bad sampling parameters: {exc}")
+                # bad input stays bad; anything else (no room, a worker or transfer failure) may pass later
+                retryable = isinstance(exc, PdserveError) and exc.http_status not in (400, 404)
+                message = exc.message if isinstance(exc, PdserveError) else str(exc)
+                code = exc.code if isinstance(exc, PdserveError) else "invalid_request_error"
+                outcome = await self.consumer.fail(d, message, self.consumer.consumer, retryable=retryable, code=code)
+                log.warning("request %s failed (%s): %s", req.request_id, outcome, message)
+                if outcome == "dead_lettered":
+                    telemetry.DEAD_LETTERS.inc()
+            except Exception as exc:  # a bug: retry on the next delivery rather than lose the request
+                log.exception("request %s: unexpected failure", req.request_id)
+                await self.consumer.fail(d, f"{type(exc).__name__}: {exc}", self.consumer.consumer)
+
+    async def _final(self, d: Delivery, final: dict) -> None:
+        await self.results.finish(d.request_id, final)
+        await self.consumer.ack(d)
+
+    async def _emitted(self, request_id: str) -> list[int]:
+        """Token ids the request's result stream already holds (what its client has seen)."""
+        tokens: list[int] = []
+        for _, fields in await self.redis.xrange(result_stream(request_id)):
+            kind, data = decode_event(fields)
+            if kind == CHUNK:
+                tokens.extend(data.get("token_ids", []))
+        return tokens
+
+    def _priority(self, tier: str) -> int:
+        return self.config.tiers.index(tier) if tier in self.config.tiers else len(self.config.tiers)
+
+
+async def _quietly(awaitable) -> bool:
+    try:
+        return await asyncio.shield(awaitable)
+    except Exception:
+        return False
