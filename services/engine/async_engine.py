@@ -49,6 +49,10 @@ class AsyncEngine:
                     command()
                 except Exception:  # a fire-and-forget command (call() reports its own errors)
                     log.exception("engine command failed")
+            # Outputs made between steps (a decode that starts from a transferred first
+            # token, an abort) go out now, not after the next forward pass: that token is
+            # the request's time to first token.
+            self._publish(self.engine.take_pending_outputs())
             if not self.engine.has_unfinished():
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -58,13 +62,18 @@ class AsyncEngine:
             except Exception as exc:  # a bug or device failure: fail the in-flight requests, keep serving
                 log.exception("engine step failed")
                 outputs = self._fail_all(f"engine step failed: {exc}")
-            if self.on_step is not None and outputs:
-                try:
-                    self.on_step(outputs)
-                except Exception:
-                    log.exception("step hook failed")
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._publish(outputs)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        if self.on_step is not None:
+            try:
+                self.on_step(outputs)
+            except Exception:
+                log.exception("step hook failed")
+        for out in outputs:
+            self._deliver(out.request_id, out)
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         outputs = []

@@ -184,6 +184,11 @@ class Engine:
         self._pending.append(self._output(req, [], None))
         return True
 
+    def take_pending_outputs(self) -> list[RequestOutput]:
+        """Outputs queued outside step() (start_decode's first token, aborts), without stepping."""
+        outputs, self._pending = self._pending, []
+        return outputs
+
     def step_outputs_discard(self) -> None:
         """Drop outputs queued outside step() (after the caller reported the requests itself)."""
         self._pending.clear()
