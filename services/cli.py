@@ -13,8 +13,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.add_parser(sub)
-    from services import client, up
+    from services import client, deadletters_cli, up
     from services.decode import server as decode_server
+    from services.gateway import server as gateway_server
     from services.prefill import server as prefill_server
     from services.router import server as router_server
 
@@ -22,16 +23,22 @@ def build_parser() -> argparse.ArgumentParser:
     prefill_server.add_parser(sub)
     decode_server.add_parser(sub)
     router_server.add_parser(sub)
+    gateway_server.add_parser(sub)
     client.add_parser(sub)
+    deadletters_cli.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks that run pdserve and a baseline side by side")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     from kvtransfer import bench as kvtransfer_bench
     from services.engine import bench as engine_bench
     from services.engine import gpu_bench
+    from services.gateway import bench as serve_bench
+    from services.router import bench as routing_bench
 
     engine_bench.add_parser(bench_sub)
     kvtransfer_bench.add_parser(bench_sub)
     gpu_bench.add_parser(bench_sub)
+    routing_bench.add_parser(bench_sub)
+    serve_bench.add_parser(bench_sub)
     return parser
 
 

@@ -13,7 +13,7 @@ import json
 import time
 
 from services.queue.dead_letters import DeadLetter, DeadLetters
-from services.queue.errors import QueueUnavailableError
+from services.errors import ServiceUnavailableError
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -51,7 +51,7 @@ async def _run(args: argparse.Namespace) -> int:
     try:
         return await _ACTIONS[args.action](DeadLetters(client), args)
     except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-        raise QueueUnavailableError(f"cannot reach Redis at {args.redis_url}: {exc}") from None
+        raise ServiceUnavailableError(f"cannot reach Redis at {args.redis_url}: {exc}") from None
     finally:
         await client.aclose()
 

@@ -76,3 +76,46 @@ class NoWorkerError(PdserveError):
     code = "service_unavailable"
     http_status = 503
     grpc_status = "UNAVAILABLE"
+
+
+class NotFoundError(PdserveError):
+    """The named thing (a request's result stream, a dead letter) does not exist, or expired."""
+
+    code = "not_found"
+    http_status = 404
+    grpc_status = "NOT_FOUND"
+
+
+class ServiceUnavailableError(PdserveError):
+    """Redis cannot be reached; nothing was queued or changed."""
+
+    code = "service_unavailable"
+    http_status = 503
+    grpc_status = "UNAVAILABLE"
+
+
+class AuthenticationError(PdserveError):
+    """No API key, or one this gateway does not know."""
+
+    code = "invalid_request_error"
+    openai_code = "invalid_api_key"
+    http_status = 401
+    grpc_status = "UNAUTHENTICATED"
+
+
+class RateLimitError(CapacityError):
+    """The tenant's per-minute request or token budget is spent; ``headers`` say how it stands."""
+
+    code = "rate_limit_exceeded"
+    openai_code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after_s: float, headers: dict[str, str]):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.headers = headers
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    code = "invalid_request_error"
+    openai_code = "request_too_large"
+    http_status = 413

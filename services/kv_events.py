@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Iterable
 
-from services.engine.block_pool import BlockRemoved, BlockStored, KVEvent
+from services.engine.block_pool import BlockStored, KVEvent
 
 STREAM_KEY = "pd:kv-events"
 MAXLEN = 1_000_000

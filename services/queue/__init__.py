@@ -28,10 +28,10 @@ from services.queue.admission import AdmissionQueue, Admitted, QueueDepth, TierD
 from services.queue.config import QueueConfig
 from services.queue.consumer import Delivery, QueueConsumer
 from services.queue.dead_letters import DeadLetter, DeadLetters
-from services.queue.errors import NotFoundError, QueueUnavailableError
+from services.errors import NotFoundError, ServiceUnavailableError
 from services.queue.message import QueuedRequest
 from services.queue.results import ResultReader, ResultWriter
 
 __all__ = ["AdmissionQueue", "Admitted", "DeadLetter", "DeadLetters", "Delivery", "NotFoundError", "QueueConfig",
-           "QueueConsumer", "QueueDepth", "QueueUnavailableError", "QueuedRequest", "ResultReader", "ResultWriter",
+           "QueueConsumer", "QueueDepth", "ServiceUnavailableError", "QueuedRequest", "ResultReader", "ResultWriter",
            "TierDepth"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from services.errors import CapacityError, InvalidRequestError
 from services.queue.config import QueueConfig
-from services.queue.errors import NotFoundError
+from services.errors import NotFoundError
 from services.queue.keys import ADMISSION_KEY, DEAD_STREAM, state_key, tier_stream
 from services.queue.message import QueuedRequest, text
 from services.queue.scripts import Scripts

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, replace
 from services.errors import InvalidRequestError
 from services.queue.admission import AdmissionQueue
 from services.queue.config import QueueConfig
-from services.queue.errors import NotFoundError
+from services.errors import NotFoundError
 from services.queue.keys import DEAD_STREAM, result_stream
 from services.queue.message import QueuedRequest, text, text_fields
 

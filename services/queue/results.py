@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from services.errors import DeadlineExceededError, InvalidRequestError
-from services.queue.errors import NotFoundError
+from services.errors import NotFoundError
 from services.queue.keys import result_stream
 from services.queue.message import text
 

@@ -53,6 +53,7 @@ class QueueWorker:
         self._tasks: list[asyncio.Task] = []
         self._room = asyncio.Event()
         self._room.set()
+        self._stopping = False
 
     async def start(self) -> None:
         await self.consumer.ensure_groups()
@@ -62,9 +63,14 @@ class QueueWorker:
 
     async def stop(self, drain_s: float = 0.0) -> None:
         """Stop taking work; give running requests ``drain_s``, then cancel them (left pending: reclaimed)."""
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._stopping = True
+        # redis-py can swallow a cancellation that lands while it reconnects: the flag ends
+        # the loops anyway, and the cancel is repeated until they are gone
+        pending = set(self._tasks)
+        while pending:
+            for t in pending:
+                t.cancel()
+            _, pending = await asyncio.wait(pending, timeout=1.0)
         running = [task for _, task in self.running.values()]
         if running and drain_s > 0:
             await asyncio.wait(running, timeout=drain_s)
@@ -74,7 +80,7 @@ class QueueWorker:
 
     # ---- loops ----------------------------------------------------------
     async def _consume(self) -> None:
-        while True:
+        while not self._stopping:
             await self._room.wait()
             try:
                 deliveries = await self.consumer.next(count=self.max_inflight - len(self.running), block_ms=500)
@@ -103,7 +109,7 @@ class QueueWorker:
 
     async def _maintain(self) -> None:
         interval = self.config.claim_idle_ms / 3000
-        while True:
+        while not self._stopping:
             await asyncio.sleep(interval)
             try:
                 for d, _ in list(self.running.values()):  # reset their idle time: they are alive
@@ -119,7 +125,7 @@ class QueueWorker:
                 log.warning("queue maintenance failed: %s", exc)
 
     async def _listen_cancels(self) -> None:
-        while True:
+        while not self._stopping:
             pubsub = self.redis.pubsub()
             try:
                 await pubsub.subscribe(CANCEL_CHANNEL)

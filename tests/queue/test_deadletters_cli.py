@@ -14,7 +14,7 @@ from services.queue import (
     NotFoundError,
     QueueConfig,
     QueueConsumer,
-    QueueUnavailableError,
+    ServiceUnavailableError,
 )
 from services.queue.keys import DEAD_STREAM, result_stream, tier_stream
 
@@ -141,7 +141,7 @@ def test_errors_are_clear(redis_url):
         cli("redrive", "1-1", "--redis-url", redis_url)
     with pytest.raises(InvalidRequestError, match="not a dead-letter id"):
         cli("show", "bogus", "--redis-url", redis_url)
-    with pytest.raises(QueueUnavailableError, match="cannot reach Redis at redis://127.0.0.1:1/0"):
+    with pytest.raises(ServiceUnavailableError, match="cannot reach Redis at redis://127.0.0.1:1/0"):
         cli("list", "--redis-url", "redis://127.0.0.1:1/0")
     with pytest.raises(ValueError, match="--limit"):
         cli("list", "--limit", "0", "--redis-url", redis_url)

@@ -1,0 +1,52 @@
+"""Backpressure: refuse (429 + Retry-After) while the queue is over the gateway's limits, before queueing.
+
+The queue depth (``AdmissionQueue.depth``: unfinished requests and their prompt
+tokens per tier) is read at most once per ``depth_cache_s`` however many
+requests arrive, so a burst costs Redis one pipeline per interval. The cached
+check is the cheap early refusal; the enqueue script checks the same limits
+atomically (``GatewayConfig.queue_config``), so a stale cache never overfills
+the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from services import telemetry
+from services.queue import AdmissionQueue, QueueDepth
+from services.queue.admission import capacity_error
+
+
+class QueueLoad:
+    def __init__(self, queue: AdmissionQueue, max_requests: int, max_tokens: int, retry_after_s: float,
+                 cache_s: float = 0.1):
+        self.queue = queue
+        self.max_requests = max_requests
+        self.max_tokens = max_tokens
+        self.retry_after_s = retry_after_s
+        self.cache_s = cache_s
+        self._depth: QueueDepth | None = None
+        self._read_at = 0.0
+        self._lock = asyncio.Lock()
+
+    async def depth(self) -> QueueDepth:
+        if self._depth is not None and time.monotonic() - self._read_at < self.cache_s:
+            return self._depth
+        async with self._lock:  # one read per interval, however many requests wait for it
+            if self._depth is None or time.monotonic() - self._read_at >= self.cache_s:
+                self._depth = await self.queue.depth()
+                self._read_at = time.monotonic()
+                for tier, d in self._depth.tiers.items():
+                    telemetry.QUEUE_DEPTH.labels(tier).set(d.requests)
+            return self._depth
+
+    async def check(self, prompt_tokens: int) -> None:
+        """Raise ``CapacityError`` (429, ``retry_after_s``) when one more request would exceed a limit."""
+        depth = await self.depth()
+        if depth.requests >= self.max_requests:
+            raise capacity_error(f"the server is overloaded: {depth.requests} requests queued (limit "
+                                 f"{self.max_requests}); retry after {self.retry_after_s:g} s", self.retry_after_s)
+        if depth.prompt_tokens + prompt_tokens > self.max_tokens:
+            raise capacity_error(f"the server is overloaded: {depth.prompt_tokens} prompt tokens queued (limit "
+                                 f"{self.max_tokens}); retry after {self.retry_after_s:g} s", self.retry_after_s)

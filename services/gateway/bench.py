@@ -1,0 +1,234 @@
+"""``pdserve bench serve``: the gateway + queue path against the router's gRPC API, same workload, one run.
+
+One stack (embedded Redis, 1 prefill + 1 decode worker, router, gateway). For
+each arrival rate, the same kind of workload goes twice, Poisson arrivals with
+a fixed seed: once through the gateway (OpenAI ``/v1/completions``, SSE, via
+the admission queue and the result streams) and once straight to the router's
+gRPC Generate. The two halves use different prompts of the same shape, so
+neither is served from a prefix cache the other filled. Per path and rate it
+prints TTFT, inter-token and end-to-end latency (p50, p99), output throughput,
+and goodput (requests per second that met the SLO). The ratios say what the
+gateway and queue cost: ``throughput_ratio_vs_direct`` (mean over rates of
+gateway / direct output tok/s) and ``ttft_overhead_ms_p50`` (gateway p50 TTFT
+minus direct p50 TTFT, at the lowest rate, where queueing in the engine adds
+least noise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+_WORDS = ("river stone light garden window paper engine market silver forest music winter harbor signal "
+          "letter mountain yellow planet bridge candle orange theory coffee island rocket thunder velvet "
+          "marble dragon pencil castle meadow falcon lantern puzzle canyon").split()
+
+
+@dataclass
+class Sample:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    gaps: list[float] = field(default_factory=list)  # between content chunks
+    tokens: int = 0
+    error: str = ""
+
+
+def prompts(seed: int, n: int, words: int) -> list[str]:
+    rng = random.Random(seed)
+    return [f"Request {i}. " + " ".join(rng.choice(_WORDS) for _ in range(words)) + "\nSummary:" for i in range(n)]
+
+
+async def via_gateway(client, base: str, model: str, prompt: str, max_tokens: int) -> Sample:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first = last = None
+    gaps, tokens = [], 0
+    try:
+        async with client.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as resp:
+            if resp.status_code != 200:
+                return Sample(False, error=f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return Sample(False, error=event["error"].get("message", "error"))
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+                if event.get("choices") and event["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now
+                    else:
+                        gaps.append(now - last)
+                    last = now
+    except Exception as exc:  # a dropped connection counts as a failed request
+        return Sample(False, error=f"{type(exc).__name__}: {exc}")
+    end = time.perf_counter()
+    return Sample(True, (first or end) - start, end - start, gaps, tokens)
+
+
+async def via_router(stub, prompt: str, max_tokens: int) -> Sample:
+    from proto.pdserve.v1 import common_pb2, generate_pb2
+
+    req = generate_pb2.GenerateRequest(text=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens,
+                                                                                        temperature=0))
+    start = time.perf_counter()
+    first = last = None
+    gaps, tokens = [], 0
+    try:
+        async for msg in stub.Generate(req, timeout=600):
+            if msg.HasField("chunk"):
+                if msg.chunk.text:
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now
+                    else:
+                        gaps.append(now - last)
+                    last = now
+            else:
+                tokens = msg.finish.usage.completion_tokens
+    except Exception as exc:
+        return Sample(False, error=f"{type(exc).__name__}: {exc}")
+    end = time.perf_counter()
+    return Sample(True, (first or end) - start, end - start, gaps, tokens)
+
+
+async def run_path(send, prompt_list: list[str], rate: float, seed: int) -> tuple[list[Sample], float]:
+    """Poisson arrivals at ``rate`` requests/s; returns the samples and the wall time."""
+    rng = random.Random(seed)
+    start = time.perf_counter()
+    tasks = []
+    at = 0.0
+    for p in prompt_list:
+        delay = start + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(send(p)))
+        at += rng.expovariate(rate)
+    samples = await asyncio.gather(*tasks)
+    return samples, time.perf_counter() - start
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
+
+
+def summarize(samples: list[Sample], wall: float, slo_ttft: float, slo_itl: float) -> dict:
+    ok = [s for s in samples if s.ok]
+    gaps = [g for s in ok for g in s.gaps]
+    good = [s for s in ok if s.ttft <= slo_ttft and (not s.gaps or pct(s.gaps, 50) <= slo_itl)]
+    return {
+        "requests": len(samples), "failed": len(samples) - len(ok),
+        "errors": sorted({s.error for s in samples if not s.ok})[:3],
+        "ttft_ms_p50": pct([s.ttft for s in ok], 50) * 1e3, "ttft_ms_p99": pct([s.ttft for s in ok], 99) * 1e3,
+        "itl_ms_p50": pct(gaps, 50) * 1e3, "itl_ms_p99": pct(gaps, 99) * 1e3,
+        "e2e_ms_p50": pct([s.e2e for s in ok], 50) * 1e3, "e2e_ms_p99": pct([s.e2e for s in ok], 99) * 1e3,
+        "output_tok_s": sum(s.tokens for s in ok) / wall, "goodput_req_s": len(good) / wall, "wall_s": wall,
+    }
+
+
+async def _bench(args, stack) -> dict:
+    import grpc
+    import httpx
+
+    from proto.pdserve.v1 import generate_pb2_grpc
+
+    base = f"http://{stack.gateway_address}"
+    results = []
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    async with httpx.AsyncClient(limits=limits) as client, \
+            grpc.aio.insecure_channel(stack.router_address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        model = (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
+        # warm-up: both paths once, so connections and first-call costs are not measured
+        await via_gateway(client, base, model, "Warm up.", 2)
+        await via_router(stub, "Warm up.", 2)
+        for i, rate in enumerate(args.rates):
+            row = {"rate": rate}
+            for j, path in enumerate(("gateway", "direct")):
+                plist = prompts(args.seed + 2 * i + j + 1, args.requests, args.prompt_words)
+                send = ((lambda p: via_gateway(client, base, model, p, args.max_tokens)) if path == "gateway"
+                        else (lambda p: via_router(stub, p, args.max_tokens)))
+                _log(f"rate {rate:g}/s: {args.requests} requests via {path}")
+                samples, wall = await run_path(send, plist, rate, args.seed + i)
+                row[path] = summarize(samples, wall, args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
+                _log(f"  {path}: {row[path]['output_tok_s']:.1f} tok/s, p50 TTFT {row[path]['ttft_ms_p50']:.1f} ms, "
+                     f"{row[path]['failed']} failed")
+            results.append(row)
+    ratios = [r["gateway"]["output_tok_s"] / r["direct"]["output_tok_s"] for r in results
+              if r["direct"]["output_tok_s"] > 0]
+    lowest = min(results, key=lambda r: r["rate"])
+    return {
+        "throughput_ratio_vs_direct": sum(ratios) / len(ratios) if ratios else None,
+        "ttft_overhead_ms_p50": lowest["gateway"]["ttft_ms_p50"] - lowest["direct"]["ttft_ms_p50"],
+        "rates": results,
+        "config": {"requests_per_rate_and_path": args.requests, "prompt_words": args.prompt_words,
+                   "max_tokens": args.max_tokens, "slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms,
+                   "dtype": args.dtype, "threads_per_worker": args.threads, "seed": args.seed},
+    }
+
+
+def run(args) -> int:
+    from services.launcher import LocalStack, StackSpec
+
+    if not args.rates or min(args.rates) <= 0 or args.requests < 1 or args.max_tokens < 1:
+        raise ValueError("rates, requests and max-tokens must be positive")
+    spec = StackSpec(prefill=1, decode=1, model=args.model, dtype=args.dtype, threads=args.threads,
+                     transport=args.transport, gateway=True,
+                     gateway_args=["--max-queued-requests", "100000", "--max-queued-tokens", "100000000"])
+    _log("starting the stack (embedded Redis, 1 prefill, 1 decode, router, gateway)")
+    with LocalStack(spec) as stack:
+        result = asyncio.run(_bench(args, stack))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    return 0
+
+
+def print_table(result: dict) -> None:
+    print(f"{'rate':>5} {'path':>8} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>16} {'E2E p50/p99 ms':>17} "
+          f"{'tok/s':>7} {'goodput':>8} {'failed':>6}")
+    for row in result["rates"]:
+        for path in ("gateway", "direct"):
+            r = row[path]
+            print(f"{row['rate']:>5g} {path:>8} {r['ttft_ms_p50']:>8.1f}/{r['ttft_ms_p99']:<8.1f} "
+                  f"{r['itl_ms_p50']:>7.1f}/{r['itl_ms_p99']:<8.1f} {r['e2e_ms_p50']:>8.1f}/{r['e2e_ms_p99']:<8.1f} "
+                  f"{r['output_tok_s']:>7.1f} {r['goodput_req_s']:>8.2f} {r['failed']:>6}")
+    ratio = result["throughput_ratio_vs_direct"]
+    print(f"\nthroughput gateway/direct: {ratio:.3f}  (goal >= 0.90)" if ratio else "\nthroughput: no data")
+    print(f"p50 TTFT overhead of gateway + queue: {result['ttft_overhead_ms_p50']:.1f} ms  (goal < 15 ms)")
+
+
+def _log(msg: str) -> None:
+    print(f"[bench serve] {msg}", file=sys.stderr, flush=True)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="gateway + queue vs the router's gRPC API under Poisson load",
+                       description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.0, 4.0],
+                   help="arrival rates in requests/s, comma-separated")
+    p.add_argument("--requests", type=int, default=40, help="requests per rate and path")
+    p.add_argument("--prompt-words", type=int, default=60, help="words per prompt (~1.3 tokens each)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: TTFT at most this")
+    p.add_argument("--slo-itl-ms", type=float, default=200.0, help="goodput: median inter-token gap at most this")
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--transport", default="ucx", choices=["ucx", "tcp"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)

@@ -1,0 +1,69 @@
+"""The gateway's typed configuration, validated where it is built (server.py builds it from flags)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from services.queue import QueueConfig
+from services.queue.config import DEFAULT_TIERS
+
+
+@dataclass
+class GatewayConfig:
+    # request bodies larger than this are refused (413) before they are parsed
+    max_body_bytes: int = 1 << 20
+    # backpressure: refuse (429) while the queue holds this many unfinished requests / prompt tokens
+    max_queued_requests: int = 1000
+    max_queued_tokens: int = 1_000_000
+    # what a 429 or 503 for overload tells the client to wait
+    retry_after_s: float = 1.0
+    # x-pdserve-timeout when the client sends none, and the most it may ask for
+    default_timeout_s: float = 600.0
+    max_timeout_s: float = 3600.0
+    # a client that disconnects is given this long to resume before its request is cancelled
+    disconnect_grace_s: float = 5.0
+    # an SSE comment is sent after this long without an event (keeps proxies from timing out)
+    sse_heartbeat_s: float = 15.0
+    # past a request's deadline the router writes a deadline error itself; wait this long for it
+    deadline_grace_s: float = 30.0
+    # how stale the queue depth and the worker list may be when admitting
+    depth_cache_s: float = 0.1
+    workers_cache_s: float = 0.25
+    # how long an Idempotency-Key and a request's record (what a resume needs) are kept
+    idempotency_ttl_s: int = 3600
+    record_ttl_s: int = 3600
+    # the context length when no decode worker says (None: the model's own config)
+    max_model_len: int | None = None
+    # priority tiers, highest first (the queue's); tenant of an unauthenticated gateway gets default_tier
+    tiers: tuple[str, ...] = DEFAULT_TIERS
+    default_tier: str = "standard"
+    # answer 503 while no decode worker is ready (False: queue anyway, e.g. workers start later)
+    require_ready_worker: bool = True
+
+    def __post_init__(self) -> None:
+        self.tiers = tuple(self.tiers)
+        for name in ("max_body_bytes", "max_queued_requests", "max_queued_tokens", "idempotency_ttl_s",
+                     "record_ttl_s"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+        for name in ("retry_after_s", "default_timeout_s", "max_timeout_s", "sse_heartbeat_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a number > 0; got {value!r}")
+        for name in ("disconnect_grace_s", "deadline_grace_s", "depth_cache_s", "workers_cache_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0; got {value!r}")
+        if self.default_timeout_s > self.max_timeout_s:
+            raise ValueError("default_timeout_s must not exceed max_timeout_s")
+        if self.max_model_len is not None and (type(self.max_model_len) is not int or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an int >= 2; got {self.max_model_len!r}")
+        if self.default_tier not in self.tiers:
+            raise ValueError(f"default_tier {self.default_tier!r} is not one of the tiers {list(self.tiers)}")
+
+    def queue_config(self) -> QueueConfig:
+        """The admission queue's config: its atomic bounds are the gateway's backpressure limits."""
+        return QueueConfig(tiers=self.tiers, max_queued_requests=self.max_queued_requests,
+                           max_queued_prompt_tokens=self.max_queued_tokens, retry_after_s=self.retry_after_s)

@@ -1,0 +1,290 @@
+"""The gateway's core, shared by the HTTP and gRPC edges: admit a request, follow its results, let go of it.
+
+``submit`` (in this order, so nothing is queued or charged for a request that
+is refused)::
+
+    Idempotency-Key known?  -> attach to that request (nothing else happens)
+    tokenize, context check -> 400
+    decode worker ready?    -> 503 + Retry-After
+    queue under the limits? -> 429 + Retry-After          (cached depth)
+    tenant's budgets        -> 429 + x-ratelimit-*        (takes them)
+    record, claim the key   -> lost the race: attach to the winner
+    enqueue                 -> 429 if the queue filled meanwhile (atomic check)
+
+``follow`` yields the result stream's events from an entry id on, plus a
+heartbeat whenever nothing arrived for ``sse_heartbeat_s`` (a queued request has
+no events yet). ``detach`` runs when a client stops reading: when it left before
+the terminal event and no other client is attached ``disconnect_grace_s`` later
+(on any replica), the request is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from services.errors import DeadlineExceededError, InvalidRequestError, ModelNotFoundError, PdserveError
+from services.gateway import prompts
+from services.gateway.api_keys import ApiKeys, Tenant
+from services.gateway.backpressure import QueueLoad
+from services.gateway.config import GatewayConfig
+from services.gateway.idempotency import IdempotencyKeys, validate_key
+from services.gateway.protocol import GenerationRequest
+from services.gateway.rate_limit import RateLimiter, RateStatus
+from services.gateway.readiness import DecodeWorkers
+from services.gateway.request_record import RequestRecord, RequestRecords
+from services.gateway.served_model import ServedModel
+from services.queue import AdmissionQueue, QueuedRequest, ResultReader, ResultWriter
+from services.queue.cancel import request_cancel
+from services.errors import NotFoundError
+from services.queue.keys import result_stream
+from services.queue.results import CHUNK, TERMINAL, decode_event
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT = "heartbeat"  # a pseudo event type from follow(): nothing new for a while
+
+
+def _honour_cancellation() -> None:
+    """Raise if this task was asked to stop: redis-py (8.1) can swallow a cancellation that lands while it
+    reconnects, and a reader that never notices would follow a stream nobody reads until its deadline."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+@dataclass
+class Admission:
+    record: RequestRecord
+    tier: str
+    attached: bool  # True: joined an earlier request with the same Idempotency-Key; nothing was queued
+    rate: RateStatus | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.record.request_id
+
+
+class GatewayCore:
+    def __init__(self, redis, config: GatewayConfig, model: ServedModel, keys: ApiKeys | None = None):
+        self.redis = redis
+        self.config = config
+        self.model = model
+        self.keys = keys or ApiKeys.disabled(config.default_tier)
+        self.queue = AdmissionQueue(redis, config.queue_config())
+        self.load = QueueLoad(self.queue, config.max_queued_requests, config.max_queued_tokens,
+                              config.retry_after_s, config.depth_cache_s)
+        self.workers = DecodeWorkers(redis, config.retry_after_s, config.workers_cache_s)
+        self.limiter = RateLimiter(redis)
+        self.idempotency = IdempotencyKeys(redis, config.idempotency_ttl_s)
+        # a record outlives the longest request and its result stream, so every resume finds it
+        self.records = RequestRecords(redis, max(config.record_ttl_s, math.ceil(config.max_timeout_s) + 600))
+        self.reader = ResultReader(redis)
+        self._background: set[asyncio.Task] = set()
+
+    # -- what a request asks for ------------------------------------------------------------
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        return self.keys.authenticate(authorization)
+
+    def resolve_tier(self, tenant: Tenant, requested: str | None) -> str:
+        """The tier asked for (``x-pdserve-priority``), but never above the tenant's own."""
+        tiers = self.config.tiers
+        if not requested:
+            return tenant.tier
+        if requested not in tiers:
+            raise InvalidRequestError(f"x-pdserve-priority must be one of {list(tiers)}, got {requested[:40]!r}",
+                                      param="x-pdserve-priority")
+        return tiers[max(tiers.index(requested), tiers.index(tenant.tier))]
+
+    def resolve_deadline(self, timeout: str | float | None) -> float:
+        """Unix seconds by which the request must finish (``x-pdserve-timeout`` seconds from now)."""
+        if timeout is None or timeout == "":
+            seconds = self.config.default_timeout_s
+        else:
+            try:
+                seconds = float(timeout)
+            except ValueError:
+                seconds = math.nan
+            if not 0 < seconds <= self.config.max_timeout_s:  # also refuses nan
+                raise InvalidRequestError(f"x-pdserve-timeout must be seconds in (0, {self.config.max_timeout_s:g}]",
+                                          param="x-pdserve-timeout")
+        return time.time() + seconds
+
+    def check_model(self, name: str | None) -> str:
+        if name and name != self.model.name:
+            raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {self.model.name!r}",
+                                     param="model")
+        return self.model.name
+
+    async def max_model_len(self) -> int:
+        """The context length: the decode workers' (smallest), capped by --max-model-len, else the model's."""
+        lengths = [n for n in (await self.workers.max_model_len(), self.config.max_model_len) if n]
+        return min(lengths) if lengths else self.model.max_model_len
+
+    # -- admission ----------------------------------------------------------------------------
+
+    async def submit(self, tenant: Tenant, req: GenerationRequest, *, tier: str, deadline: float,
+                     idempotency_key: str | None = None, traceparent: str = "") -> Admission:
+        model = self.check_model(req.model)
+        if idempotency_key is not None:
+            validate_key(idempotency_key)
+            earlier = await self._attach_by_key(tenant, idempotency_key, tier)
+            if earlier is not None:
+                return earlier
+
+        token_ids = await prompts.encode(self.model, req.messages, req.prompt)
+        max_len = await self.max_model_len()
+        prompts.check_context(len(token_ids), req.max_tokens, max_len)
+        if self.config.require_ready_worker:
+            await self.workers.check()
+        await self.load.check(len(token_ids))
+        output_budget = req.max_tokens if req.max_tokens is not None else max_len - len(token_ids)
+        rate = await self.limiter.take(tenant, len(token_ids) + output_budget)
+
+        record = RequestRecord(uuid.uuid4().hex, req.kind, model, int(time.time()), tenant.name, req.include_usage,
+                               req.logprobs, deadline, len(token_ids))
+        await self.records.save(record)
+        if idempotency_key is not None:
+            winner = await self.idempotency.claim(tenant.name, idempotency_key, record.request_id)
+            if winner != record.request_id:  # a concurrent retry got there first
+                earlier = await self._attach(tenant, winner, tier)
+                if earlier is not None:
+                    return earlier
+        queued = QueuedRequest(record.request_id, tenant.name, tier, model, token_ids, req.sampling, deadline,
+                               traceparent)
+        try:
+            await self.queue.enqueue(queued)
+        except Exception as exc:
+            if idempotency_key is not None:  # let the client retry with the same key; tell anyone attached
+                await self.idempotency.release(tenant.name, idempotency_key, record.request_id)
+                if isinstance(exc, PdserveError):
+                    await self.queue_error(record.request_id, exc)
+            raise
+        return Admission(record, tier, attached=False, rate=rate)
+
+    async def _attach_by_key(self, tenant: Tenant, key: str, tier: str) -> Admission | None:
+        request_id = await self.idempotency.lookup(tenant.name, key)
+        return None if request_id is None else await self._attach(tenant, request_id, tier)
+
+    async def _attach(self, tenant: Tenant, request_id: str, tier: str) -> Admission | None:
+        record = await self.records.load(request_id)
+        if record is None or record.tenant != tenant.name:
+            return None
+        return Admission(record, tier, attached=True)
+
+    async def queue_error(self, request_id: str, exc: PdserveError) -> None:
+        """Write ``exc`` as the request's error event (for clients attached through its Idempotency-Key)."""
+        await ResultWriter(self.redis, self.queue.config.result_ttl_s).error(request_id, exc.code, exc.message,
+                                                                              exc.http_status)
+
+    async def find(self, tenant: Tenant, request_id: str) -> RequestRecord:
+        """A request of this tenant (for resuming), or NotFoundError: another tenant's is not found either."""
+        record = await self.records.load(request_id) if len(request_id) <= 128 else None
+        if record is None or record.tenant != tenant.name:
+            raise NotFoundError(f"no request {request_id[:128]!r} (it expired, or was never made)", param="request_id")
+        return record
+
+    # -- results ------------------------------------------------------------------------------
+
+    async def follow(self, record: RequestRecord, last_id: str = "0") -> AsyncIterator[tuple[str, str, Any]]:
+        """``(entry_id, type, data)`` after ``last_id`` up to the terminal event, with heartbeats between."""
+        rid = record.request_id
+        deadline = record.deadline or time.time() + self.config.default_timeout_s
+        give_up = deadline + self.config.deadline_grace_s
+        while True:
+            _honour_cancellation()
+            wait = min(self.config.sse_heartbeat_s, give_up - time.time())
+            if wait <= 0:
+                raise DeadlineExceededError(f"request {rid} got no result before its deadline")
+            # XREAD BLOCK stays well under redis-py's default socket timeout (5 s), which would cut it off
+            events = self.reader.read(rid, last_id, block_ms=max(1, int(min(wait, 1.0) * 1000)), timeout_s=wait)
+            try:
+                async with contextlib.aclosing(events):
+                    async for entry_id, kind, data in events:
+                        last_id = entry_id
+                        _honour_cancellation()
+                        yield entry_id, kind, data
+                return
+            except (NotFoundError, DeadlineExceededError):
+                pass  # nothing for `wait` seconds
+            if not await self.redis.exists(result_stream(rid)):
+                state = await self.queue.state(rid)
+                if state is None or state.get("status") != "queued":
+                    raise NotFoundError(f"the results of request {rid} expired (or it was never queued)")
+            yield "", HEARTBEAT, None
+
+    async def text_before(self, request_id: str, last_id: str) -> int:
+        """Characters of output up to and including ``last_id`` (completions' logprobs text_offset on resume)."""
+        if last_id == "0":
+            return 0
+        total = 0
+        for _, fields in await self.redis.xrange(result_stream(request_id), "-", last_id):
+            kind, data = decode_event(fields)
+            if kind == CHUNK:
+                total += len(data.get("text") or "")
+        return total
+
+    # -- clients coming and going ---------------------------------------------------------------
+
+    async def attach(self, request_id: str) -> None:
+        await self.records.add_reader(request_id, 1)
+
+    def detach(self, request_id: str, counted: bool, finished: bool) -> None:
+        """A client stopped reading (done, or gone: then maybe cancel). Safe to call from a cancelled task."""
+        self.spawn(self._detach(request_id, counted, finished))
+
+    async def _detach(self, request_id: str, counted: bool, finished: bool) -> None:
+        try:
+            if counted:
+                await self.records.add_reader(request_id, -1)
+            if finished:
+                return
+            if self.config.disconnect_grace_s:
+                await asyncio.sleep(self.config.disconnect_grace_s)  # time to resume before we give up on it
+            if await self.records.readers(request_id) > 0:
+                return
+            last = await self.reader.last_event(request_id)
+            if last is not None and last[1] in TERMINAL:
+                return
+            log.info("request %s: its client left; cancelling", request_id)
+            await request_cancel(self.redis, request_id)
+        except Exception as exc:
+            log.warning("request %s: detaching failed: %s", request_id, exc)
+
+    def spawn(self, coro) -> asyncio.Task:
+        """Run ``coro`` on its own (outlives a cancelled request task); kept referenced until done."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    # -- health -----------------------------------------------------------------------------------
+
+    async def readiness(self) -> tuple[bool, str, int]:
+        """(ready, why not, ready decode workers): Redis answers and a decode worker is ready."""
+        try:
+            await self.redis.ping()
+            workers = await self.workers.ready()
+        except Exception as exc:
+            return False, f"redis unreachable: {type(exc).__name__}: {exc}", 0
+        if not workers:
+            return False, "no ready decode worker", 0
+        return True, "", len(workers)
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Let pending detaches (cancels) finish, then stop."""
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=timeout_s)
+        for task in list(self._background):
+            task.cancel()
+
+
+__all__ = ["HEARTBEAT", "Admission", "GatewayCore"]

@@ -1,0 +1,202 @@
+"""The public gRPC Generation API on the gateway: the same admission and results as HTTP, over the queue.
+
+Metadata plays the HTTP headers' part: ``authorization: Bearer <key>``,
+``x-pdserve-priority`` (a tier name). ``GenerateRequest.priority`` > 0 moves
+the request that many tiers below the key's (never above). The call's gRPC
+deadline is the request's deadline. ``request_id``, when the caller sets one, is
+its idempotency key: a retried call with the same id attaches to the original
+request instead of running it twice. A cancelled call cancels the request (after
+the same grace period as an HTTP disconnect, within which a retry may attach).
+
+Errors: refusals before queueing map through ``grpc_codec.status_of``; an
+error event from the result stream maps by its HTTP status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+
+import grpc
+
+from proto.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from services import telemetry
+from services.errors import InvalidRequestError
+from services.gateway import metrics, prompts, protocol
+from services.gateway.core import HEARTBEAT, GatewayCore
+from services.gateway.protocol import GenerationRequest
+from services.gateway.request_record import CHAT, COMPLETION
+from services.grpc_codec import abort_with, sampling_from_proto
+from services.queue.results import CHUNK, ERROR, FINAL
+
+_STATUS_BY_HTTP = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+                   403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
+                   413: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   499: grpc.StatusCode.CANCELLED, 502: grpc.StatusCode.UNAVAILABLE,
+                   503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def event_status(data: dict) -> tuple[grpc.StatusCode, str]:
+    """An error event -> (gRPC status, message), by the event's HTTP status."""
+    status = data.get("status")
+    code = _STATUS_BY_HTTP.get(status, grpc.StatusCode.INTERNAL) if type(status) is int else grpc.StatusCode.INTERNAL
+    return code, f"{data.get('code', 'internal_error')}: {data.get('message', 'the request failed')}"
+
+
+def _metadata(context) -> dict[str, str]:
+    return {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+
+
+def token_chunk(data: dict) -> common_pb2.TokenChunk:
+    chunk = common_pb2.TokenChunk(token_ids=data.get("token_ids") or [], text=data.get("text") or "")
+    for e in data.get("logprobs") or []:
+        chunk.logprobs.append(common_pb2.TokenLogprob(
+            token_id=e.get("token_id", 0), logprob=e.get("logprob", 0.0), token=e.get("token", ""),
+            top=[common_pb2.TopLogprob(token_id=t.get("token_id", 0), logprob=t.get("logprob", 0.0),
+                                       token=t.get("token", "")) for t in e.get("top") or []]))
+    return chunk
+
+
+def finish_message(data: dict) -> common_pb2.Finish:
+    usage, timings = data.get("usage") or {}, data.get("timings") or {}
+    return common_pb2.Finish(
+        finish_reason=data.get("finish_reason") or "stop",
+        usage=common_pb2.Usage(prompt_tokens=usage.get("prompt_tokens", 0),
+                               completion_tokens=usage.get("completion_tokens", 0),
+                               cached_prompt_tokens=usage.get("cached_prompt_tokens", 0)),
+        timings=common_pb2.Timings(**{k: float(timings[k]) for k in ("ttft_ms", "e2e_ms", "queue_ms", "prefill_ms")
+                                      if isinstance(timings.get(k), (int, float))}),
+        prefill_worker=str(data.get("prefill_worker") or ""), decode_worker=str(data.get("decode_worker") or ""))
+
+
+class GatewayGenerationServicer(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, core: GatewayCore):
+        self.core = core
+
+    def _generation_request(self, request) -> GenerationRequest:
+        kind = request.WhichOneof("input")
+        if kind is None:
+            raise InvalidRequestError("give a prompt: text, chat or token_ids", param="input")
+        params = sampling_from_proto(request.sampling)  # validates; InvalidRequestError names the field
+        common = {"model": request.model or None, "sampling": dataclasses.asdict(params),
+                  "logprobs": params.logprobs}
+        if kind == "chat":
+            messages = protocol.parse_messages([{"role": m.role, "content": m.content}
+                                                for m in request.chat.messages])
+            return GenerationRequest(CHAT, messages=messages, **common)
+        if kind == "text":
+            return GenerationRequest(COMPLETION, prompt=protocol.parse_prompt(request.text), **common)
+        return GenerationRequest(COMPLETION, prompt=protocol.parse_prompt(list(request.token_ids.ids)), **common)
+
+    def _tier(self, tenant, metadata: dict[str, str], priority: int) -> str:
+        if metadata.get("x-pdserve-priority"):
+            return self.core.resolve_tier(tenant, metadata["x-pdserve-priority"])
+        tiers = self.core.config.tiers
+        return tiers[min(len(tiers) - 1, tiers.index(tenant.tier) + max(0, priority))]
+
+    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        core = self.core
+        started = time.perf_counter()
+        rid = counted = None
+        finished = False
+        outcome = "aborted"
+        with telemetry.server_span("gateway.generate", context, request_id=request.request_id or None):
+            try:
+                md = _metadata(context)
+                tenant = core.authenticate(md.get("authorization"))
+                req = self._generation_request(request)
+                tier = self._tier(tenant, md, request.priority)
+                remaining = context.time_remaining()
+                deadline = time.time() + remaining if remaining else core.resolve_deadline(md.get("x-pdserve-timeout"))
+                traceparent = telemetry.inject_carrier().get("traceparent", "")
+                admission = await core.submit(tenant, req, tier=tier, deadline=deadline,
+                                              idempotency_key=request.request_id or None, traceparent=traceparent)
+                rid = admission.request_id
+                reply_id = request.request_id or rid
+                await core.attach(rid)
+                counted = True
+                stream = not request.HasField("stream") or request.stream
+                merged = common_pb2.TokenChunk()
+                first = True
+                events = core.follow(admission.record, "0")
+                async with contextlib.aclosing(events):
+                    async for _, kind, data in events:
+                        if kind == HEARTBEAT:
+                            continue
+                        if kind == CHUNK:
+                            if first and not admission.attached:
+                                metrics.observe_ttft(time.perf_counter() - started)
+                            first = False
+                            chunk = token_chunk(data)
+                            if stream:
+                                yield generate_pb2.GenerateResponse(chunk=chunk, request_id=reply_id)
+                            else:
+                                merged.token_ids.extend(chunk.token_ids)
+                                merged.text += chunk.text
+                                merged.logprobs.extend(chunk.logprobs)
+                        elif kind == FINAL:
+                            finished = True
+                            outcome = "aborted" if data.get("finish_reason") == "abort" else "ok"
+                            if not stream:
+                                yield generate_pb2.GenerateResponse(chunk=merged, request_id=reply_id)
+                            yield generate_pb2.GenerateResponse(finish=finish_message(data), request_id=reply_id)
+                        elif kind == ERROR:
+                            finished = True
+                            outcome = "error"
+                            code, message = event_status(data)
+                            await context.abort(code, message)
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise  # the client went away (detached below: cancelled after the grace period), or aborted
+            except Exception as exc:
+                outcome = metrics.outcome_of(exc)
+                await abort_with(context, exc)
+            finally:
+                metrics.count("grpc", outcome)
+                if rid is not None:
+                    core.detach(rid, bool(counted), finished)
+
+    async def Tokenize(self, request: generate_pb2.TokenizeRequest, context):
+        try:
+            self.core.authenticate(_metadata(context).get("authorization"))
+            self.core.check_model(request.model or None)
+            kind = request.WhichOneof("input")
+            if kind == "chat":
+                messages = protocol.parse_messages([{"role": m.role, "content": m.content}
+                                                    for m in request.chat.messages])
+                ids = await prompts.encode(self.core.model, messages=messages)
+            elif kind == "text":
+                ids = await prompts.encode(self.core.model, prompt=protocol.parse_prompt(request.text))
+            else:
+                raise InvalidRequestError("give a prompt: text or chat", param="input")
+            max_len = await self.core.max_model_len()
+        except Exception as exc:
+            await abort_with(context, exc)
+        return generate_pb2.TokenizeResponse(token_ids=ids, max_model_len=max_len)
+
+    async def ListModels(self, request, context):
+        try:
+            self.core.authenticate(_metadata(context).get("authorization"))
+            max_len = await self.core.max_model_len()
+        except Exception as exc:
+            await abort_with(context, exc)
+        return generate_pb2.ListModelsResponse(models=[generate_pb2.Model(id=self.core.model.name,
+                                                                          max_model_len=max_len)])
+
+
+async def start_grpc(core: GatewayCore, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Serve Generation (and gRPC health, SERVING) on ``host:port`` (0: a free port); returns the bound port."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.aio.server()
+    generate_pb2_grpc.add_GenerationServicer_to_server(GatewayGenerationServicer(core), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise ValueError(f"cannot listen on {host}:{port} for gRPC")
+    await server.start()
+    for name in ("", "pdserve.v1.Generation"):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound

@@ -1,0 +1,56 @@
+"""The gateway's metrics: requests by API and outcome, TTFT and end-to-end latency as clients see them.
+
+``pdserve_gateway_requests_total{api, outcome}`` tells the refusals apart
+(unauthorized, rate_limited, overloaded, unavailable); the shared
+``pdserve_requests_total{role="gateway"}`` gets the coarse outcome every role
+reports. Queue depth per tier (``pdserve_queue_depth``) is set where the depth
+is read (backpressure.py).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter
+
+from services import telemetry
+from services.errors import CapacityError, NoWorkerError, PdserveError, RequestAbortedError
+from services.errors import AuthenticationError, RateLimitError
+from services.gateway.http_errors import as_pdserve
+from services.errors import ServiceUnavailableError
+
+APIS = ("chat", "completion", "resume", "grpc")
+OUTCOMES = ("ok", "aborted", "error", "invalid", "unauthorized", "rate_limited", "overloaded", "unavailable")
+_COARSE = {"ok": "ok", "aborted": "aborted", "error": "error", "invalid": "invalid", "unauthorized": "invalid",
+           "rate_limited": "error", "overloaded": "error", "unavailable": "error"}
+
+GATEWAY_REQUESTS = Counter("pdserve_gateway_requests_total", "Gateway generation requests by API and outcome.",
+                           ["api", "outcome"])
+
+
+def outcome_of(exc: BaseException) -> str:
+    exc = as_pdserve(exc)
+    if isinstance(exc, AuthenticationError):
+        return "unauthorized"
+    if isinstance(exc, RateLimitError):
+        return "rate_limited"
+    if isinstance(exc, CapacityError):
+        return "overloaded"
+    if isinstance(exc, (NoWorkerError, ServiceUnavailableError)):
+        return "unavailable"
+    if isinstance(exc, RequestAbortedError):
+        return "aborted"
+    if isinstance(exc, PdserveError) and exc.http_status < 500:
+        return "invalid"
+    return "error"
+
+
+def count(api: str, outcome: str) -> None:
+    GATEWAY_REQUESTS.labels(api, outcome).inc()
+    telemetry.REQUESTS.labels("gateway", _COARSE[outcome]).inc()
+
+
+def observe_ttft(seconds: float) -> None:
+    telemetry.TTFT_SECONDS.labels("gateway").observe(seconds)
+
+
+def observe_e2e(seconds: float) -> None:
+    telemetry.E2E_LATENCY_SECONDS.labels("gateway").observe(seconds)

@@ -1,0 +1,150 @@
+"""Result stream events -> OpenAI objects: stream chunks, or one response body.
+
+Chat streams (``chat.completion.chunk``)::
+
+    {"choices": [{"delta": {"role": "assistant", "content": ""}}]}     opening (not resumable)
+    {"choices": [{"delta": {"content": "Hel"}, "logprobs": ...}]}      one per chunk event
+    {"choices": [{"delta": {}, "finish_reason": "stop"}]}              final event
+    {"choices": [], "usage": {...}}                                   final event, include_usage only
+
+Completion streams (``text_completion``) are the same without the opening, with
+``text`` instead of ``delta``. With ``include_usage`` every chunk carries
+``"usage": null`` except the last, as OpenAI's do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.gateway.request_record import CHAT, RequestRecord
+
+
+def response_id(record: RequestRecord) -> str:
+    return ("chatcmpl-" if record.kind == CHAT else "cmpl-") + record.request_id
+
+
+def usage(data: dict, record: RequestRecord, completion_tokens_seen: int) -> dict:
+    """OpenAI usage from a final event's; an aborted request's may be empty, so fall back to what we know."""
+    u = data.get("usage") or {}
+    prompt = int(u.get("prompt_tokens", record.prompt_tokens))
+    completion = int(u.get("completion_tokens", completion_tokens_seen))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": int(u.get("cached_prompt_tokens", 0))}}
+
+
+def _chat_token(entry: dict) -> dict:
+    token = entry.get("token", "")
+    return {"token": token, "logprob": entry.get("logprob", 0.0), "bytes": list(token.encode("utf-8", "replace"))}
+
+
+class LogprobsFormat:
+    """A chunk's ``logprobs`` list in OpenAI's shape for chat or completions."""
+
+    def __init__(self, kind: str, text_offset: int = 0):
+        self.kind = kind
+        self.text_offset = text_offset  # completions: characters of output before the next token
+
+    def convert(self, entries: list[dict]) -> dict:
+        if self.kind == CHAT:
+            return {"content": [{**_chat_token(e), "top_logprobs": [_chat_token(t) for t in e.get("top") or []]}
+                                for e in entries]}
+        offsets = []
+        for e in entries:
+            offsets.append(self.text_offset)
+            self.text_offset += len(e.get("token", ""))
+        return {"tokens": [e.get("token", "") for e in entries],
+                "token_logprobs": [e.get("logprob", 0.0) for e in entries],
+                "top_logprobs": [{t.get("token", ""): t.get("logprob", 0.0) for t in e.get("top") or []}
+                                 for e in entries],
+                "text_offset": offsets}
+
+    @staticmethod
+    def merge(kind: str, parts: list[dict]) -> dict | None:
+        if not parts:
+            return None
+        if kind == CHAT:
+            return {"content": [c for p in parts for c in p["content"]]}
+        return {key: [x for p in parts for x in p[key]]
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+class StreamFormatter:
+    """One request's result events as OpenAI stream chunks (dicts), in order."""
+
+    def __init__(self, record: RequestRecord, include_usage: bool, text_offset: int = 0):
+        self.record = record
+        self.include_usage = include_usage
+        self.id = response_id(record)
+        self.object = "chat.completion.chunk" if record.kind == CHAT else "text_completion"
+        self.logprobs = LogprobsFormat(record.kind, text_offset) if record.logprobs is not None else None
+        self.completion_tokens = 0
+
+    def _chunk(self, choices: list[dict], **extra: Any) -> dict:
+        out = {"id": self.id, "object": self.object, "created": self.record.created, "model": self.record.model,
+               "system_fingerprint": None, "choices": choices}
+        if self.include_usage:
+            out["usage"] = None
+        out.update(extra)
+        return out
+
+    def _choice(self, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
+                role: bool = False) -> dict:
+        if self.record.kind == CHAT:
+            delta: dict = {"role": "assistant", "content": ""} if role else {}
+            if text is not None:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def opening(self) -> dict | None:
+        """Chat's first chunk, the assistant role; sent only to a client that starts from the beginning."""
+        return self._chunk([self._choice(None, None, role=True)]) if self.record.kind == CHAT else None
+
+    def chunk(self, data: dict) -> dict | None:
+        """A chunk event's chunk, or None when it carries nothing to show (text held back, no logprobs)."""
+        self.completion_tokens += len(data.get("token_ids") or [])
+        text = data.get("text") or ""
+        entries = data.get("logprobs") or []
+        logprobs = self.logprobs.convert(entries) if self.logprobs is not None and entries else None
+        if not text and logprobs is None:
+            return None
+        return self._chunk([self._choice(text, None, logprobs)])
+
+    def final(self, data: dict) -> list[dict]:
+        reason = data.get("finish_reason") or "stop"
+        out = [self._chunk([self._choice(None if self.record.kind == CHAT else "", reason)])]
+        if self.include_usage:
+            out.append(self._chunk([], usage=usage(data, self.record, self.completion_tokens)))
+        return out
+
+
+class ResponseAggregate:
+    """One request's result events as a single non-stream response body."""
+
+    def __init__(self, record: RequestRecord):
+        self.record = record
+        self.text: list[str] = []
+        self.logprobs_parts: list[dict] = []
+        self.logprobs = LogprobsFormat(record.kind) if record.logprobs is not None else None
+        self.completion_tokens = 0
+
+    def add(self, data: dict) -> None:
+        self.completion_tokens += len(data.get("token_ids") or [])
+        self.text.append(data.get("text") or "")
+        if self.logprobs is not None and data.get("logprobs"):
+            self.logprobs_parts.append(self.logprobs.convert(data["logprobs"]))
+
+    def body(self, final: dict) -> dict:
+        rec, text = self.record, "".join(self.text)
+        logprobs = LogprobsFormat.merge(rec.kind, self.logprobs_parts) if self.logprobs is not None else None
+        reason = final.get("finish_reason") or "stop"
+        if rec.kind == CHAT:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                      "finish_reason": reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+            obj = "text_completion"
+        return {"id": response_id(rec), "object": obj, "created": rec.created, "model": rec.model,
+                "system_fingerprint": None, "choices": [choice],
+                "usage": usage(final, rec, self.completion_tokens)}

@@ -1,0 +1,67 @@
+"""A request's prompt as token ids: the chat template for messages, the tokenizer for text, checks for ids.
+
+Tokenizing is CPU work on the event loop; long prompts (which take
+milliseconds) go to a thread so one big request does not stall every stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.errors import InvalidRequestError
+from services.gateway.served_model import ServedModel
+
+_INLINE_CHARS = 4096  # below this, tokenizing inline is cheaper than a thread hop
+
+
+def _encode(model: ServedModel, messages: list[dict] | None, prompt: str | list[int] | None) -> list[int]:
+    if messages is None and isinstance(prompt, list):
+        bad = [t for t in prompt if t >= model.vocab_size] if model.vocab_size else []
+        if bad:
+            raise InvalidRequestError(f"prompt has token id {bad[0]}, outside the vocabulary of "
+                                      f"{model.vocab_size} tokens", param="prompt")
+        return list(prompt)
+    if model.tokenizer is None:
+        raise InvalidRequestError(f"model {model.name!r} has no tokenizer; send the prompt as token ids to "
+                                  "/v1/completions", param="messages" if messages is not None else "prompt")
+    if messages is not None:
+        try:
+            ids = model.tokenizer.apply_chat_template(messages)
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # the template itself refused (e.g. roles must alternate)
+            raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from None
+    else:
+        ids = model.tokenizer.encode(prompt)
+    if not ids:
+        raise InvalidRequestError("the prompt is empty after tokenization",
+                                  param="messages" if messages is not None else "prompt")
+    return ids
+
+
+def _size(messages: list[dict] | None, prompt: str | list[int] | None) -> int:
+    if messages is not None:
+        return sum(len(m["content"]) for m in messages)
+    return len(prompt) if isinstance(prompt, str) else 0
+
+
+async def encode(model: ServedModel, messages: list[dict] | None = None,
+                 prompt: str | list[int] | None = None) -> list[int]:
+    if _size(messages, prompt) < _INLINE_CHARS:
+        return _encode(model, messages, prompt)
+    return await asyncio.to_thread(_encode, model, messages, prompt)
+
+
+def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """Prompt and output must fit the context (OpenAI's context_length_exceeded, a 400)."""
+    if prompt_tokens >= max_model_len:
+        message, param = f"the prompt has {prompt_tokens} tokens; shorten it", None
+    elif max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
+        message, param = (f"the request needs {prompt_tokens} prompt tokens and {max_tokens} for the output; "
+                          "lower max_tokens or shorten the prompt"), "max_tokens"
+    else:
+        return
+    exc = InvalidRequestError(f"this model's maximum context length is {max_model_len} tokens, but {message}",
+                              param=param)
+    exc.openai_code = "context_length_exceeded"
+    raise exc

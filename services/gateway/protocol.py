@@ -1,0 +1,259 @@
+"""OpenAI request bodies -> one validated ``GenerationRequest``; every problem is a 400 naming its field.
+
+Parsed by hand rather than by pydantic models: OpenAI refuses a wrong type
+(``"max_tokens": "5"``) where pydantic's lax mode would coerce it, and each error
+should name the parameter (``param``) the way OpenAI's do. Sampling values are
+validated once, by constructing ``SamplingParams`` from exactly the dict that
+goes into the queue message, so the router can never see a value the gateway
+accepted and the engine refuses.
+
+Supported: chat ``messages`` (string content or ``text`` parts), completion
+``prompt`` (a string or token ids, one prompt), ``max_tokens`` /
+``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
+``presence_penalty``, ``frequency_penalty``, ``n`` (1), ``stream``,
+``stream_options.include_usage``, ``logprobs`` / ``top_logprobs``, ``user``; and
+vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``stop_token_ids``, ``skip_special_tokens``. Features pdserve does not have
+(tools, non-text parts, echo, suffix, logit_bias, best_of > 1) are refused
+rather than ignored. Other unknown fields are ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.engine.sampling_params import SamplingParams
+from services.errors import InvalidRequestError
+from services.gateway.request_record import CHAT, COMPLETION
+
+_INT64 = (-(2 ** 63), 2 ** 63 - 1)
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+_NUMBER_PARAMS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty")
+_UNSUPPORTED_CHAT = ("tools", "tool_choice", "functions", "function_call", "audio", "prediction")
+
+
+@dataclass
+class GenerationRequest:
+    kind: str  # chat | completion
+    model: str | None  # None: the served model
+    sampling: dict[str, Any]  # SamplingParams keyword arguments, validated
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # top-n alternatives per token; None: no logprobs
+    messages: list[dict[str, str]] | None = None  # chat: [{"role", "content"}], content flattened to text
+    prompt: str | list[int] | None = None  # completion
+    user: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.sampling.get("max_tokens")
+
+
+def parse_json_body(raw: bytes) -> dict:
+    """Strict UTF-8 JSON object: invalid UTF-8, NaN/Infinity, lone surrogates and non-objects are 400s."""
+    try:
+        body_text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    if not body_text.strip():
+        raise InvalidRequestError("the request body is empty; send a JSON object")
+    try:
+        body = json.loads(body_text, parse_constant=_no_constants)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} "
+                                  f"column {exc.colno}") from None
+    except RecursionError:
+        raise InvalidRequestError("the request body is nested too deeply") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    try:  # "\ud800" parses, but is no text: it would fail later, deep in the tokenizer or Redis
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequestError("the request body contains an invalid Unicode escape (a lone surrogate)") from None
+    return body
+
+
+def _no_constants(name: str):
+    raise InvalidRequestError(f"{name} is not valid JSON")
+
+
+def _kind_name(types: tuple) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+             dict: "an object"}
+    return " or ".join(dict.fromkeys(names[t] for t in types))
+
+
+def _get(body: dict, name: str, types: tuple, default=None):
+    """``body[name]`` if it has one of ``types`` (bool is never an int or number); null means absent."""
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    if float in types and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise InvalidRequestError(f"{name} must be {_kind_name(types)}, got {json.dumps(value)[:60]}", param=name)
+    return value
+
+
+def _common(body: dict, kind: str) -> tuple[dict, dict]:
+    """The sampling dict and the stream/model/user settings every endpoint shares."""
+    sampling: dict[str, Any] = {}
+    for name in _NUMBER_PARAMS:
+        value = _get(body, name, (float,))
+        if value is not None:
+            sampling[name] = value
+    for name in ("top_k",):
+        if (value := _get(body, name, (int,))) is not None:
+            sampling[name] = value
+    seed = _get(body, "seed", (int,))
+    if seed is not None:
+        if not _INT64[0] <= seed <= _INT64[1]:
+            raise InvalidRequestError("seed must fit in a signed 64-bit integer", param="seed")
+        sampling["seed"] = seed
+    stop = _get(body, "stop", (str, list))
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if any(not isinstance(s, str) for s in stop):
+            raise InvalidRequestError("stop must be a string or an array of strings", param="stop")
+        sampling["stop"] = stop
+    if (ids := _get(body, "stop_token_ids", (list,))) is not None:
+        sampling["stop_token_ids"] = ids
+    for name in ("ignore_eos", "skip_special_tokens"):
+        if (value := _get(body, name, (bool,))) is not None:
+            sampling[name] = value
+
+    max_tokens = _get(body, "max_tokens", (int,))
+    if kind == CHAT:
+        newer = _get(body, "max_completion_tokens", (int,))
+        max_tokens = newer if newer is not None else max_tokens
+        if newer is not None and newer < 1:
+            raise InvalidRequestError(f"max_completion_tokens must be an integer >= 1, got {newer}",
+                                      param="max_completion_tokens")
+        sampling["max_tokens"] = max_tokens  # None: until the context is full (OpenAI's chat default)
+    else:
+        sampling["max_tokens"] = 16 if max_tokens is None else max_tokens  # OpenAI's completions default
+
+    n = _get(body, "n", (int,), 1)
+    if n != 1:
+        raise InvalidRequestError(f"only n=1 is supported, got n={n}", param="n")
+    logit_bias = _get(body, "logit_bias", (dict,))
+    if logit_bias:
+        raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
+
+    stream = _get(body, "stream", (bool,), False)
+    options = _get(body, "stream_options", (dict,))
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+        include_usage = _get(options, "include_usage", (bool,), False)
+    settings = {"model": _get(body, "model", (str,)), "stream": stream, "include_usage": include_usage,
+                "user": _get(body, "user", (str,))}
+    return sampling, settings
+
+
+def _validate_sampling(sampling: dict) -> None:
+    SamplingParams(**sampling)  # raises InvalidRequestError naming the parameter
+
+
+def parse_chat(body: dict) -> GenerationRequest:
+    for name in _UNSUPPORTED_CHAT:
+        if body.get(name):
+            raise InvalidRequestError(f"{name} is not supported by this server", param=name)
+    fmt = _get(body, "response_format", (dict,))
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise InvalidRequestError("only response_format type 'text' is supported", param="response_format")
+    if "messages" not in body:
+        raise InvalidRequestError("messages is required", param="messages")
+    raw = _get(body, "messages", (list,))
+    messages = parse_messages(raw)
+
+    sampling, settings = _common(body, CHAT)
+    logprobs = _get(body, "logprobs", (bool,), False)
+    top = _get(body, "top_logprobs", (int,))
+    if top is not None and not logprobs:
+        raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    if top is not None and not 0 <= top <= 20:
+        raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
+    if logprobs:
+        sampling["logprobs"] = top or 0
+    _validate_sampling(sampling)
+    return GenerationRequest(CHAT, sampling=sampling, messages=messages,
+                             logprobs=sampling.get("logprobs"), **settings)
+
+
+def parse_messages(raw: Any) -> list[dict[str, str]]:
+    """Chat messages with their content flattened to text (text parts joined by newlines)."""
+    if not isinstance(raw, list) or not raw:
+        raise InvalidRequestError("messages must be a non-empty array", param="messages")
+    return [_message(m, i) for i, m in enumerate(raw)]
+
+
+def _message(m: Any, i: int) -> dict[str, str]:
+    param = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise InvalidRequestError(f"{param} must be an object with role and content", param=param)
+    role = m.get("role")
+    if role not in _ROLES:
+        raise InvalidRequestError(f"{param}.role must be one of {sorted(_ROLES)}, got {json.dumps(role)[:40]}",
+                                  param=f"{param}.role")
+    content = m.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            where = f"{param}.content[{j}]"
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else None
+                raise InvalidRequestError(f"{where}: only text content parts are supported (got type "
+                                          f"{json.dumps(kind)})", param=where)
+            if not isinstance(part.get("text"), str):
+                raise InvalidRequestError(f"{where}.text must be a string", param=f"{where}.text")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    if not isinstance(content, str):
+        raise InvalidRequestError(f"{param}.content must be a string or an array of text parts",
+                                  param=f"{param}.content")
+    return {"role": _ROLES[role], "content": content}
+
+
+def parse_completion(body: dict) -> GenerationRequest:
+    if "prompt" not in body or body["prompt"] is None:
+        raise InvalidRequestError("prompt is required", param="prompt")
+    prompt = parse_prompt(body["prompt"])
+    if _get(body, "echo", (bool,), False):
+        raise InvalidRequestError("echo is not supported", param="echo")
+    if _get(body, "suffix", (str,)):
+        raise InvalidRequestError("suffix is not supported", param="suffix")
+    if _get(body, "best_of", (int,), 1) != 1:
+        raise InvalidRequestError("only best_of=1 is supported", param="best_of")
+    sampling, settings = _common(body, COMPLETION)
+    logprobs = _get(body, "logprobs", (int,))
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
+    _validate_sampling(sampling)
+    return GenerationRequest(COMPLETION, sampling=sampling, prompt=prompt, logprobs=sampling.get("logprobs"),
+                             **settings)
+
+
+def parse_prompt(value: Any) -> str | list[int]:
+    """A string, token ids, or a one-element array of either (one prompt: n=1, no batches)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        return value
+    if isinstance(value, list):
+        if not value:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        if all(type(t) is int and t >= 0 for t in value):
+            return value
+        if all(isinstance(p, (str, list)) for p in value):
+            raise InvalidRequestError("only one prompt per request is supported", param="prompt")
+    raise InvalidRequestError("prompt must be a string or an array of token ids", param="prompt")

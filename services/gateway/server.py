@@ -1,0 +1,114 @@
+"""``pdserve gateway``: the OpenAI-compatible HTTP server and the public gRPC API in one process.
+
+Prints ``[pdserve] gateway ready on HOST:PORT`` once both listen (``pdserve up``
+and other tooling parse that prefix). SIGTERM / Ctrl-C stop taking connections,
+give open streams ``--drain-timeout`` seconds, then stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from services import telemetry
+from services.gateway.api_keys import ApiKeys
+from services.gateway.config import GatewayConfig
+
+log = logging.getLogger(__name__)
+READY_PREFIX = "[pdserve] gateway ready on "
+
+
+def build_config(args) -> GatewayConfig:
+    return GatewayConfig(max_body_bytes=args.max_body_bytes, max_queued_requests=args.max_queued_requests,
+                         max_queued_tokens=args.max_queued_tokens, retry_after_s=args.retry_after,
+                         default_timeout_s=args.default_timeout, max_timeout_s=args.max_timeout,
+                         disconnect_grace_s=args.disconnect_grace, sse_heartbeat_s=args.sse_heartbeat,
+                         max_model_len=args.max_model_len, require_ready_worker=not args.allow_no_worker)
+
+
+async def serve(args) -> None:
+    import redis.asyncio as aioredis
+    import uvicorn
+
+    from services.gateway.app import create_app
+    from services.gateway.core import GatewayCore
+    from services.gateway.grpc_api import start_grpc
+    from services.gateway.served_model import load_served_model
+
+    config = build_config(args)
+    keys = ApiKeys.load(args.api_keys, config.tiers, config.default_tier) if args.api_keys \
+        else ApiKeys.disabled(config.default_tier)
+    telemetry.setup_tracing("pdserve-gateway")
+    model = load_served_model(args.model)
+    redis = aioredis.Redis.from_url(args.redis_url)
+    core = GatewayCore(redis, config, model, keys)
+    server = uvicorn.Server(uvicorn.Config(create_app(core), host=args.host, port=args.port, lifespan="off",
+                                           log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=args.drain_timeout))
+    # uvicorn restores the previous handlers and re-raises the signal after its shutdown: make that
+    # "stop" rather than the default action, which would kill the process before the cleanup below.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+    grpc_server = None
+    try:
+        grpc_address = "off"
+        if args.grpc_port >= 0:
+            grpc_server, grpc_port = await start_grpc(core, args.host, args.grpc_port)
+            grpc_address = f"{args.host}:{grpc_port}"
+        http = asyncio.create_task(server.serve())
+        while not server.started:
+            if http.done():
+                await http  # raises why it could not start
+                raise ValueError(f"cannot listen on {args.host}:{args.port}")
+            await asyncio.sleep(0.02)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        print(f"{READY_PREFIX}{args.host}:{port} (model {model.name}, grpc {grpc_address}, "
+              f"auth {'on' if keys.enabled else 'off'})", flush=True)
+        await http
+    finally:
+        if grpc_server is not None:
+            await grpc_server.stop(grace=args.drain_timeout)
+        await core.close()
+        await redis.aclose()
+
+
+def run(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(args))
+    return 0
+
+
+def add_parser(sub) -> None:
+    d = GatewayConfig()
+    p = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway (and the public gRPC API)",
+                       description="Serve OpenAI-compatible /v1/chat/completions and /v1/completions (streaming, "
+                                   "resumable) and the gRPC Generation API over the Redis admission queue.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: a free one)")
+    p.add_argument("--grpc-port", type=int, default=50052, help="gRPC port (0: a free one; -1: off)")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--model", default=None, help="the served model (its name and tokenizer); default SmolLM2-135M")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help='JSON {"sk-...": {"tenant", "tier", "rpm", "tpm"}}; without it auth is off')
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="cap the context length (default: the decode workers', else the model's)")
+    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                   help="answer 429 while this many requests are unfinished in the queue")
+    p.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens,
+                   help="answer 429 while the queued requests hold this many prompt tokens")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413")
+    p.add_argument("--retry-after", type=float, default=d.retry_after_s, help="Retry-After of 429/503 for overload")
+    p.add_argument("--default-timeout", type=float, default=d.default_timeout_s,
+                   help="seconds a request may take when it sends no x-pdserve-timeout")
+    p.add_argument("--max-timeout", type=float, default=d.max_timeout_s, help="the largest x-pdserve-timeout")
+    p.add_argument("--disconnect-grace", type=float, default=d.disconnect_grace_s,
+                   help="seconds a disconnected client has to resume before its request is cancelled")
+    p.add_argument("--sse-heartbeat", type=float, default=d.sse_heartbeat_s,
+                   help="send an SSE comment after this many seconds without an event")
+    p.add_argument("--allow-no-worker", action="store_true",
+                   help="queue requests even while no decode worker is ready (default: 503)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open streams get on shutdown")
+    p.set_defaults(func=run)

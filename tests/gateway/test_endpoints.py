@@ -1,0 +1,93 @@
+"""The small endpoints: models, tokenize, health, metrics; and waiting in the queue (heartbeats, deadline)."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.queue.cancel import cancel_key
+from tests.gateway.harness import MODEL_LEN, wait_for
+from tests.gateway.sse_client import chat_text, events
+
+
+def _samples(http: httpx.Client) -> dict[tuple, float]:
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+
+def test_models_and_tokenize(gateway):
+    h = gateway()
+    tok = h.model.tokenizer
+    with httpx.Client(base_url=h.url, timeout=10) as http:
+        models = http.get("/v1/models").json()
+        assert models["object"] == "list"
+        assert [(m["id"], m["object"], m["max_model_len"]) for m in models["data"]] == \
+            [(h.model.name, "model", MODEL_LEN)]
+        r = http.post("/tokenize", json={"prompt": "Hello world"}).json()
+        assert r == {"tokens": tok.encode("Hello world"), "count": len(tok.encode("Hello world")),
+                     "max_model_len": MODEL_LEN}
+        messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+        r = http.post("/tokenize", json={"messages": messages}).json()
+        assert r["tokens"] == tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+        assert r["count"] == len(r["tokens"])
+
+
+def test_health(gateway):
+    h = gateway()
+    with httpx.Client(base_url=h.url, timeout=10) as http:
+        assert http.get("/health/live").status_code == 200
+        ready = http.get("/health/ready")
+        assert ready.status_code == 200 and ready.json()["decode_workers"] == 1
+
+
+def test_metrics_count_outcomes_ttft_and_queue_depth(gateway):
+    h = gateway()
+    ok = ("pdserve_gateway_requests_total", (("api", "chat"), ("outcome", "ok")))
+    invalid = ("pdserve_gateway_requests_total", (("api", "chat"), ("outcome", "invalid")))
+    ttft = ("pdserve_ttft_seconds_count", (("role", "gateway"),))
+    with httpx.Client(base_url=h.url, timeout=10) as http:
+        before = _samples(http)
+        chat = {"messages": [{"role": "user", "content": "Hi"}]}
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
+        with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
+            events(r)
+        assert http.post("/v1/chat/completions", json={**chat, "n": 3}).status_code == 400
+        after = _samples(http)
+    assert after[ok] - before.get(ok, 0) == 2
+    assert after[invalid] - before.get(invalid, 0) == 1
+    assert after[ttft] - before.get(ttft, 0) == 2
+    assert ("pdserve_queue_depth", (("tier", "standard"),)) in after
+
+
+def test_a_queued_request_gets_heartbeats_then_its_tokens(gateway):
+    h = gateway(sse_heartbeat_s=0.2)
+    h.router.pause()
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    with httpx.Client(base_url=h.url, timeout=10) as http:
+        with http.stream("POST", "/v1/chat/completions", json=chat) as r:
+            lines = r.iter_lines()
+            seen = []
+            for line in lines:  # the opening, then comments while nothing is dequeued
+                seen.append(line)
+                if seen.count(": keep-alive") == 2:
+                    break
+            h.router.paused = False
+            rest = events(lines)
+    assert chat_text(rest) == "Hello, world!" and rest[-1].done
+
+
+def test_a_request_past_its_deadline_gets_a_deadline_error_and_is_cancelled(gateway, sync_redis):
+    h = gateway(deadline_grace_s=0.1, sse_heartbeat_s=0.1)
+    h.router.pause()  # no router: nobody writes the deadline error, the gateway gives up itself
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    with httpx.Client(base_url=h.url, timeout=10) as http:
+        r = http.post("/v1/chat/completions", json=chat, headers={"x-pdserve-timeout": "0.3"})
+        assert r.status_code == 504 and r.json()["error"]["type"] == "deadline_exceeded"
+        rid = r.headers["x-request-id"]
+        with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True},
+                         headers={"x-pdserve-timeout": "0.3"}) as s:
+            evs = events(s)
+        assert evs[-2].json["error"]["type"] == "deadline_exceeded" and evs[-1].done
+    assert wait_for(lambda: sync_redis.exists(cancel_key(rid)))  # nobody waits for it any more

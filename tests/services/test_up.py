@@ -1,0 +1,90 @@
+"""`pdserve up` brings the whole stack up, serves gRPC and the OpenAI HTTP API, and stops cleanly on Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_up_serves_grpc_and_http_then_stops_on_ctrl_c():
+    http_port, grpc_port, router_port = _free_port(), _free_port(), _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--threads", "1", "--kv-cache-gb", "0.25",
+         "--port", str(http_port), "--grpc-port", str(grpc_port), "--router-port", str(router_port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        start_new_session=True)
+    lines: list[str] = []
+    up = threading.Event()
+
+    def pump():
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if "stop:     Ctrl-C" in line:
+                up.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 240
+        while not up.wait(0.5):
+            assert proc.poll() is None, "\n".join(lines[-40:])
+            assert time.monotonic() < deadline, "\n".join(lines[-40:])
+        out = "\n".join(lines)
+        # it printed where everything listens and copy-pasteable examples
+        for name in ("redis", "prefill-0", "decode-0", "router", "gateway"):
+            assert re.search(rf"^  {name}\s+\S+", out, re.M), out
+        assert f"curl -N http://127.0.0.1:{http_port}/v1/chat/completions" in out
+        assert f'OpenAI(base_url="http://127.0.0.1:{http_port}/v1"' in out
+
+        # the printed gRPC client command works
+        client = subprocess.run([sys.executable, "-m", "services.cli", "client", "--address",
+                                 f"127.0.0.1:{router_port}", "--prompt", "What is the capital of France?",
+                                 "--max-tokens", "12", "--json"], capture_output=True, text=True, timeout=120)
+        assert client.returncode == 0, client.stderr
+        summary = json.loads(client.stdout.strip().splitlines()[-1])
+        assert summary["completion_tokens"] > 0 and summary["prefill_worker"] and summary["decode_worker"]
+
+        # the printed curl streams tokens (SSE) through the gateway and the queue
+        body = {"model": "SmolLM2-135M-Instruct", "stream": True, "max_tokens": 12, "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        text, done = "", False
+        with httpx.stream("POST", f"http://127.0.0.1:{http_port}/v1/chat/completions", json=body,
+                          timeout=120) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    choices = json.loads(line[6:]).get("choices") or [{}]
+                    text += choices[0].get("delta", {}).get("content") or ""
+        assert done and "Paris" in text
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        try:
+            rc = proc.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    assert rc == 0, "\n".join(lines[-40:])
+    assert "[pdserve] stopped" in "\n".join(lines)
+    # every child is gone with it
+    time.sleep(0.5)
+    leftovers = subprocess.run(["pgrep", "-f", f"--port {router_port}"], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == ""
