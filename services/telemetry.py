@@ -200,14 +200,27 @@ def server_span(name: str, context: grpc.aio.ServicerContext, **attributes) -> I
 
     An exception is recorded on the span, sets ERROR status and is re-raised (an abort()
     raises too, so it counts as an error). Cancellation is a BaseException, not an error:
-    the span just ends.
+    the span just ends. The span is the current one inside the block; a streaming handler
+    (an async generator) may be closed from another task, whose context cannot reset ours,
+    so the context is restored quietly rather than through OTel's detach, which logs that.
     """
     carrier: dict[str, str] = {}
     for key, value in context.invocation_metadata() or ():
         if isinstance(value, str):  # "-bin" keys carry bytes; no trace context there
             carrier.setdefault(key, value)
     attrs = {"rpc.system": "grpc", **{k: v for k, v in attributes.items() if v is not None}}
-    with tracer("pdserve.grpc").start_as_current_span(
-            name, context=context_from_carrier(carrier), kind=trace.SpanKind.SERVER, attributes=attrs,
-            record_exception=True, set_status_on_exception=True) as span:
+    parent = context_from_carrier(carrier)
+    span = tracer("pdserve.grpc").start_span(name, context=parent, kind=trace.SpanKind.SERVER, attributes=attrs)
+    token = otel_context.attach(trace.set_span_in_context(span, parent))
+    try:
         yield span
+    except Exception as exc:
+        span.record_exception(exc)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        span.end()
+        try:
+            token.var.reset(token)
+        except (ValueError, RuntimeError, AttributeError):
+            pass  # closed from another context: that context never had our span

@@ -140,10 +140,10 @@ class WorkerRuntime:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self._stop.set)
 
-        self.engine = await asyncio.to_thread(Engine, self.engine_config)
-        self.aengine = AsyncEngine(self.engine)
         registrar = None
         try:
+            self.engine = await asyncio.to_thread(Engine, self.engine_config)
+            self.aengine = AsyncEngine(self.engine)
             await setup()
             self.redis = aioredis.Redis.from_url(cfg.redis_url)
             self._stats = await self.aengine.call(self.engine.stats)

