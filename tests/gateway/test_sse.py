@@ -72,8 +72,9 @@ def test_mid_stream_error_is_an_sse_error_event(gateway):
 
 def test_sse_connection_has_nagle_off(gateway):
     h = gateway()
-    h.router.plan = lambda req: Plan(delay_s=0.05, pieces=("a",) * 10)
-    with httpx.Client(base_url=h.url, timeout=10) as http:
+    # slow enough that the stream is surely still open while the socket is inspected
+    h.router.plan = lambda req: Plan(delay_s=0.5, pieces=("a",) * 10)
+    with httpx.Client(base_url=h.url, timeout=30) as http:
         with http.stream("POST", "/v1/chat/completions", json=CHAT) as r:
             events(r, limit=2)
             conns = list(h.server.server_state.connections)
