@@ -55,7 +55,8 @@ E2E_LATENCY_SECONDS = Histogram("pdserve_e2e_latency_seconds", "Time from reques
                                 ["role"], buckets=LATENCY_BUCKETS)
 QUEUE_WAIT_SECONDS = Histogram("pdserve_queue_wait_seconds", "Time a request waited before being scheduled.",
                                ["role"], buckets=LATENCY_BUCKETS)
-KV_TRANSFER_SECONDS = Histogram("pdserve_kv_transfer_seconds", "Duration of one request's KV transfer.",
+KV_TRANSFER_SECONDS = Histogram("pdserve_kv_transfer_seconds",
+                                "From a KV reservation to its last byte arriving (prefill compute overlaps it).",
                                 ["role"], buckets=LATENCY_BUCKETS)
 BATCH_SIZE = Histogram("pdserve_batch_size", "Requests in one engine step.", ["role"], buckets=BATCH_BUCKETS)
 

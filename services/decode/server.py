@@ -63,7 +63,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.results = StepResultWriter(aioredis.Redis.from_url(self.rt.config.redis_url),
                                         (lambda t: tok.decode([t], skip_special_tokens=False)) if tok else None)
         self.results.start()
-        self.rt.aengine.on_step = self.results.on_step
+        self.rt.aengine.on_step = self._on_step
+
+    def _on_step(self, outputs) -> None:  # engine thread
+        telemetry.BATCH_SIZE.labels(role="decode").observe(len(outputs))
+        self.results.on_step(outputs)
 
     async def teardown(self) -> None:
         if self.receiver is not None:
@@ -146,7 +150,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         async with self.rt.track():  # admitted at Reserve; drain waits for it
             try:
                 try:
-                    completion = await res.pending
+                    with telemetry.tracer("pdserve.decode").start_as_current_span(
+                            "kv_transfer", attributes={"request_id": rid}):
+                        completion = await res.pending
                 except asyncio.CancelledError:
                     self.receiver.cancel(rid, "the decode call was cancelled")
                     raise
@@ -166,7 +172,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         """Outputs -> chunks on the stream, or (results mode) into Redis with only the Finish here."""
         tok = self.rt.engine.tokenizer
         token_text = (lambda t: tok.decode([t], skip_special_tokens=False)) if tok else None
-        first_at = None
+        first_at = last_at = None
         if results_to:
             self.results.track(rid, results_to)  # before the request's first step: see start_decode
         try:
@@ -175,8 +181,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     if out.error:
                         raise RuntimeError(out.error)
                     if out.new_token_ids or out.new_text:
+                        now = time.perf_counter()
                         if first_at is None:
-                            first_at = time.perf_counter()
+                            first_at = now
+                        elif out.new_token_ids:
+                            telemetry.INTER_TOKEN_LATENCY_SECONDS.labels(role="decode").observe(now - last_at)
+                        last_at = now
                         if not results_to:
                             yield worker_pb2.TokenChunkOrFinish(chunk=chunk_from_output(out, token_text))
                     if out.finished:

@@ -126,6 +126,18 @@ class BlockPool:
             self.ref_counts[block] += 1
         return hits
 
+    def cached_run(self, block_hashes: Sequence[int]) -> int:
+        """How many leading ``block_hashes`` are cached (by hash only). Mutates nothing: an estimate
+        for load reports; ``lookup_prefix`` is the real, token-checked lookup."""
+        if not self.enable_prefix_caching:
+            return 0
+        n = 0
+        for h in block_hashes:
+            if h not in self.cached:
+                break
+            n += 1
+        return n
+
     def cache_blocks(self, blocks: Sequence[int], block_hashes: Sequence[int], token_ids: Sequence[int],
                      parent_hash: int | None) -> None:
         """Record full, computed blocks as cached. ``token_ids`` spans all of them;

@@ -32,6 +32,12 @@ class KVManager:
             parent = req.block_hashes[-1] if i else None
             req.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], self.namespace))
 
+    def cached_prefix_tokens(self, req: Request) -> int:
+        """Prompt tokens a waiting request would find in the prefix cache now (no side effects)."""
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        self._extend_hashes(req, max_blocks)
+        return self.pool.cached_run(req.block_hashes[:max_blocks]) * self.block_size
+
     def match_prefix(self, req: Request) -> int:
         """Reuse cached blocks for the longest known prefix of a request that holds
         none. At least one token is left to compute, so the step yields logits.

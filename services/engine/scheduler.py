@@ -98,7 +98,9 @@ class Scheduler:
     @property
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens admitted or waiting whose KV is not computed yet (a router's load signal)."""
-        waiting = sum(r.num_tokens - r.num_computed_tokens for *_, r in self._waiting if r.status is Status.WAITING)
+        # a waiting request's cached prefix will not be computed: count only the rest
+        waiting = sum(r.num_tokens - max(r.num_computed_tokens, self.kv.cached_prefix_tokens(r))
+                      for *_, r in self._waiting if r.status is Status.WAITING)
         return waiting + sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.running)
 
     def has_work(self) -> bool:

@@ -30,6 +30,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def setup(self) -> None:
         engine = self.rt.engine
         self.sender = Sender(engine.kv_cache, engine.kv_spec, engine.namespace, self.rt.transfer)
+        self.rt.aengine.on_step = lambda outputs: telemetry.BATCH_SIZE.labels(role="prefill").observe(len(outputs))
 
     async def teardown(self) -> None:
         if self.sender is not None:
@@ -57,7 +58,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     elapsed = time.perf_counter() - started
             except Exception as exc:
                 await abort_with(context, exc)
-            telemetry.KV_TRANSFER_SECONDS.labels(role="prefill").observe(elapsed)
+            telemetry.TTFT_SECONDS.labels(role="prefill").observe(elapsed)
             return worker_pb2.PrefillResponse(first_token_id=result.first_token,
                                               cached_tokens=result.num_cached_tokens, prefill_ms=elapsed * 1e3)
 
