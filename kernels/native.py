@@ -1,4 +1,5 @@
-"""CPU kernels in C: compiled once with the system compiler, loaded with ctypes.
+"""CPU kernels in C (paged decode attention, bf16-weight linear, the small fused ops):
+compiled once into one library with the system compiler, loaded with ctypes.
 
 Why not a torch C++ extension: building against torch's headers takes minutes
 on a small machine; this C file needs none and compiles in about a second.
@@ -23,7 +24,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
+_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention_cpu.c", "linear_cpu.c", "fused_cpu.c")]
+_HEADERS = [Path(__file__).with_name("cpu_simd.h")]
+_STEM = "pdserve_cpu_kernels"
 # -fno-math-errno lets gcc call the vector expf; no other fast-math (the kernels rely on -inf)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 
@@ -47,23 +50,23 @@ def _build() -> Path:
     if cc is None:
         raise RuntimeError("no C compiler (gcc/cc) found")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + version.encode()
-                         + _cpu_flags().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention_cpu-{key}.so"
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES + _HEADERS) + " ".join(_FLAGS).encode()
+                         + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{_STEM}-{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
     os.close(fd)
     try:
-        subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
         os.replace(tmp, target)  # atomic: concurrent builders never see a half-written file
-        for stale in target.parent.glob(f"{_SOURCE.stem}-*.so"):
+        for stale in target.parent.glob(f"{_STEM}-*.so"):
             if stale != target:
                 stale.unlink(missing_ok=True)
     except subprocess.CalledProcessError as exc:
         os.unlink(tmp)
-        raise RuntimeError(f"compiling {_SOURCE.name} failed: {exc.stderr.strip()[:500]}") from None
+        raise RuntimeError(f"compiling {' '.join(s.name for s in _SOURCES)} failed: {exc.stderr.strip()[:500]}") from None
     return target
 
 
@@ -87,4 +90,18 @@ def library() -> ctypes.CDLL | None:
                        i32, i32, i32, i32, i32, f32]
     lib.pdserve_limits.restype = i32
     lib.pdserve_limits.argtypes = [i32]
+    lib.pdserve_linear_available.restype = i32
+    lib.pdserve_linear_available.argtypes = []
+    lib.pdserve_linear_bf16w.restype = i32
+    lib.pdserve_linear_bf16w.argtypes = [ptr, i32, i64, ptr, ptr, ptr, i32, i64, i32, i32, i32]
+    lib.pdserve_fused_available.restype = i32
+    lib.pdserve_fused_available.argtypes = []
+    lib.pdserve_rms_norm_bf16.restype = i32
+    lib.pdserve_rms_norm_bf16.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i32, i32, f32]
+    lib.pdserve_rotary_bf16.restype = i32
+    lib.pdserve_rotary_bf16.argtypes = [ptr, i64, i64, i32, i32, i32, ptr, ptr, i64]
+    lib.pdserve_silu_and_mul_bf16.restype = i32
+    lib.pdserve_silu_and_mul_bf16.argtypes = [ptr, i64, ptr, i64, i32, i32]
+    lib.pdserve_write_kv.restype = None
+    lib.pdserve_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, ptr, i32, i32, i32, i32]
     return lib

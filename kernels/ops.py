@@ -6,13 +6,13 @@ references (CPU) and Triton kernels (CUDA) are interchangeable per engine.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from collections.abc import Callable
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.fused_cpu import rms_norm_cpu, rotary_cpu, silu_and_mul_cpu, write_kv_cpu
 from kernels.kv_write import write_kv, write_kv_ref
-from kernels.paged_attention_cpu import paged_decode_attention_cpu
+from kernels.paged_attention_cpu import paged_decode_attention_cpu, paged_prefill_attention_cpu
 from kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_ref,
@@ -33,6 +33,8 @@ class Ops:
     write_kv: Callable
     decode_attention: Callable
     prefill_attention: Callable
+    # bf16 projections through kernels/linear_cpu (the model packs its weights at load)
+    packs_linears: bool = False
 
 
 TORCH_OPS = Ops(
@@ -45,8 +47,19 @@ TORCH_OPS = Ops(
     prefill_attention=paged_prefill_attention_ref,
 )
 
-# CPU: the references, but decode attention reads the paged cache in place (C kernel).
-CPU_OPS = dataclasses.replace(TORCH_OPS, name="cpu", decode_attention=paged_decode_attention_cpu)
+# CPU: C kernels (kernels/*_cpu.c: decode attention in place on the paged cache, bf16
+# projections on fp32 FMAs, one-pass small ops), prefill attention on torch's fp32 flash.
+# Each falls back to its torch reference where it does not apply.
+CPU_OPS = Ops(
+    name="cpu",
+    rms_norm=rms_norm_cpu,
+    rotary=rotary_cpu,
+    silu_and_mul=silu_and_mul_cpu,
+    write_kv=write_kv_cpu,
+    decode_attention=paged_decode_attention_cpu,
+    prefill_attention=paged_prefill_attention_cpu,
+    packs_linears=True,
+)
 
 TRITON_OPS = Ops(
     name="triton",

@@ -1,8 +1,7 @@
 /*
  * Paged decode attention for CPU: one query token per sequence, reading K/V in
  * place through the block table (no gather copy), fp32 accumulation, online
- * softmax one block at a time. Built by kernels/native.py with -O3 -march=native
- * -fopenmp; the inner loops over head_dim are plain C that gcc vectorises.
+ * softmax. Built by kernels/native.py with -O3 -march=native -fopenmp.
  *
  * Layouts (element strides; the last dim of q, caches and out is contiguous):
  *   q, out   [S, H, D]
@@ -10,31 +9,29 @@
  *   block_tables int32 [S, bt_stride], context_lens int32 [S]
  * Work item = (sequence, kv head): its G = H / HKV query heads share every K/V row
  * they read, so each row is loaded from memory once per item.
+ *
+ * Two implementations of the same function:
+ *   - AVX-512 (compiled where the build machine has it, used when D % 16 == 0):
+ *     a K/V row is D/16 vectors; scores of 16 consecutive positions form one
+ *     vector, so the softmax of a tile (max, exp2, sum) is vector code and the
+ *     kernel runs at memory speed instead of being bound by scalar expf;
+ *   - portable C (every other case), which gcc vectorises where it can.
+ * Scores are kept in the log2 domain (q is pre-scaled by scale * log2(e)), so
+ * exp(x - m) becomes exp2(x' - m').
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_simd.h"
+
 #define MAX_G 16
 #define MAX_D 256
 #define MAX_BS 64
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = ((uint32_t)h) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
+#define LOG2E 1.4426950408889634f
 
 #define DEFINE_KERNEL(NAME, T, LOAD, STORE)                                                           \
-void NAME(const T *q, int64_t q_ss, int64_t q_sh,                                                    \
+static void NAME(const T *q, int64_t q_ss, int64_t q_sh,                                                    \
           const T *k, int64_t k_sb, int64_t k_st, int64_t k_sh,                                      \
           const T *v, int64_t v_sb, int64_t v_st, int64_t v_sh,                                      \
           const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,                \
@@ -95,9 +92,138 @@ void NAME(const T *q, int64_t q_ss, int64_t q_sh,                               
     }                                                                                                 \
 }
 
+
+#if defined(__AVX512F__)
+/* One (sequence, kv head) item. ND = D / 16 vectors per row. Positions are taken
+ * in tiles of 16 (a tile never crosses a block when block_size % 16 == 0; with
+ * smaller blocks each position finds its own block). */
+#define DEFINE_AVX512_KERNEL(NAME, T, LOADV, LOADS, STORE)                                            \
+static void NAME(const T *q, int64_t q_ss, int64_t q_sh,                                             \
+                 const T *k, int64_t k_sb, int64_t k_st, int64_t k_sh,                               \
+                 const T *v, int64_t v_sb, int64_t v_st, int64_t v_sh,                               \
+                 const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,         \
+                 T *out, int64_t o_ss, int64_t o_sh,                                                  \
+                 int S, int H, int HKV, int D, int BS, float scale) {                                 \
+    const int G = H / HKV, ND = D / 16;                                                               \
+    const float qscale = scale * LOG2E;                                                               \
+    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1)")                                      \
+    for (int s = 0; s < S; s++) {                                                                     \
+        for (int kh = 0; kh < HKV; kh++) {                                                            \
+            __m512 qv[MAX_G][MAX_D / 16], acc[MAX_G][MAX_D / 16];                                     \
+            float m[MAX_G], l[MAX_G];                                                                 \
+            float sc[MAX_G][16] __attribute__((aligned(64)));                                         \
+            const int ctx = context_lens[s];                                                          \
+            const int32_t *bt = block_tables + s * bt_stride;                                         \
+            for (int g = 0; g < G; g++) {                                                             \
+                const T *qp = q + s * q_ss + (int64_t)(kh * G + g) * q_sh;                            \
+                for (int i = 0; i < ND; i++) {                                                        \
+                    qv[g][i] = _mm512_mul_ps(LOADV(qp + 16 * i), _mm512_set1_ps(qscale));             \
+                    acc[g][i] = _mm512_setzero_ps();                                                  \
+                }                                                                                     \
+                m[g] = -INFINITY; l[g] = 0.f;                                                         \
+            }                                                                                         \
+            for (int start = 0; start < ctx; start += 16) {                                           \
+                const int n = ctx - start < 16 ? ctx - start : 16;                                    \
+                const __mmask16 live = (__mmask16)((1u << n) - 1u);                                   \
+                const T *kp[16], *vp[16];                                                             \
+                for (int t = 0; t < n; t++) {                                                         \
+                    const int pos = start + t;                                                        \
+                    const int64_t blk = bt[pos / BS];                                                 \
+                    kp[t] = k + blk * k_sb + (pos % BS) * k_st + kh * k_sh;                           \
+                    vp[t] = v + blk * v_sb + (pos % BS) * v_st + kh * v_sh;                           \
+                }                                                                                     \
+                /* the next tile's rows are fetched while this one computes: one core alone does  \
+                 * not keep enough misses in flight to reach memory bandwidth otherwise */         \
+                for (int pos = start + 16; pos < start + 32 && pos < ctx; pos++) {                   \
+                    const int64_t blk = bt[pos / BS];                                                 \
+                    const char *kn = (const char *)(k + blk * k_sb + (pos % BS) * k_st + kh * k_sh);  \
+                    const char *vn = (const char *)(v + blk * v_sb + (pos % BS) * v_st + kh * v_sh);  \
+                    for (int b = 0; b < D * (int)sizeof(T); b += 64) {                                \
+                        _mm_prefetch(kn + b, _MM_HINT_T0);                                            \
+                        _mm_prefetch(vn + b, _MM_HINT_T0);                                            \
+                    }                                                                                 \
+                }                                                                                     \
+                for (int t = 0; t < n; t++) {                                                         \
+                    __m512 kf[MAX_D / 16];                                                            \
+                    for (int i = 0; i < ND; i++) kf[i] = LOADV(kp[t] + 16 * i);                       \
+                    for (int g = 0; g < G; g++) {                                                     \
+                        __m512 d = _mm512_mul_ps(qv[g][0], kf[0]);                                    \
+                        for (int i = 1; i < ND; i++) d = _mm512_fmadd_ps(qv[g][i], kf[i], d);         \
+                        sc[g][t] = _mm512_reduce_add_ps(d);                                           \
+                    }                                                                                 \
+                }                                                                                     \
+                for (int g = 0; g < G; g++) {                                                         \
+                    const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sc[g]);    \
+                    const float tmax = _mm512_reduce_max_ps(x);                                       \
+                    const float mnew = tmax > m[g] ? tmax : m[g];                                     \
+                    const float corr = exp2f(m[g] - mnew); /* 0 on the first tile: m = -inf */        \
+                    const __m512 p = _mm512_maskz_mov_ps(live,                                        \
+                                         exp2_ps(_mm512_sub_ps(x, _mm512_set1_ps(mnew))));            \
+                    l[g] = l[g] * corr + _mm512_reduce_add_ps(p);                                     \
+                    m[g] = mnew;                                                                      \
+                    if (corr != 1.f) {                                                                \
+                        const __m512 c = _mm512_set1_ps(corr);                                        \
+                        for (int i = 0; i < ND; i++) acc[g][i] = _mm512_mul_ps(acc[g][i], c);         \
+                    }                                                                                 \
+                    _mm512_store_ps(sc[g], p);                                                        \
+                }                                                                                     \
+                for (int t = 0; t < n; t++) {                                                         \
+                    __m512 vf[MAX_D / 16];                                                            \
+                    for (int i = 0; i < ND; i++) vf[i] = LOADV(vp[t] + 16 * i);                       \
+                    for (int g = 0; g < G; g++) {                                                     \
+                        const __m512 p = _mm512_set1_ps(sc[g][t]);                                    \
+                        for (int i = 0; i < ND; i++) acc[g][i] = _mm512_fmadd_ps(p, vf[i], acc[g][i]); \
+                    }                                                                                 \
+                }                                                                                     \
+            }                                                                                         \
+            for (int g = 0; g < G; g++) {                                                             \
+                T *op = out + s * o_ss + (int64_t)(kh * G + g) * o_sh;                                \
+                const __m512 inv = _mm512_set1_ps(l[g] > 0.f ? 1.f / l[g] : 0.f);                     \
+                float o[MAX_D] __attribute__((aligned(64)));                                          \
+                for (int i = 0; i < ND; i++) _mm512_store_ps(o + 16 * i, _mm512_mul_ps(acc[g][i], inv)); \
+                for (int d = 0; d < D; d++) op[d] = STORE(o[d]);                                      \
+            }                                                                                         \
+        }                                                                                             \
+    }                                                                                                 \
+}
+#endif
+
 #define F32_LOAD(x) (x)
 #define F32_STORE(x) (x)
-DEFINE_KERNEL(paged_decode_attention_f32, float, F32_LOAD, F32_STORE)
-DEFINE_KERNEL(paged_decode_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_KERNEL(decode_f32_generic, float, F32_LOAD, F32_STORE)
+DEFINE_KERNEL(decode_bf16_generic, uint16_t, bf16_to_f32, f32_to_bf16)
+#if defined(__AVX512F__)
+DEFINE_AVX512_KERNEL(decode_f32_avx512, float, load16_f32, F32_LOAD, F32_STORE)
+DEFINE_AVX512_KERNEL(decode_bf16_avx512, uint16_t, load16_bf16, bf16_to_f32, f32_to_bf16)
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
+#endif
 
+#define DEFINE_ENTRY(NAME, T, SUFFIX)                                                                 \
+void NAME(const T *q, int64_t q_ss, int64_t q_sh,                                                    \
+          const T *k, int64_t k_sb, int64_t k_st, int64_t k_sh,                                      \
+          const T *v, int64_t v_sb, int64_t v_st, int64_t v_sh,                                      \
+          const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,                \
+          T *out, int64_t o_ss, int64_t o_sh,                                                         \
+          int S, int H, int HKV, int D, int BS, float scale) {                                        \
+    if (HAVE_AVX512 && D % 16 == 0)                                                                   \
+        SUFFIX##_avx512_or_generic(q, q_ss, q_sh, k, k_sb, k_st, k_sh, v, v_sb, v_st, v_sh,           \
+                                   block_tables, bt_stride, context_lens, out, o_ss, o_sh,            \
+                                   S, H, HKV, D, BS, scale);                                          \
+    else                                                                                              \
+        SUFFIX##_generic(q, q_ss, q_sh, k, k_sb, k_st, k_sh, v, v_sb, v_st, v_sh,                     \
+                         block_tables, bt_stride, context_lens, out, o_ss, o_sh, S, H, HKV, D, BS, scale); \
+}
+#if HAVE_AVX512
+#define decode_f32_avx512_or_generic decode_f32_avx512
+#define decode_bf16_avx512_or_generic decode_bf16_avx512
+#else
+#define decode_f32_avx512_or_generic decode_f32_generic
+#define decode_bf16_avx512_or_generic decode_bf16_generic
+#endif
+DEFINE_ENTRY(paged_decode_attention_f32, float, decode_f32)
+DEFINE_ENTRY(paged_decode_attention_bf16, uint16_t, decode_bf16)
+
+/* which == 0: max G, 1: max D, else max block size */
 int pdserve_limits(int which) { return which == 0 ? MAX_G : which == 1 ? MAX_D : MAX_BS; }

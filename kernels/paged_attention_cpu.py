@@ -1,16 +1,24 @@
-"""Paged decode attention on CPU through the C kernel in paged_attention_cpu.c.
+"""Paged attention on CPU.
 
-Same signature and semantics as ``paged_decode_attention_ref``; where the kernel
-cannot serve a call (no compiler, fp16, shapes past its fixed limits) it
-falls back to the reference, so callers never need to know.
+Decode: the C kernel in paged_attention_cpu.c, with the signature and semantics of
+``paged_decode_attention_ref``; where it cannot serve a call (no compiler, fp16,
+shapes past its fixed limits) it falls back to the reference, so callers never
+need to know.
+
+Prefill: ``paged_prefill_attention_ref``'s gather, then torch's flash attention in
+fp32 with a bottom-right causal bias. On CPU that is 3-4x faster than what the
+reference's explicit boolean mask gets (the unfused math path), and fp32 flash runs
+about twice as fast as bf16 flash.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from kernels import native
-from kernels.paged_attention import paged_decode_attention_ref
+from kernels.paged_attention import _gather, paged_decode_attention_ref
 
 _FNS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
 
@@ -52,4 +60,32 @@ def paged_decode_attention_cpu(
        block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
        out.data_ptr(), out.stride(0), out.stride(1),
        num_seqs, heads, k_cache.shape[2], head_dim, k_cache.shape[1], float(scale))
+    return out
+
+
+def paged_prefill_attention_cpu(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Same contract as ``paged_prefill_attention_ref``: sequence s's ``q_len`` queries are
+    the last ``q_len`` of its ``context_lens[s]`` tokens, each seeing keys up to itself."""
+    num_heads = q.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    out = torch.empty_like(q)
+    starts = cu_seqlens_q.tolist()
+    lens = context_lens.tolist()
+    for s in range(len(lens)):
+        q_start, q_end, ctx = starts[s], starts[s + 1], lens[s]
+        num_blocks = -(-ctx // k_cache.shape[1])
+        k = _gather(k_cache, block_tables[s, :num_blocks], ctx).transpose(0, 1).float()  # [Hkv, ctx, D]
+        v = _gather(v_cache, block_tables[s, :num_blocks], ctx).transpose(0, 1).float()
+        qs = q[q_start:q_end].transpose(0, 1).float()  # [H, q_len, D]
+        o = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=causal_lower_right(q_end - q_start, ctx),
+                                           scale=scale, enable_gqa=num_heads != num_kv_heads)
+        out[q_start:q_end] = o[0].transpose(0, 1)
     return out

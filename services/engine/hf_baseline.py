@@ -47,14 +47,14 @@ def hf_twin(model: LlamaForCausalLM, device: str | torch.device | None = None):
     with torch.device(device):
         hf = AutoModelForCausalLM.from_config(hf_config(model.config), dtype=weight.dtype)
     hf = hf.to(device)  # in case this transformers builds on the CPU despite the device context
-    params = dict(model.named_parameters())
+    params = model.checkpoint_tensors()
     state = {}
     for key in hf.state_dict():
         # the checkpoint-name mapping the loader uses, run backwards
         name, rows = model._hf_target(key)
         if name == "lm_head.weight" and model.lm_head is None:
             name = "embed_tokens.weight"  # tied: the embedding is the output projection
-        tensor = params[name].data
+        tensor = params[name]
         state[key] = tensor if rows is None else tensor[rows[0] : rows[1]]
     hf.load_state_dict(state, strict=True)
     return hf.eval()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.linear_cpu import kernel_available as linear_kernel_available
 from kernels.ops import Ops
 from services.engine.model import LlamaForCausalLM
 from services.engine.model_config import ModelConfig, preset_config
@@ -164,4 +165,6 @@ def load_model(source: ModelSource, ops: Ops, dtype: torch.dtype, device: str, m
     cfg = source.config
     # to(dtype) cast the rope table too; it must stay fp32.
     model.cos_sin_cache = build_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling).to(device)
+    if ops.packs_linears and dtype == torch.bfloat16 and device == "cpu" and linear_kernel_available():
+        model.pack_linears()
     return model.eval()

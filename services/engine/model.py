@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.linear_cpu import PackedLinear
 from kernels.ops import Ops
 from services.engine.attention_metadata import AttentionMetadata
 from services.engine.kv_cache import layer_view
@@ -103,6 +104,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.logits_proj: PackedLinear | None = None  # set by pack_linears
         self.register_buffer(
             "cos_sin_cache",
             build_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling),
@@ -119,8 +121,34 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.logits_proj is not None:
+            return self.logits_proj(hidden, out_dtype=torch.float32)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def pack_linears(self) -> None:
+        """bf16 on CPU: every projection becomes a ``PackedLinear`` (kernels/linear_cpu.c, fp32
+        FMAs over bf16 weights; torch's bf16 matmul runs at half that rate on CPUs without AMX),
+        and the output projection is packed too, giving fp32 logits. The embedding table stays
+        as it is for lookups, so with tied embeddings the model holds it twice."""
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(module, name, PackedLinear.from_linear(child))
+        if self.lm_head is None:
+            self.logits_proj = PackedLinear(self.embed_tokens.weight)
+        else:
+            self.logits_proj = self.lm_head  # already packed above
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Our weights by our (fused) parameter names, packed projections unpacked."""
+        tensors = {name: p.data for name, p in self.named_parameters()}
+        for name, module in self.named_modules():
+            if isinstance(module, PackedLinear) and name != "logits_proj":  # logits_proj: a copy of the embedding
+                tensors[f"{name}.weight"] = module.unpacked_weight()
+                if module.bias is not None:
+                    tensors[f"{name}.bias"] = module.bias.to(module.packed.dtype)
+        return tensors
 
     # HF checkpoint name -> (our parameter name, (start, end) rows of the fused tensor or None)
     _FUSED = (

@@ -7,9 +7,9 @@
     core         core.py: authenticate, admit (readiness, backpressure, rate limit, idempotency,
                  enqueue), follow the result stream, detach (cancel when the client is gone)
                         |
-    pieces       api_keys.py  rate_limit.py  backpressure.py  readiness.py  idempotency.py
-                 request_record.py  openai_format.py  sse.py  body_limit.py  http_errors.py
-                 metrics.py  served_model.py  config.py  server.py (``pdserve gateway``)
+    pieces       api_keys.py  rate_limit.py  backpressure.py  readiness.py  cached_read.py
+                 idempotency.py  request_record.py  openai_format.py  sse.py  body_limit.py
+                 http_errors.py  metrics.py  served_model.py  config.py  server.py (``pdserve gateway``)
 
 A request's life: the edge parses and validates it (400 before anything is
 queued), the core checks that a decode worker is ready (503), that the queue has

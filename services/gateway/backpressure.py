@@ -2,18 +2,17 @@
 
 The queue depth (``AdmissionQueue.depth``: unfinished requests and their prompt
 tokens per tier) is read at most once per ``depth_cache_s`` however many
-requests arrive, so a burst costs Redis one pipeline per interval. The cached
-check is the cheap early refusal; the enqueue script checks the same limits
-atomically (``GatewayConfig.queue_config``), so a stale cache never overfills
-the queue.
+requests arrive, so a burst costs Redis one pipeline per interval, and in the
+background once ``keep_fresh`` runs, so no request waits for it
+(cached_read.py). The cached check is the cheap early refusal; the enqueue
+script checks the same limits atomically (``GatewayConfig.queue_config``), so a
+stale cache never overfills the queue.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 from services import telemetry
+from services.gateway.cached_read import CachedRead
 from services.queue import AdmissionQueue, QueueDepth
 from services.queue.admission import capacity_error
 
@@ -25,21 +24,19 @@ class QueueLoad:
         self.max_requests = max_requests
         self.max_tokens = max_tokens
         self.retry_after_s = retry_after_s
-        self.cache_s = cache_s
-        self._depth: QueueDepth | None = None
-        self._read_at = 0.0
-        self._lock = asyncio.Lock()
+        self._cache = CachedRead(self._read, cache_s)
+
+    async def _read(self) -> QueueDepth:
+        depth = await self.queue.depth()
+        for tier, d in depth.tiers.items():
+            telemetry.QUEUE_DEPTH.labels(tier).set(d.requests)
+        return depth
 
     async def depth(self) -> QueueDepth:
-        if self._depth is not None and time.monotonic() - self._read_at < self.cache_s:
-            return self._depth
-        async with self._lock:  # one read per interval, however many requests wait for it
-            if self._depth is None or time.monotonic() - self._read_at >= self.cache_s:
-                self._depth = await self.queue.depth()
-                self._read_at = time.monotonic()
-                for tier, d in self._depth.tiers.items():
-                    telemetry.QUEUE_DEPTH.labels(tier).set(d.requests)
-            return self._depth
+        return await self._cache.get()
+
+    async def keep_fresh(self) -> None:
+        await self._cache.keep_fresh()
 
     async def check(self, prompt_tokens: int) -> None:
         """Raise ``CapacityError`` (429, ``retry_after_s``) when one more request would exceed a limit."""

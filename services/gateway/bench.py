@@ -1,17 +1,29 @@
 """``pdserve bench serve``: the gateway + queue path against the router's gRPC API, same workload, one run.
 
 One stack (embedded Redis, 1 prefill + 1 decode worker, router, gateway). For
-each arrival rate, the same kind of workload goes twice, Poisson arrivals with
-a fixed seed: once through the gateway (OpenAI ``/v1/completions``, SSE, via
-the admission queue and the result streams) and once straight to the router's
-gRPC Generate. The two halves use different prompts of the same shape, so
-neither is served from a prefix cache the other filled. Per path and rate it
-prints TTFT, inter-token and end-to-end latency (p50, p99), output throughput,
-and goodput (requests per second that met the SLO). The ratios say what the
-gateway and queue cost: ``throughput_ratio_vs_direct`` (mean over rates of
-gateway / direct output tok/s) and ``ttft_overhead_ms_p50`` (gateway p50 TTFT
-minus direct p50 TTFT, at the lowest rate, where queueing in the engine adds
-least noise).
+each arrival rate, the same kind of workload goes through both paths, Poisson
+arrivals with a fixed seed: through the gateway (OpenAI ``/v1/completions``,
+SSE, via the admission queue and the result streams) and straight to the
+router's gRPC Generate. Each path's requests run in two blocks, in the order
+gateway, direct, direct, gateway; the two blocks of a pair share one arrival
+schedule. So both paths see the same arrivals, and a machine whose speed drifts
+during the run (other jobs starting or ending) slows both alike instead of
+whichever path happens to run while it is slow. The paths use different prompts
+of the same shape, so neither is served from a prefix cache the other filled.
+Per path and rate it prints TTFT, inter-token and end-to-end latency (p50,
+p99), output throughput, and goodput (requests per second that met the SLO).
+The ratios say what the gateway and queue cost: ``throughput_ratio_vs_direct``
+(mean over rates of gateway / direct output tok/s) and ``ttft_overhead_ms_p50``
+(gateway p50 TTFT minus direct p50 TTFT, at the lowest rate, where queueing in
+the engine adds least noise).
+
+Under Poisson load a request's TTFT depends on what it queues behind (one prefill
+or three), which varies by hundreds of milliseconds, so the difference of two
+p50s over 40 requests each moves by tens of milliseconds from run to run on its
+own. Before the rates, ``--pairs`` pairs of single requests therefore go one at
+a time, the two paths alternating; the median of the pairs' TTFT differences
+(``ttft_overhead_ms_p50_sequential``) is the latency the gateway and queue add,
+measured to a few milliseconds.
 """
 
 from __future__ import annotations
@@ -27,6 +39,12 @@ from dataclasses import dataclass, field
 _WORDS = ("river stone light garden window paper engine market silver forest music winter harbor signal "
           "letter mountain yellow planet bridge candle orange theory coffee island rocket thunder velvet "
           "marble dragon pencil castle meadow falcon lantern puzzle canyon").split()
+
+
+# Each path's requests in two blocks, gateway-direct-direct-gateway: the paths' blocks are as far
+# from the start of the run on average, so a steady drift of the machine's speed cancels out;
+# block b of both paths has the same arrival schedule.
+_ORDER = (("gateway", 0), ("direct", 0), ("direct", 1), ("gateway", 1))
 
 
 @dataclass
@@ -117,6 +135,28 @@ async def run_path(send, prompt_list: list[str], rate: float, seed: int) -> tupl
     return samples, time.perf_counter() - start
 
 
+async def run_pairs(sends, prompt_list: list[str]) -> dict:
+    """Single requests, one at a time, alternating paths (G D, D G, ...): each pair's TTFT difference.
+
+    Nothing else runs, so a request's TTFT is the hops plus its own prefill, and the
+    difference within a pair (two requests of the same shape, a moment apart) is what
+    the gateway and queue add, without the queueing noise of the Poisson runs.
+    """
+    diffs, ttft = [], {"gateway": [], "direct": []}
+    for k in range(len(prompt_list) // 2):
+        got = {}
+        for j, path in enumerate(("gateway", "direct") if k % 2 == 0 else ("direct", "gateway")):
+            got[path] = await sends[path](prompt_list[2 * k + j])
+            await asyncio.sleep(0.05)  # the previous request's final event and ack are done
+        if got["gateway"].ok and got["direct"].ok:
+            diffs.append((got["gateway"].ttft - got["direct"].ttft) * 1e3)
+            for path, sample in got.items():
+                ttft[path].append(sample.ttft * 1e3)
+    return {"pairs": len(diffs), "ttft_overhead_ms_p50": pct(diffs, 50),
+            "ttft_overhead_ms_p25": pct(diffs, 25), "ttft_overhead_ms_p75": pct(diffs, 75),
+            "gateway_ttft_ms_p50": pct(ttft["gateway"], 50), "direct_ttft_ms_p50": pct(ttft["direct"], 50)}
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -154,15 +194,30 @@ async def _bench(args, stack) -> dict:
         # warm-up: both paths once, so connections and first-call costs are not measured
         await via_gateway(client, base, model, "Warm up.", 2)
         await via_router(stub, "Warm up.", 2)
+        sequential = None
+        if args.pairs:
+            _log(f"{args.pairs} pairs of single requests, one path after the other")
+            firsts = {"gateway": lambda p: via_gateway(client, base, model, p, 2),
+                      "direct": lambda p: via_router(stub, p, 2)}
+            sequential = await run_pairs(firsts, prompts(args.seed + 1000, 2 * args.pairs, args.prompt_words))
+            _log(f"  gateway - direct TTFT, median of pairs: {sequential['ttft_overhead_ms_p50']:.1f} ms")
+        sends = {"gateway": lambda p: via_gateway(client, base, model, p, args.max_tokens),
+                 "direct": lambda p: via_router(stub, p, args.max_tokens)}
+        blocks = [(args.requests + 1) // 2, args.requests // 2]  # requests per block of each path
         for i, rate in enumerate(args.rates):
+            samples: dict[str, list[Sample]] = {"gateway": [], "direct": []}
+            walls = {"gateway": 0.0, "direct": 0.0}
+            for n, (path, block) in enumerate(_ORDER):
+                if not blocks[block]:
+                    continue
+                plist = prompts(args.seed + 4 * i + n + 1, blocks[block], args.prompt_words)
+                _log(f"rate {rate:g}/s: {blocks[block]} requests via {path} (block {n + 1} of 4)")
+                got, wall = await run_path(sends[path], plist, rate, args.seed + 2 * i + block)
+                samples[path] += got
+                walls[path] += wall
             row = {"rate": rate}
-            for j, path in enumerate(("gateway", "direct")):
-                plist = prompts(args.seed + 2 * i + j + 1, args.requests, args.prompt_words)
-                send = ((lambda p: via_gateway(client, base, model, p, args.max_tokens)) if path == "gateway"
-                        else (lambda p: via_router(stub, p, args.max_tokens)))
-                _log(f"rate {rate:g}/s: {args.requests} requests via {path}")
-                samples, wall = await run_path(send, plist, rate, args.seed + i)
-                row[path] = summarize(samples, wall, args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
+            for path in ("gateway", "direct"):
+                row[path] = summarize(samples[path], walls[path], args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
                 _log(f"  {path}: {row[path]['output_tok_s']:.1f} tok/s, p50 TTFT {row[path]['ttft_ms_p50']:.1f} ms, "
                      f"{row[path]['failed']} failed")
             results.append(row)
@@ -172,18 +227,22 @@ async def _bench(args, stack) -> dict:
     return {
         "throughput_ratio_vs_direct": sum(ratios) / len(ratios) if ratios else None,
         "ttft_overhead_ms_p50": lowest["gateway"]["ttft_ms_p50"] - lowest["direct"]["ttft_ms_p50"],
+        "ttft_overhead_ms_p50_sequential": sequential["ttft_overhead_ms_p50"] if sequential else None,
+        "sequential": sequential,
         "rates": results,
-        "config": {"requests_per_rate_and_path": args.requests, "prompt_words": args.prompt_words,
+        "config": {"requests_per_rate_and_path": args.requests, "sequential_pairs": args.pairs,
+                   "prompt_words": args.prompt_words,
                    "max_tokens": args.max_tokens, "slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms,
-                   "dtype": args.dtype, "threads_per_worker": args.threads, "seed": args.seed},
+                   "dtype": args.dtype, "threads_per_worker": args.threads, "seed": args.seed,
+                   "order": "per rate: gateway, direct, direct, gateway blocks; paired blocks share arrivals"},
     }
 
 
 def run(args) -> int:
     from services.launcher import LocalStack, StackSpec
 
-    if not args.rates or min(args.rates) <= 0 or args.requests < 1 or args.max_tokens < 1:
-        raise ValueError("rates, requests and max-tokens must be positive")
+    if not args.rates or min(args.rates) <= 0 or args.requests < 1 or args.max_tokens < 1 or args.pairs < 0:
+        raise ValueError("rates, requests and max-tokens must be positive, pairs not negative")
     spec = StackSpec(prefill=1, decode=1, model=args.model, dtype=args.dtype, threads=args.threads,
                      transport=args.transport, gateway=True,
                      gateway_args=["--max-queued-requests", "100000", "--max-queued-tokens", "100000000"])
@@ -209,6 +268,12 @@ def print_table(result: dict) -> None:
     ratio = result["throughput_ratio_vs_direct"]
     print(f"\nthroughput gateway/direct: {ratio:.3f}  (goal >= 0.90)" if ratio else "\nthroughput: no data")
     print(f"p50 TTFT overhead of gateway + queue: {result['ttft_overhead_ms_p50']:.1f} ms  (goal < 15 ms)")
+    seq = result.get("sequential")
+    if seq and seq["pairs"]:
+        print(f"single requests one at a time ({seq['pairs']} pairs): gateway {seq['gateway_ttft_ms_p50']:.1f} ms, "
+              f"direct {seq['direct_ttft_ms_p50']:.1f} ms p50 TTFT; gateway - direct, median of pairs "
+              f"{seq['ttft_overhead_ms_p50']:.1f} ms (IQR {seq['ttft_overhead_ms_p25']:.1f} .. "
+              f"{seq['ttft_overhead_ms_p75']:.1f})")
 
 
 def _log(msg: str) -> None:
@@ -221,6 +286,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.0, 4.0],
                    help="arrival rates in requests/s, comma-separated")
     p.add_argument("--requests", type=int, default=40, help="requests per rate and path")
+    p.add_argument("--pairs", type=int, default=30,
+                   help="first, this many pairs of single requests (one per path, one at a time; 0: skip)")
     p.add_argument("--prompt-words", type=int, default=60, help="words per prompt (~1.3 tokens each)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: TTFT at most this")

@@ -11,6 +11,12 @@ is refused)::
     record, claim the key   -> lost the race: attach to the winner
     enqueue                 -> 429 if the queue filled meanwhile (atomic check)
 
+Redis is asked on the way only what must be current: the Idempotency-Key and
+the tenant's budgets (when there are any), and the record and the queue entry,
+written side by side (one round trip) when there is no key. The worker list and
+the queue depth come from views read in the background (``start``). A plain
+request reaches the queue after its tokenization and that one round trip.
+
 ``follow`` yields the result stream's events from an entry id on, plus a
 heartbeat whenever nothing arrived for ``sse_heartbeat_s`` (a queued request has
 no events yet). ``detach`` runs when a client stops reading: when it left before
@@ -88,6 +94,13 @@ class GatewayCore:
         self.records = RequestRecords(redis, max(config.record_ttl_s, math.ceil(config.max_timeout_s) + 600))
         self.reader = ResultReader(redis)
         self._background: set[asyncio.Task] = set()
+        self._refreshers: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        """Keep the worker list and the queue depth fresh in the background (call on the serving loop)."""
+        if not self._refreshers:
+            self._refreshers = [asyncio.get_running_loop().create_task(view.keep_fresh())
+                                for view in (self.workers, self.load)]
 
     # -- what a request asks for ------------------------------------------------------------
 
@@ -151,24 +164,43 @@ class GatewayCore:
 
         record = RequestRecord(uuid.uuid4().hex, req.kind, model, int(time.time()), tenant.name, req.include_usage,
                                req.logprobs, deadline, len(token_ids))
-        await self.records.save(record)
-        if idempotency_key is not None:
-            winner = await self.idempotency.claim(tenant.name, idempotency_key, record.request_id)
-            if winner != record.request_id:  # a concurrent retry got there first
-                earlier = await self._attach(tenant, winner, tier)
-                if earlier is not None:
-                    return earlier
         queued = QueuedRequest(record.request_id, tenant.name, tier, model, token_ids, req.sampling, deadline,
                                traceparent)
+        if idempotency_key is None:
+            await self._save_and_enqueue(record, queued)
+            return Admission(record, tier, attached=False, rate=rate)
+        # with a key, the record must exist before the key names it, and the key be ours before we queue
+        await self.records.save(record)
+        winner = await self.idempotency.claim(tenant.name, idempotency_key, record.request_id)
+        if winner != record.request_id:  # a concurrent retry got there first
+            earlier = await self._attach(tenant, winner, tier)
+            if earlier is not None:
+                return earlier
         try:
             await self.queue.enqueue(queued)
-        except Exception as exc:
-            if idempotency_key is not None:  # let the client retry with the same key; tell anyone attached
-                await self.idempotency.release(tenant.name, idempotency_key, record.request_id)
-                if isinstance(exc, PdserveError):
-                    await self.queue_error(record.request_id, exc)
+        except Exception as exc:  # let the client retry with the same key; tell anyone attached
+            await self.idempotency.release(tenant.name, idempotency_key, record.request_id)
+            if isinstance(exc, PdserveError):
+                await self.queue_error(record.request_id, exc)
             raise
         return Admission(record, tier, attached=False, rate=rate)
+
+    async def _save_and_enqueue(self, record: RequestRecord, queued: QueuedRequest) -> None:
+        """The record and the queue entry in one round trip (side by side).
+
+        Nothing reads a record before its request id is known, and without an
+        Idempotency-Key the id is known only from this request's response, so
+        the two writes need no order. A request queued whose record could not be
+        written is cancelled: its client gets the error and could never resume it.
+        """
+        saved, queued_or_error = await asyncio.gather(self.records.save(record), self.queue.enqueue(queued),
+                                                      return_exceptions=True)
+        if isinstance(queued_or_error, BaseException):
+            raise queued_or_error
+        if isinstance(saved, BaseException):
+            with contextlib.suppress(Exception):
+                await request_cancel(self.redis, record.request_id)
+            raise saved
 
     async def _attach_by_key(self, tenant: Tenant, key: str, tier: str) -> Admission | None:
         request_id = await self.idempotency.lookup(tenant.name, key)
@@ -281,6 +313,10 @@ class GatewayCore:
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Let pending detaches (cancels) finish, then stop."""
+        for task in self._refreshers:
+            task.cancel()
+        await asyncio.gather(*self._refreshers, return_exceptions=True)
+        self._refreshers = []
         if self._background:
             await asyncio.wait(list(self._background), timeout=timeout_s)
         for task in list(self._background):

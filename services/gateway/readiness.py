@@ -1,16 +1,15 @@
 """Which decode workers are ready, from the registry: readiness (503 when none) and the context length.
 
-The registry is read at most once per ``cache_s``. A decode worker counts when
-it is registered (its heartbeat key has not expired), ready (model loaded) and
-not draining.
+The registry is read at most once per ``cache_s`` (two round trips), in the
+background once ``keep_fresh`` runs (cached_read.py). A decode worker counts
+when it is registered (its heartbeat key has not expired), ready (model loaded)
+and not draining.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 from services.errors import NoWorkerError
+from services.gateway.cached_read import CachedRead
 from services.registry import WorkerInfo, read_workers
 
 
@@ -18,20 +17,17 @@ class DecodeWorkers:
     def __init__(self, redis, retry_after_s: float, cache_s: float = 0.25):
         self.redis = redis
         self.retry_after_s = retry_after_s
-        self.cache_s = cache_s
-        self._ready: list[WorkerInfo] = []
-        self._read_at = -1e9
-        self._lock = asyncio.Lock()
+        self._cache = CachedRead(self._read, cache_s)
+
+    async def _read(self) -> list[WorkerInfo]:
+        workers = await read_workers(self.redis)
+        return [w for w in workers if w.role == "decode" and w.ready and not w.draining]
 
     async def ready(self) -> list[WorkerInfo]:
-        if time.monotonic() - self._read_at < self.cache_s:
-            return self._ready
-        async with self._lock:
-            if time.monotonic() - self._read_at >= self.cache_s:
-                workers = await read_workers(self.redis)
-                self._ready = [w for w in workers if w.role == "decode" and w.ready and not w.draining]
-                self._read_at = time.monotonic()
-            return self._ready
+        return await self._cache.get()
+
+    async def keep_fresh(self) -> None:
+        await self._cache.keep_fresh()
 
     async def check(self) -> None:
         """Raise ``NoWorkerError`` (503, ``retry_after_s``) when no decode worker could take a request."""

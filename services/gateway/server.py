@@ -53,6 +53,7 @@ async def serve(args) -> None:
         signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
     grpc_server = None
     try:
+        core.start()  # the worker list and the queue depth, read in the background from now on
         grpc_address = "off"
         if args.grpc_port >= 0:
             grpc_server, grpc_port = await start_grpc(core, args.host, args.grpc_port)

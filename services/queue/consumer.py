@@ -12,6 +12,11 @@ undelivered entries, inside one Lua script (scripts.DEQUEUE). With weights
 the rotation until it has work, so it blocks nobody and banks no credit. The
 current weights live in the consumer, so each router is fair on its own.
 
+When every tier is empty there is nothing to be fair between: ``next`` then
+waits in XREADGROUP itself, which hands the next new entry of any tier to one
+waiting consumer as it is added (no second round trip to dequeue it, and no
+herd of idle routers woken to race for one entry).
+
 Every entry read is screened before it is handed out:
 
 * malformed (``QueuedRequest.from_fields`` fails) -> dead letter;
@@ -122,9 +127,33 @@ class QueueConsumer:
             left_ms = int((give_up - time.monotonic()) * 1000)
             if left_ms < 1:
                 return []
+            if count >= len(self.config.tiers):
+                # Idle: take the next new entry as it arrives. XREADGROUP gives at most one per tier,
+                # so this path is only for a caller with room for that many.
+                raw = await self._read_new(left_ms)
+                if raw:
+                    deliveries = await self._screen(raw)
+                    if deliveries:
+                        return deliveries
+                continue
             # Wake on the next XADD to any tier (ids after each tier's newest entry), then dequeue fairly.
             streams = {tier_stream(t): last for t, last in zip(self.config.tiers, last_ids)}
             await self.redis.xread(streams, count=1, block=left_ms)
+
+    async def _read_new(self, block_ms: int) -> list[list]:
+        """Wait up to ``block_ms`` for new entries (XREADGROUP ">"), at most one per tier, highest tier first."""
+        streams = {tier_stream(t): ">" for t in self.config.tiers}
+        try:
+            reply = await self.redis.xreadgroup(self.group, self.consumer, streams, count=1, block=block_ms)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            await self.ensure_groups()  # as in _dequeue
+            return []
+        by_stream = {text(name): entries for name, entries in (reply.items() if isinstance(reply, dict)
+                                                                else reply or [])}
+        return [[tier, text(eid), fields, 1] for tier in self.config.tiers
+                for eid, fields in by_stream.get(tier_stream(tier), [])]
 
     async def _dequeue(self, count: int) -> tuple[list[list], list[str]]:
         keys = [tier_stream(t) for t in self.config.tiers]

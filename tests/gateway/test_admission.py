@@ -5,9 +5,12 @@ from __future__ import annotations
 import time
 
 import httpx
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from services.queue import QueuedRequest
-from tests.gateway.harness import register_decode_worker
+from services.queue.cancel import cancel_key
+from services.queue.keys import tier_stream
+from tests.gateway.harness import register_decode_worker, wait_for
 
 ACME = "sk-acme-0000000001"
 BATCHY = "sk-batchy-00000002"
@@ -179,3 +182,25 @@ def test_depth_is_cached_between_reads(gateway):
         for _ in range(3):
             assert http.post("/v1/completions", json=BODY).status_code == 200
     assert len(calls) == 1
+
+
+def test_a_request_whose_record_cannot_be_written_is_refused_and_cancelled(gateway, sync_redis):
+    # the record (what a resume needs) and the queue entry are written side by side: when only the
+    # entry lands, the client is told the queue is unavailable and the request is cancelled, not run
+    # for a client that can never read it
+    h = gateway()
+    h.router.pause()
+
+    async def refused(_record):
+        raise RedisConnectionError("the record write was lost")
+
+    h.core.records.save = refused
+    with httpx.Client(base_url=h.url, timeout=10) as http:
+        r = http.post("/v1/completions", json={**BODY, "stream": True})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    [(_, fields)] = sync_redis.xrange(tier_stream("standard"))
+    request_id = fields[b"request_id"].decode()
+    assert sync_redis.exists(cancel_key(request_id))
+    h.router.paused = False
+    assert wait_for(lambda: request_id in h.router.cancelled)
+    assert not h.router.finished

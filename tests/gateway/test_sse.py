@@ -76,7 +76,10 @@ def test_sse_connection_has_nagle_off(gateway):
     h.router.plan = lambda req: Plan(delay_s=0.5, pieces=("a",) * 10)
     with httpx.Client(base_url=h.url, timeout=30) as http:
         with http.stream("POST", "/v1/chat/completions", json=CHAT) as r:
-            events(r, limit=2)
+            # read from one line iterator that stays referenced: ``events(r, ...)`` would drop
+            # its own iterator on return, and httpx closes the response with it
+            lines = r.iter_lines()
+            events(lines, limit=2)
             conns = list(h.server.server_state.connections)
             assert conns
             for conn in conns:

@@ -20,8 +20,20 @@ def test_the_kernel_builds_here():
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 8), (32, 4)])
 @pytest.mark.parametrize("block_size", [16, 8])
 def test_matches_reference_on_ragged_block_tables(dtype, atol, heads, kv_heads, block_size):
-    gen = torch.Generator().manual_seed(heads * 100 + block_size)
-    spec = KVCacheSpec(3, kv_heads, 64, block_size, "float32" if dtype == torch.float32 else "bfloat16")
+    check_against_reference(dtype, atol, heads, kv_heads, block_size, head_dim=64)
+
+
+# head_dim 128 and 48 take the vector path (multiples of 16), 40 the portable one;
+# 32-token blocks hold two 16-position tiles each
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("head_dim,block_size", [(128, 16), (48, 32), (40, 16), (64, 32)])
+def test_matches_reference_for_other_head_dims_and_block_sizes(dtype, atol, head_dim, block_size):
+    check_against_reference(dtype, atol, 6, 2, block_size, head_dim)
+
+
+def check_against_reference(dtype, atol, heads, kv_heads, block_size, head_dim):
+    gen = torch.Generator().manual_seed(heads * 100 + block_size + head_dim)
+    spec = KVCacheSpec(3, kv_heads, head_dim, block_size, "float32" if dtype == torch.float32 else "bfloat16")
     kv = allocate_kv_cache(spec, 200)
     kv.copy_(torch.randn(kv.shape, generator=gen).to(dtype))
     k_cache, v_cache = layer_view(kv, 1)  # strided views, as the model passes them
@@ -34,8 +46,8 @@ def test_matches_reference_on_ragged_block_tables(dtype, atol, heads, kv_heads, 
         nb = -(-n // block_size)
         tables[s, :nb] = order[used : used + nb]
         used += nb
-    qkv = torch.randn(len(lens), heads * 64 * 2, generator=gen).to(dtype)
-    q = qkv[:, : heads * 64].view(len(lens), heads, 64)  # non-contiguous rows, like the model's q
+    qkv = torch.randn(len(lens), heads * head_dim * 2, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(len(lens), heads, head_dim)  # non-contiguous rows, like the model's q
     want = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125)
     got = paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 0.125)
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)

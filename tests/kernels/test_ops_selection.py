@@ -48,13 +48,18 @@ def test_unknown_backend_is_rejected():
         select_ops("cpu", "cutlass")
 
 
-def test_triton_ops_take_the_reference_signatures():
+@pytest.mark.parametrize("ops", [TRITON_OPS, CPU_OPS], ids=["triton", "cpu"])
+def test_kernel_ops_take_the_reference_signatures(ops):
     # The model calls whichever Ops it holds with the same arguments.
     for field in fields(TORCH_OPS):
-        if field.name == "name":
+        ref, kernel = getattr(TORCH_OPS, field.name), getattr(ops, field.name)
+        if not callable(ref):
             continue
-        ref, kernel = getattr(TORCH_OPS, field.name), getattr(TRITON_OPS, field.name)
         assert list(inspect.signature(kernel).parameters) == list(inspect.signature(ref).parameters), field.name
+
+
+def test_only_the_cpu_set_packs_bf16_linears():
+    assert CPU_OPS.packs_linears and not TORCH_OPS.packs_linears and not TRITON_OPS.packs_linears
 
 
 def test_imports_and_falls_back_without_triton():

@@ -89,6 +89,36 @@ def test_blocking_next_wakes_on_a_new_entry(with_redis):
     with_redis(go)
 
 
+def test_an_entry_added_while_routers_wait_goes_to_exactly_one_of_them(with_redis):
+    async def go(r):
+        queue = AdmissionQueue(r)
+        routers = [QueueConsumer(r, consumer=f"router-{i}") for i in range(3)]
+        for c in routers:
+            await c.ensure_groups()
+        req = make_request("interactive")
+
+        async def later():
+            await asyncio.sleep(0.2)  # every router is waiting by now
+            await queue.enqueue(req)
+
+        task = asyncio.create_task(later())
+        got = await asyncio.gather(*(c.next(count=8, block_ms=1500) for c in routers))
+        await task
+        assert sorted(len(g) for g in got) == [0, 0, 1]
+        [d] = [d for g in got for d in g]
+        assert (d.request_id, d.tier, d.delivery_count) == (req.request_id, "interactive", 1)
+        assert await pending(r, "interactive") == 1  # pending until acked, as any delivery
+        # the waiting path still screens what it takes: an expired request is answered, not handed out
+        late = make_request("batch", deadline=time.time() - 1)
+        waiting = asyncio.create_task(routers[0].next(count=8, block_ms=600))
+        await asyncio.sleep(0.2)
+        await queue.enqueue(late)
+        assert await waiting == []
+        assert (await result_events(r, late.request_id))[-1][1]["code"] == "deadline_exceeded"
+
+    with_redis(go)
+
+
 def test_dead_consumer_entries_are_reclaimed(with_redis):
     async def go(r):
         queue = AdmissionQueue(r)

@@ -1,0 +1,67 @@
+"""A Redis read every request needs (the worker list, the queue depth), shared and kept fresh off the request path.
+
+``get`` returns the last value while it is younger than ``max_age_s`` and
+otherwise reads it again, once for however many requests are waiting. Without
+``keep_fresh`` a request that finds the value stale pays that read (one or two
+Redis round trips) before it is queued, and at a steady rate of a few requests
+per second every request does. ``keep_fresh`` (started by
+``GatewayCore.start``) re-reads in the background a little more often than
+``max_age_s``, so ``get`` answers from memory and the value is never older than
+it was before; when the background read falls behind (Redis slow or away) a
+request reads for itself, as without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable, Generic, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# the background read runs this fraction of max_age_s after the previous one finished, so the
+# value is re-read before a request could find it stale even when a read takes a while
+_REFRESH_FRACTION = 0.8
+
+
+class CachedRead(Generic[T]):
+    def __init__(self, read: Callable[[], Awaitable[T]], max_age_s: float):
+        if max_age_s < 0:
+            raise ValueError("max_age_s must be >= 0")
+        self._read = read
+        self.max_age_s = max_age_s
+        self._value: T | None = None
+        self._read_at = -1e18  # monotonic time the value was read at
+        self._lock = asyncio.Lock()
+
+    def _fresh(self) -> bool:
+        return self._value is not None and time.monotonic() - self._read_at < self.max_age_s
+
+    async def get(self) -> T:
+        if self._fresh():
+            return self._value
+        async with self._lock:  # one read, however many requests wait for it
+            if not self._fresh():
+                await self._refresh()
+            return self._value
+
+    async def _refresh(self) -> None:
+        started = time.monotonic()  # the value is as old as the moment it was asked for
+        self._value = await self._read()
+        self._read_at = started
+
+    async def keep_fresh(self) -> None:
+        """Re-read every ``max_age_s * 0.8`` until cancelled; returns at once for ``max_age_s == 0`` (no cache)."""
+        if self.max_age_s <= 0:
+            return
+        while True:
+            try:
+                async with self._lock:
+                    await self._refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: requests read (and fail) for themselves meanwhile
+                log.debug("background read failed: %s", exc)
+            await asyncio.sleep(self.max_age_s * _REFRESH_FRACTION)
