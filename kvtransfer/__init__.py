@@ -15,15 +15,18 @@ Prefill side (reads its own blocks, holds nothing past a call)::
     await sender.send_blocks(desc, src_block_ids, dst_offset)   # per prefill chunk
     await sender.finish(desc, first_token, meta)                # or sender.abort(desc, reason)
 
-Transports (``TransferConfig.transport``): ``ucx`` (default, ucxx), ``tcp``,
-``loopback``. Protocol: ``protocol.py``; ownership: ``ownership.py``,
-``receiver.py`` and ``sender.py``; metrics: ``stats.py``; benchmark:
-``bench.py``.
+Transports (``TransferConfig.transport``): ``ucx`` (default, ucxx; its put
+scheme in ``ucx_puts.py``), ``tcp``, ``loopback``. Protocol: ``protocol.py``;
+ownership: ``ownership.py``, ``receiver.py`` and ``sender.py``; metrics:
+``stats.py``; benchmark: ``bench.py``.
 
 What was verified where (November 2026):
 
-- CPU KV caches, ucx (ucxx-cu12 0.52, UCX 1.21, shared memory), tcp and
-  loopback: tests/kvtransfer, on a 2-core machine without a GPU.
+- CPU KV caches, ucx (ucxx-cu12 0.52, UCX 1.21, one host: cma for the
+  pulled and the put bytes, shared memory for the rest), tcp and loopback:
+  tests/kvtransfer, on a 2-core machine without a GPU; the ucx tests run
+  once as configured (small messages pulled whole) and once with every
+  message split between pull and put (``ucx-put``).
 - CUDA KV caches: not run yet (no GPU was lent for this work).
   tests/kvtransfer/test_kvtransfer_cuda.py moves CUDA blocks between two
   processes over ucx (cuda_ipc / cuda_copy, device memory handed to ucxx

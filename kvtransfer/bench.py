@@ -10,15 +10,21 @@ hurts them alike) and the median is reported:
   reserves blocks, the sender writes them in prefill-sized chunks
   (``--chunk-tokens``), one after another, then ``finish``; the time runs from
   the first chunk until ``finish`` has the receiver's confirmation.
-- ``raw``: one ucxx send of a single contiguous buffer of the same size into
-  the receiver's cache, until a one-byte acknowledgement is back: the best
-  UCX can do here, to compare against.
+- ``raw``: one plain ucxx tag send of a single contiguous buffer of the same
+  size into the receiver's cache (``Endpoint.send`` / ``recv``, awaited the
+  ucxx way), until a one-byte acknowledgement is back: what UCX does for one
+  message, to compare against.
 
 Both UCX paths run with pdserve's UCX settings and progress driver
-(``ucx.py``, ``ucx_progress.py``; override them through the environment), so
-``ucx`` vs ``raw`` isolates the cost of pdserve's protocol. The first measured
-round of each size checks that the receiver's blocks hold exactly the
-sender's bytes. Goal (issue 3): at 8k tokens ucx >= 60% of raw and >= 2x tcp.
+(``ucx.py``, ``ucx_progress.py``; override them through the environment):
+with them, one large tag message is a single copy that the receiver pulls.
+pdserve's ``ucx`` path can beat ``raw``: it also has the sender put part of
+each chunk at the same time (``ucx_puts.py``) and waits without polling. The
+first measured round of each size checks that the receiver's blocks hold
+exactly the sender's bytes. The JSON also records the 1-minute load average
+before and after the run: on a shared 2-core machine the figures mean little
+when it is above 1. Goal (issue 3): at 8k tokens ucx >= 60% of raw and >= 2x
+tcp.
 
 CLI wiring: ``add_arguments(subparser)`` then ``run(args)`` for the result
 dict, or ``main(argv)`` for the whole command (table, or ``--json``).
@@ -30,6 +36,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -91,7 +98,10 @@ def run(args: argparse.Namespace) -> dict:
         _progress(f"UCX unavailable ({why}): measuring TCP only")
         transports = [t for t in transports if t != "ucx"]
     paths = transports + (["raw"] if ucx_ok else [])
-    return asyncio.run(_run(sizes, args.chunk_tokens, args.repeats, transports, paths, why, args.device))
+    load_before = os.getloadavg()[0]
+    result = asyncio.run(_run(sizes, args.chunk_tokens, args.repeats, transports, paths, why, args.device))
+    result["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    return result
 
 
 async def _run(sizes, chunk_tokens, repeats, transports, paths, ucx_why, device) -> dict:
@@ -235,6 +245,7 @@ def _summary(spec, sizes, blocks_for, chunk_tokens, repeats, samples, verified, 
         "chunk_tokens": chunk_tokens,
         "repeats": repeats,
         "statistic": "median GB/s (1e9 bytes/s)",
+        "ucx_put_share": TransferConfig().ucx_put_share,
         "sizes": out_sizes,
         "ucx_vs_raw_8k": ratio("ucx", "raw"),
         "ucx_vs_tcp_8k": ratio("ucx", "tcp"),
@@ -258,6 +269,8 @@ def print_table(result: dict) -> None:
         value = result[key]
         verdict = "n/a" if value is None else ("meets goal" if value >= goal else "BELOW goal")
         print(f"{key} = {value if value is not None else 'n/a'}  (goal >= {goal}: {verdict})")
+    if "loadavg_1m" in result:
+        print(f"1-minute load average {result['loadavg_1m'][0]} before, {result['loadavg_1m'][1]} after")
     if not result["verified"]:
         print("DATA MISMATCH: the receiver's blocks differ from the sender's")
 

@@ -25,6 +25,13 @@ class TransferConfig:
     # blocks, how long that write may take to end before the connection is cut.
     # The blocks are released only once no write can touch them any more.
     drain_grace_s: float = 2.0
+    # UCX: the sender writes this fraction of each message's bytes itself (a
+    # UCX put straight into the receiver's blocks) while the receiver pulls the
+    # rest, so the single copy runs on both processes' cores at once; 0 leaves
+    # all of it to the receiver. Messages under ucx_put_min_bytes are pulled
+    # whole (the put needs a grant from the receiver: one round trip).
+    ucx_put_share: float = 0.5
+    ucx_put_min_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -34,5 +41,9 @@ class TransferConfig:
         for name in ("connect_timeout_s", "op_timeout_s", "drain_grace_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.ucx_put_share <= 1:
+            raise ValueError(f"ucx_put_share must be in [0, 1], got {self.ucx_put_share}")
+        if self.ucx_put_min_bytes < 1:
+            raise ValueError(f"ucx_put_min_bytes must be >= 1, got {self.ucx_put_min_bytes}")
         if self.transport != "loopback" and not self.host:
             raise ValueError("host must not be empty")

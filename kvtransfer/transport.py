@@ -6,10 +6,11 @@ block protocol (``protocol.py``) over it and never see sockets or UCX.
 
 Three implementations, chosen by ``TransferConfig.transport``:
 
-- ``ucx`` (``ucx.py``, default): UCX through ``ucxx``; shared memory on one
-  host, RDMA or TCP between hosts, CUDA memory where UCX has cuda_copy /
-  cuda_ipc. Payloads go from the sender's cache to the receiver's cache
-  without a copy in Python.
+- ``ucx`` (``ucx.py``, default): UCX through ``ucxx``; cma and shared memory
+  on one host, RDMA or TCP between hosts, CUDA memory where UCX has
+  cuda_copy / cuda_ipc. Payloads go from the sender's cache to the
+  receiver's cache in one copy, pulled by the receiver and put by the sender
+  at once (``ucx_puts.py``).
 - ``tcp`` (``tcp.py``): plain sockets, for hosts without UCX. CPU payloads are
   read and written in place; CUDA payloads are staged through host memory.
 - ``loopback`` (``loopback.py``): both ends in one process (tests,
@@ -114,9 +115,13 @@ def make_transport(config: TransferConfig) -> Transport:
 
         return TcpTransport()
     from kvtransfer.ucx import UcxTransport, UcxUnavailable
+    from kvtransfer.ucx_puts import PutPolicy
 
+    # A grant lets the sender start writing for half the receiver's drain grace:
+    # blocks of a failed transfer are released only after that grace.
+    policy = PutPolicy(config.ucx_put_share, config.ucx_put_min_bytes, config.drain_grace_s / 2)
     try:
-        return UcxTransport()
+        return UcxTransport(policy=policy)
     except UcxUnavailable as e:
         if not config.allow_fallback:
             raise TransferError(

@@ -1,6 +1,6 @@
 """A child process holding a real engine on one side of the hand-off, driven by JSON lines.
 
-    python -m tests.kvtransfer.engine_peer decode|prefill TRANSPORT DTYPE
+    python -m tests.kvtransfer.engine_peer decode|prefill ucx|ucx-put|tcp DTYPE
 
 Decode: prints {"address": ...}; "reserve" answers with the descriptor, and later
 with the decoded tokens (or the transfer error). Prefill: "prefill" runs
@@ -31,7 +31,12 @@ def reply(obj: dict) -> None:
 async def main(role: str, transport: str, dtype: str) -> None:
     engine = Engine(EngineConfig(dtype=dtype, long_prefill_chunk=64, max_num_batched_tokens=128))
     aengine = AsyncEngine(engine)
-    config = TransferConfig(transport=transport, op_timeout_s=20)
+    # ucx-put: every payload split between the receiver's pull and the sender's put
+    # (by default only messages of 4 MiB and more are; the test prompts' are smaller).
+    if transport == "ucx-put":
+        config = TransferConfig(transport="ucx", op_timeout_s=20, ucx_put_min_bytes=1)
+    else:
+        config = TransferConfig(transport=transport, op_timeout_s=20)
     loop = asyncio.get_running_loop()
     lines: asyncio.Queue = asyncio.Queue()
     threading.Thread(target=lambda: [loop.call_soon_threadsafe(lines.put_nowait, l) for l in sys.stdin],

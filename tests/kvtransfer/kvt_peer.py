@@ -5,6 +5,11 @@ from a forkserver that has torch loaded, never UCX) with its own KV cache (fille
 receiver, a tiny block owner whose free count is the leak check. Commands run
 concurrently in the child; every answer comes back within the caller's
 timeout or the call fails, so no test can hang.
+
+Transport ``ucx-put`` is ``ucx`` with ``ucx_put_min_bytes=1``: every payload,
+however small, is split between the receiver's pull and the sender's put (by
+default only messages of 4 MiB and more are), so the tests' small blocks take
+the put path too.
 """
 
 from __future__ import annotations
@@ -131,6 +136,8 @@ async def _serve(conn, role, transport, seed, spec, namespace, device, config) -
     kv = allocate_kv_cache(spec, NUM_BLOCKS)
     kv.view(-1).view(torch.uint8).random_(generator=torch.Generator().manual_seed(seed))
     kv = kv.to(device)
+    if transport == "ucx-put":
+        transport, config = "ucx", {"ucx_put_min_bytes": 1, **config}
     cfg = TransferConfig(transport=transport, **config)
     pool = TinyPool(NUM_BLOCKS)
     outcomes: dict[str, asyncio.Future] = {}
@@ -190,6 +197,9 @@ async def _serve(conn, role, transport, seed, spec, namespace, device, config) -
             return time.process_time() - before
         if name == "stats":
             return peer.stats.snapshot()
+        if name == "traffic":  # UCX only: payload bytes sent, and how many of them by put
+            traffic = peer.transport.traffic
+            return {"sent_bytes": traffic.sent_bytes, "put_bytes": traffic.put_bytes}
         if name == "close":
             await peer.close()
             stop.set()

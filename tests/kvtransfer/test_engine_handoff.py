@@ -51,7 +51,7 @@ class EnginePeer:
                 self.proc.kill()
 
 
-@pytest.fixture(scope="module", params=["ucx", "tcp"])
+@pytest.fixture(scope="module", params=["ucx", "ucx-put", "tcp"])
 def peers(request):
     decode, prefill = EnginePeer("decode", request.param), EnginePeer("prefill", request.param)
     yield decode, prefill

@@ -20,9 +20,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 ALL_FREE = NUM_BLOCKS - 1
 
 
-@pytest.fixture(scope="module", params=["ucx", "tcp"])
+@pytest.fixture(scope="module", params=["ucx", "ucx-put", "tcp"])
 def transport(request):
-    if request.param == "ucx":
+    if request.param.startswith("ucx"):
         pytest.importorskip("ucxx", reason="the ucx transport needs ucxx (pip install ucxx-cu12)")
     return request.param
 
@@ -73,6 +73,45 @@ def test_concurrent_transfers_between_one_pair(receiver, sender):
     for d, src, token in plans:
         _check_delivered(receiver, sender, d, src, token)
     assert receiver.call("free") == ALL_FREE
+
+
+def test_put_share_of_the_bytes(receiver, sender, transport):
+    # ucx-put: the sender writes half of each message's bytes itself, straight into
+    # the reserved blocks, while the receiver pulls the other half; plain ucx pulls
+    # messages this small whole.
+    if transport == "tcp":
+        pytest.skip("TCP has no puts")
+    before = sender.call("traffic")
+    desc = receiver.call("reserve", "halves", 7, 20.0)
+    d, src, pieces = _plan(random.Random(5), desc, list(range(1, NUM_BLOCKS)), chunks=2)
+    sender.call("send", desc, pieces, 4)
+    _check_delivered(receiver, sender, d, src, 4)
+    after = sender.call("traffic")
+    sent, put = after["sent_bytes"] - before["sent_bytes"], after["put_bytes"] - before["put_bytes"]
+    assert sent == 7 * SPEC.block_bytes
+    want = sum(len(chunk) * SPEC.block_bytes // 2 for chunk, _ in pieces) if transport == "ucx-put" else 0
+    assert put == want
+    assert receiver.call("free") == ALL_FREE
+
+
+def test_stale_put_grant_is_never_used():
+    # A grant lets the sender start its puts for half the receiver's drain grace; a
+    # failed transfer's blocks are released only after that grace. Here every grant
+    # is stale on arrival: the sender must refuse to write, and both sides fail cleanly.
+    pytest.importorskip("ucxx", reason="the ucx transport needs ucxx (pip install ucxx-cu12)")
+    receiver = Peer("receiver", "ucx-put", drain_grace_s=1e-6)
+    sender = Peer("sender", "ucx-put")
+    try:
+        desc = receiver.call("reserve", "stale", 4, 30.0)
+        with pytest.raises(RemoteError, match="TransferError: .*put grant expired"):
+            sender.call("send", desc, [([1, 2, 3, 4], 0)], 0)
+        assert sender.call("traffic")["put_bytes"] == 0
+        with pytest.raises(RemoteError, match="sender .* disconnected mid-transfer"):
+            receiver.call("outcome", "stale")
+        assert receiver.call("free") == ALL_FREE
+    finally:
+        sender.close()
+        receiver.close()
 
 
 def test_two_senders_to_one_receiver(receiver, sender, transport):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch
 from kvtransfer import PeerInfo, TransferConfig, TransferDescriptor, TransferStats, make_transport
 from kvtransfer.block_runs import BlockBytes, Run, coalesce
 from kvtransfer.tcp import TcpTransport
+from kvtransfer.ucx_puts import PutPolicy, Puts, UcxTraffic, put_sizes
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from services.errors import TransferError
 
@@ -92,7 +95,31 @@ def test_stats_histograms_are_cumulative():
     assert snap["seconds"]["buckets"]["+Inf"] == snap["seconds"]["count"] == 2
 
 
-@pytest.mark.parametrize("kwargs", [{"transport": "rdma"}, {"port": 70000}, {"op_timeout_s": 0}, {"host": ""}])
+@pytest.mark.parametrize(
+    "sizes, share, want",
+    [
+        ([10, 10, 10, 10], 0.5, [0, 0, 10, 10]),  # cut between buffers: each moved whole by one side
+        ([30], 0.5, [15]),  # one run: its tail is put
+        ([10, 25], 0.5, [0, 17]),  # the buffer across the cut is split
+        ([7, 3], 1.0, [7, 3]),
+        ([7, 3], 0.0, [0, 0]),
+    ],
+)
+def test_put_sizes_cut_a_message_once(sizes, share, want):
+    assert put_sizes(sizes, share) == want
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"transport": "rdma"},
+        {"port": 70000},
+        {"op_timeout_s": 0},
+        {"host": ""},
+        {"ucx_put_share": 1.5},
+        {"ucx_put_min_bytes": 0},
+    ],
+)
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         TransferConfig(**kwargs)
@@ -105,3 +132,45 @@ def test_missing_ucx_is_a_clear_error_unless_fallback_allowed(monkeypatch, caplo
         make_transport(TransferConfig(transport="ucx"))
     assert isinstance(make_transport(TransferConfig(transport="ucx", allow_fallback=True)), TcpTransport)
     assert "falling back to the TCP KV transport" in caplog.text
+
+
+def test_ucx_delivers_the_headers_its_peer_sent_before_closing(monkeypatch):
+    # A refused sender aborts its transfer and closes at once; the receiver must still
+    # read that abort (or the transfer waits for its timeout), as it would over TCP.
+    # UCX itself is not needed: the headers travel on the TCP control connection.
+    from kvtransfer import ucx  # imports no ucxx
+
+    monkeypatch.setattr(ucx, "progress_driver", lambda: SimpleNamespace(settle=lambda: None))
+
+    async def go():
+        accepted: asyncio.Queue = asyncio.Queue()
+        done = asyncio.Event()
+
+        async def on_connection(conn):
+            await accepted.put(conn)
+            await done.wait()
+
+        tcp = TcpTransport()
+        listener = await tcp.listen("127.0.0.1", 0, on_connection)
+        ctrl = await tcp.connect(listener.address, 5.0)
+        peer = await accepted.get()
+        stub_ucxx = SimpleNamespace(exceptions=SimpleNamespace(UCXError=RuntimeError))
+        endpoint = SimpleNamespace(_ep=None, abort=lambda: None)
+        puts = Puts(PutPolicy(), None, 0, False, False, UcxTraffic())
+        conn = ucx.UcxConnection(stub_ucxx, ctrl, endpoint, 1, 2, "ucx://peer", puts)
+        await peer.send_header({"type": "abort", "transfer_id": "t"})
+        peer.close()
+        for _ in range(500):
+            if conn.closed:
+                break
+            await asyncio.sleep(0.01)
+        assert conn.closed  # the peer's close was seen before anyone read the abort
+        assert (await conn.recv())["type"] == "abort"
+        with pytest.raises(TransferError):
+            await conn.recv()
+        with pytest.raises(TransferError):
+            await conn.recv()
+        done.set()
+        await listener.close()
+
+    asyncio.run(go())
