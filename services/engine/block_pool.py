@@ -7,10 +7,15 @@ ids. A block is in exactly one state::
                           ^                        |
                           +---- prefix-cache hit --+      evicted LRU-first
 
-Free blocks, cached or not, sit in one LRU queue; allocation takes the oldest,
-so recently freed prefixes survive longest. Every change to the cache is
-recorded as a KV event (stored / removed) in the code path that makes it;
-``take_events`` drains them for publication to routers.
+Free blocks sit in one queue that allocation takes from the front: uncached
+ones first (they hold nothing reusable, so handing them out costs no hit),
+then cached ones least recently freed first, so recently freed prefixes
+survive longest::
+
+    front -> [ uncached ][ cached: least ... most recently freed ] <- a freed cached block
+
+Every change to the cache is recorded as a KV event (stored / removed) in the
+code path that makes it; ``take_events`` drains them for publication to routers.
 """
 
 from __future__ import annotations
@@ -101,6 +106,8 @@ class BlockPool:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self._free[block] = None
+                if self.block_hash[block] is None:  # nothing to keep: reuse it before evicting anything
+                    self._free.move_to_end(block, last=False)
 
     # ---- prefix cache ---------------------------------------------------
     def lookup_prefix(self, block_hashes: Sequence[int], token_ids: Sequence[int]) -> list[int]:

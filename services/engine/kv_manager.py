@@ -6,6 +6,16 @@ A request's blocks cover its first ``num_computed_tokens + scheduled`` tokens::
     block_ids:  [ b7 ][ b2 ][ b9 ][ b4 ]
     tokens:      0-15  16-31 32-47 48-..   (block_size 16)
                  \\_ cached (full, hashed) _/ \\ partial: private
+
+Blocks in progress: an admitted request's full prompt blocks that it has not
+computed yet are *claimed*: their hashes sit in an in-progress set until the
+blocks are cached (computed) or the request lets go of them (finish, abort,
+preemption). The scheduler defers a waiting request whose next uncached
+block is claimed, so a burst of requests sharing a prefix computes it once and
+the rest hit it (``waits_for_computing``)::
+
+    running A:  [ cached ][ claimed: this step's chunk ][ claimed: later chunks ][ suffix ]
+    waiting B:  [ would hit ][ claimed by A: wait until A has cached them, then hit them ][ own ]
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ class KVManager:
         self.pool = pool
         self.block_size = pool.block_size
         self.namespace = namespace
+        self._computing: dict[int, int] = {}  # hash of a claimed block -> running requests claiming it
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -33,10 +44,57 @@ class KVManager:
             req.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], self.namespace))
 
     def cached_prefix_tokens(self, req: Request) -> int:
-        """Prompt tokens a waiting request would find in the prefix cache now (no side effects)."""
+        """Prompt tokens a waiting request will not compute itself: its leading blocks that are
+        cached now or claimed by a running request (it waits for those; see ``waits_for_computing``).
+        No side effects."""
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._extend_hashes(req, max_blocks)
-        return self.pool.cached_run(req.block_hashes[:max_blocks]) * self.block_size
+        n = self.pool.cached_run(req.block_hashes[:max_blocks])
+        while n < max_blocks and req.block_hashes[n] in self._computing:
+            n += 1
+        return n * self.block_size
+
+    def waits_for_computing(self, req: Request) -> bool:
+        """Should a waiting request (holding no blocks) wait before admission? True when the first
+        block of its prompt that is not cached is being computed by a running request: admitted
+        now, it would compute that block a second time; once the block is cached, it hits.
+
+        Never true for long: a claim ends when its block is cached or its request finishes, is
+        aborted or preempted, and a running request always progresses. No side effects.
+        """
+        if not self._computing:
+            return False
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        self._extend_hashes(req, max_blocks)
+        n = self.pool.cached_run(req.block_hashes[:max_blocks])
+        return n < max_blocks and req.block_hashes[n] in self._computing
+
+    def claim_computing(self, req: Request) -> None:
+        """Announce that an admitted request will compute the full blocks of its prompt that it did
+        not find cached (over this and later steps, chunk by chunk). Call when it starts running."""
+        if not self.pool.enable_prefix_caching:
+            return
+        end = req.num_prompt_tokens // self.block_size
+        start = max(req.num_cached_blocks, req.num_claimed_blocks)
+        if end <= start:
+            return
+        self._extend_hashes(req, end)
+        for h in req.block_hashes[start:end]:
+            self._computing[h] = self._computing.get(h, 0) + 1
+        req.num_claimed_blocks = end
+
+    def _unclaim(self, req: Request, start: int, end: int) -> None:
+        for h in req.block_hashes[start:end]:
+            left = self._computing[h] - 1
+            if left:
+                self._computing[h] = left
+            else:
+                del self._computing[h]
+
+    @property
+    def num_claimed_blocks(self) -> int:
+        """Distinct blocks running requests are computing now (0 when idle: the leak check)."""
+        return len(self._computing)
 
     def match_prefix(self, req: Request) -> int:
         """Reuse cached blocks for the longest known prefix of a request that holds
@@ -70,6 +128,7 @@ class KVManager:
             return
         self._extend_hashes(req, num_full)
         start = req.num_cached_blocks
+        self._unclaim(req, start, min(num_full, req.num_claimed_blocks))
         bs = self.block_size
         self.pool.cache_blocks(
             req.block_ids[start:num_full],
@@ -81,6 +140,8 @@ class KVManager:
 
     def free(self, req: Request) -> None:
         """Return every block the request holds (tail first, so it is evicted first)."""
+        self._unclaim(req, req.num_cached_blocks, req.num_claimed_blocks)
+        req.num_claimed_blocks = 0
         if req.block_ids:
             self.pool.free(reversed(req.block_ids))
         req.block_ids = []

@@ -33,6 +33,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, in order
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    # Running only: leading blocks up to which this request has announced it is computing the
+    # prompt; those from num_cached_blocks on are in KVManager's in-progress set until cached or freed.
+    num_claimed_blocks: int = 0
     num_prefix_hit_tokens: int = 0  # from the prefix cache at (latest) admission
     num_preemptions: int = 0
     finish_reason: str | None = None

@@ -10,6 +10,14 @@ Order: running requests first (priority, then arrival), so decodes are never
 starved by new prompts; then waiting ones. When blocks run out the lowest
 priority, latest running request is preempted: its blocks are freed (they stay
 in the prefix cache, so recompute is often a cache hit) and it waits again.
+
+A waiting request whose next uncached prompt block is being computed right now
+by a running request (a burst sharing a prefix that is not cached yet) is
+deferred: it stays waiting, others are admitted past it, and once that block is
+cached (a step or a few later) it is admitted and hits it instead of computing
+it again. The deferral ends when the block is cached or its computing request
+finishes, is aborted or preempted (KVManager.waits_for_computing), so it cannot
+deadlock: a running request always progresses.
 """
 
 from __future__ import annotations
@@ -98,7 +106,8 @@ class Scheduler:
     @property
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens admitted or waiting whose KV is not computed yet (a router's load signal)."""
-        # a waiting request's cached prefix will not be computed: count only the rest
+        # a waiting request's prefix that is cached, or being computed by a running request it will
+        # wait for, is not computed for it: count only the rest
         waiting = sum(r.num_tokens - max(r.num_computed_tokens, self.kv.cached_prefix_tokens(r))
                       for *_, r in self._waiting if r.status is Status.WAITING)
         return waiting + sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.running)
@@ -137,10 +146,14 @@ class Scheduler:
         if out.preempted:
             return out  # no admissions in a step that had to evict
 
+        deferred = []  # heap entries of requests waiting for a block another request computes
         while self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             *_, req = self._waiting[0]
             if req.status is not Status.WAITING:
                 heapq.heappop(self._waiting)
+                continue
+            if not req.block_ids and self.kv.waits_for_computing(req):
+                deferred.append(heapq.heappop(self._waiting))
                 continue
             if not req.block_ids:
                 self.kv.match_prefix(req)
@@ -154,8 +167,11 @@ class Scheduler:
             heapq.heappop(self._waiting)
             req.status = Status.RUNNING
             self._insert_running(req)
+            self.kv.claim_computing(req)  # before the next admission, which may share this prefix
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
+        for entry in deferred:
+            heapq.heappush(self._waiting, entry)
         return out
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:

@@ -16,16 +16,33 @@ Each policy gets a fresh stack (embedded Redis, ``--prefill`` prefill workers,
 one decode worker, the router with ``--disaggregation always`` so every prompt
 goes through a prefill worker), one torch thread per worker. Before measuring,
 one request per prefill worker warms the stack up with an unrelated prompt.
+
+Prefill KV cache (``--prefill-kv-cache-gb``, default: sized from the workload):
+each prefill worker gets room for its share of the system prompts, the ones a
+policy that partitions them between the workers leaves it (ceil(system prompts /
+prefill workers)), plus the private blocks of every request in flight, and no
+more. With less, even a perfect partition misses; with room for every system
+prompt, every policy ends up caching every prefix on every worker and routing
+stops mattering. A policy that sends each system prompt to every worker (round-robin) then
+holds about half of them on each, so its hit rate is about half the ideal.
 Client-side figures per policy: prefix-cache hit rate (cached / prompt tokens
 from each Finish), TTFT (send to first chunk carrying tokens), requests/s,
 output tokens/s, and requests served per prefill worker.
 
 TTFT overhead of the disaggregated path: after the kv-aware workload, with that
-stack idle, ``--overhead-requests`` uncached prompts of ``--overhead-prompt-tokens``
-tokens (distinct, equally long), each sent through the stack and then through an
-in-process engine in this process (``Engine`` + ``AsyncEngine``, same model and
-dtype, one torch thread like a worker), one at a time, alternating so both sides
-see the same machine. ``ttft_overhead_ms_p50`` is the difference of the medians.
+stack idle, ``--overhead-requests`` pairs. A pair is one uncached prompt of
+``--overhead-prompt-tokens`` tokens (a new one per pair) sent through the stack
+and through an in-process engine in this process (``Engine`` + ``AsyncEngine``,
+same model and dtype, one torch thread like a worker), one after the other,
+each side's cache cold for it; which side goes first alternates from pair to
+pair. ``ttft_overhead_ms_p50`` is the median over pairs of (stack TTFT -
+in-process TTFT): pairing cancels the drift of a shared machine, which moves
+both sides of a pair alike, and the median keeps one slow prefill from moving
+the figure. The prompt is short (128 tokens) so that the prefill's own
+variance, which is not overhead, stays small. ``hops_ms_p50`` is the median of
+(stack TTFT - the prefill worker's own Prefill time: compute plus KV send),
+what the router, Reserve, KV completion, decode start and the two gRPC streams
+add, with no compute in it at all.
 """
 
 from __future__ import annotations
@@ -73,13 +90,13 @@ class RoutingBenchConfig:
     max_tokens: int = 8
     concurrency: int = 8
     prefill: int = 2
-    overhead_requests: int = 20
-    overhead_prompt_tokens: int = 512
+    overhead_requests: int = 40  # pairs
+    overhead_prompt_tokens: int = 128
     model: str | None = None
     dtype: str = "bf16"
     transport: str = "ucx"
     kv_cache_gb: float | None = None
-    prefill_kv_cache_gb: float | None = None  # overrides kv_cache_gb on prefill workers
+    prefill_kv_cache_gb: float | None = None  # overrides kv_cache_gb on prefill workers; None: prefill_cache_blocks
     seed: int = 0
     ready_timeout_s: float = 300.0
     request_timeout_s: float = 300.0
@@ -125,12 +142,38 @@ def make_workload(tokenizer, cfg: RoutingBenchConfig) -> Workload:
                for i in range(cfg.system_prompts)]
     order = [i % cfg.system_prompts for i in range(cfg.requests)]
     rng.shuffle(order)
-    prompts = [systems[s] + _text_tokens(tokenizer, rng, f" User {j} asks:", rng.randint(16, 32))
+    prompts = [systems[s] + _text_tokens(tokenizer, rng, f" User {j} asks:", rng.randint(*SUFFIX_TOKENS))
                for j, s in enumerate(order)]
     overhead = [_text_tokens(tokenizer, rng, f"Question {k}:", cfg.overhead_prompt_tokens)
                 for k in range(cfg.overhead_requests + 1)]  # the extra one warms up
     warmup = [_text_tokens(tokenizer, rng, f"Warm-up {k}:", 64) for k in range(cfg.prefill)]
     return Workload(prompts, order, cfg.prefix_tokens, overhead, warmup)
+
+
+SUFFIX_TOKENS = (16, 32)  # each request's own tokens after its system prompt
+
+
+def prefill_cache_blocks(cfg: RoutingBenchConfig, block_size: int) -> int:
+    """KV blocks per prefill worker by default: its share of the system prompts when a policy
+    partitions them between the workers, plus the private blocks (the end of the system prompt's
+    last partial block, the suffix, the first output token) of every request in flight; never
+    less than the longest single prompt needs."""
+    def blocks(tokens: int) -> int:
+        return -(-tokens // block_size)
+
+    share = -(-cfg.system_prompts // cfg.prefill) * (cfg.prefix_tokens // block_size)
+    private = blocks(cfg.prefix_tokens % block_size + SUFFIX_TOKENS[1] + 1)
+    longest = blocks(max(cfg.prefix_tokens + SUFFIX_TOKENS[1], cfg.overhead_prompt_tokens) + cfg.max_tokens)
+    return max(share + cfg.concurrency * private, longest)
+
+
+def kv_block_bytes(model: str | None, dtype: str, block_size: int) -> int:
+    from services.config import EngineConfig
+    from services.engine.kv_cache import KVCacheSpec
+    from services.engine.loader import resolve_model
+
+    m = resolve_model(model).config
+    return KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, block_size, EngineConfig(dtype=dtype).dtype).block_bytes
 
 
 # ---- the stack ---------------------------------------------------------------
@@ -293,7 +336,7 @@ class InProcessEngine:
         self.engine = Engine(EngineConfig(model=cfg.model, dtype=cfg.dtype,
                                           kv_cache_bytes=int(kv_gb * 2**30) if kv_gb else None))
         self.aengine = AsyncEngine(self.engine)
-        self.params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True)
+        self.params = SamplingParams(max_tokens=OVERHEAD_MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
     async def ttft_ms(self, ids: list[int]) -> float:
         """From the ``generate()`` call to its first output carrying a token."""
@@ -307,41 +350,58 @@ class InProcessEngine:
         self.aengine.shutdown()
 
 
-async def measure_overhead(stack: Stack, cfg: RoutingBenchConfig, work: Workload) -> dict:
-    """TTFT of the same uncached prompts through the idle stack and through an in-process engine.
+OVERHEAD_MAX_TOKENS = 2  # the first token is what is timed; a second one makes the decode worker decode
 
-    The two alternate prompt by prompt (the stack idles while the local engine runs), so a
-    slow stretch of a shared machine hits both sides alike; the first prompt warms both up.
-    """
+
+async def measure_overhead(stack: Stack, cfg: RoutingBenchConfig, work: Workload) -> dict:
+    """TTFT of the same uncached prompt through the idle stack and through an in-process engine,
+    pair by pair; which side goes first alternates, and the first pair only warms both up."""
     import grpc
 
     from proto.pdserve.v1 import generate_pb2_grpc
 
     _log("loading the in-process engine")
     local = InProcessEngine(cfg)
-    disagg, in_process, router_ttft, prefill = [], [], [], []
+    diffs, disagg, in_process, hops, router_ttft, prefill = [], [], [], [], [], []
     try:
         async with grpc.aio.insecure_channel(stack.address) as channel:
             stub = generate_pb2_grpc.GenerationStub(channel)
-            for i, ids in enumerate(work.overhead_prompts):
-                r = await _generate(stub, f"overhead-{i}", ids, cfg.max_tokens, cfg.request_timeout_s)
+
+            async def through_stack(i: int, ids: list[int]) -> Result:
+                r = await _generate(stub, f"overhead-{i}", ids, OVERHEAD_MAX_TOKENS, cfg.request_timeout_s)
                 if r.error:
                     raise StackError(f"an overhead request failed: {r.error}")
-                mine = await local.ttft_ms(ids)
+                return r
+
+            for i, ids in enumerate(work.overhead_prompts):
+                if i % 2:
+                    mine = await local.ttft_ms(ids)
+                    r = await through_stack(i, ids)
+                else:
+                    r = await through_stack(i, ids)
+                    mine = await local.ttft_ms(ids)
                 if i:
-                    disagg.append(r.ttft_s * 1e3)
+                    ttft = r.ttft_s * 1e3
+                    diffs.append(ttft - mine)
+                    disagg.append(ttft)
+                    in_process.append(mine)
+                    hops.append(ttft - r.prefill_ms)
                     router_ttft.append(r.router_ttft_ms)
                     prefill.append(r.prefill_ms)
-                    in_process.append(mine)
     finally:
         local.close()
-    return {"policy": stack.policy, "requests": cfg.overhead_requests, "prompt_tokens": cfg.overhead_prompt_tokens,
-            "disagg_ttft_ms_p50": round(percentile(disagg, 50), 1),
-            "in_process_ttft_ms_p50": round(percentile(in_process, 50), 1),
-            # where the disaggregated TTFT goes: the router's own TTFT (without the client's hop)
-            # and the prefill worker's compute plus KV send
-            "router_ttft_ms_p50": round(percentile(router_ttft, 50), 1),
-            "prefill_ms_p50": round(percentile(prefill, 50), 1)}
+
+    def p(values: list[float], q: float) -> float:
+        return round(percentile(values, q), 1)
+
+    return {"policy": stack.policy, "pairs": cfg.overhead_requests, "prompt_tokens": cfg.overhead_prompt_tokens,
+            "ttft_overhead_ms_p50": p(diffs, 50), "ttft_overhead_ms_p25": p(diffs, 25),
+            "ttft_overhead_ms_p75": p(diffs, 75),
+            "disagg_ttft_ms_p50": p(disagg, 50), "in_process_ttft_ms_p50": p(in_process, 50),
+            # where the disaggregated TTFT goes: the router's own TTFT (without the client's hop),
+            # the prefill worker's compute plus KV send, and the rest (every hop, no compute)
+            "router_ttft_ms_p50": p(router_ttft, 50), "prefill_ms_p50": p(prefill, 50),
+            "hops_ms_p50": p(hops, 50)}
 
 
 async def measure_policy(stack: Stack, cfg: RoutingBenchConfig, work: Workload) -> dict:
@@ -365,6 +425,14 @@ def bench(cfg: RoutingBenchConfig, verbose: bool = False) -> dict:
     if tokenizer is None:
         raise ValueError(f"{model_name} has no tokenizer; the routing bench builds its prompts from text")
     work = make_workload(tokenizer, cfg)
+    block_size = 16  # the workers' default (EngineConfig.block_size)
+    block_bytes = kv_block_bytes(cfg.model, cfg.dtype, block_size)
+    if cfg.prefill_kv_cache_gb is None:
+        # the engine sizes its cache as bytes // block bytes, block 0 being the null block: ask
+        # for one more block and half a block of slack so float rounding cannot lose one
+        cfg.prefill_kv_cache_gb = (prefill_cache_blocks(cfg, block_size) + 1.5) * block_bytes / 2**30
+    prefill_blocks = int((cfg.prefill_kv_cache_gb or cfg.kv_cache_gb or 2.0) * 2**30) // block_bytes - 1
+    _log(f"prefill KV cache: {prefill_blocks} blocks per worker ({cfg.prefill_kv_cache_gb or cfg.kv_cache_gb} GiB)")
     overhead_policy = "kv-aware" if "kv-aware" in cfg.policies else cfg.policies[0]
     policies: dict[str, dict] = {}
     overhead = None
@@ -375,8 +443,8 @@ def bench(cfg: RoutingBenchConfig, verbose: bool = False) -> dict:
             _log(f"{policy}: hit rate {summary['hit_rate']:.3f}, p99 TTFT {summary['ttft_ms_p99']:.0f} ms, "
                  f"{summary['requests_per_s']:.2f} req/s, errors {summary['errors']}")
             if policy == overhead_policy and cfg.overhead_requests:
-                _log(f"{policy}: TTFT overhead, {cfg.overhead_requests} uncached {cfg.overhead_prompt_tokens}-token "
-                     "prompts, each through the idle stack, then the in-process engine")
+                _log(f"{policy}: TTFT overhead, {cfg.overhead_requests} pairs of an uncached "
+                     f"{cfg.overhead_prompt_tokens}-token prompt through the idle stack and the in-process engine")
                 overhead = asyncio.run(measure_overhead(stack, cfg, work))
             stack.check_alive()
             trouble = stack.trouble()
@@ -388,13 +456,12 @@ def bench(cfg: RoutingBenchConfig, verbose: bool = False) -> dict:
         "hit_rate_ratio_vs_round_robin": _ratio(kv["hit_rate"], rr["hit_rate"]) if kv and rr else None,
         "p99_ttft_ratio_vs_round_robin": _ratio(kv["ttft_ms_p99"], rr["ttft_ms_p99"]) if kv and rr else None,
         "mean_ttft_ratio_vs_round_robin": _ratio(kv["ttft_ms_mean"], rr["ttft_ms_mean"]) if kv and rr else None,
-        "ttft_overhead_ms_p50": (round(overhead["disagg_ttft_ms_p50"] - overhead["in_process_ttft_ms_p50"], 1)
-                                 if overhead else None),
+        "ttft_overhead_ms_p50": overhead["ttft_overhead_ms_p50"] if overhead else None,
         "policies": policies,
         "overhead": overhead,
         "ideal_hit_rate": ideal_hit_rate(work),
         "config": dict(asdict(cfg), model=model_name, decode=1, threads_per_worker=1,
-                       disaggregation="always", load="closed loop"),
+                       disaggregation="always", load="closed loop", prefill_kv_cache_blocks=prefill_blocks),
         "loadavg_start": [round(x, 2) for x in load_start],
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         "elapsed_s": round(time.perf_counter() - started, 1),
@@ -420,9 +487,12 @@ def print_table(result: dict) -> None:
     show("kv-aware mean TTFT / round-robin", "mean_ttft_ratio_vs_round_robin")
     o = result["overhead"]
     if o is not None:
-        print(f"TTFT p50, {o['prompt_tokens']}-token uncached prompt: disaggregated {o['disagg_ttft_ms_p50']:.1f} "
-              f"ms (router {o['router_ttft_ms_p50']:.1f}, prefill+send {o['prefill_ms_p50']:.1f}), in-process "
-              f"{o['in_process_ttft_ms_p50']:.1f} ms, overhead {result['ttft_overhead_ms_p50']:.1f} ms")
+        print(f"TTFT p50, {o['prompt_tokens']}-token uncached prompt, {o['pairs']} pairs: disaggregated "
+              f"{o['disagg_ttft_ms_p50']:.1f} ms (router {o['router_ttft_ms_p50']:.1f}, prefill+send "
+              f"{o['prefill_ms_p50']:.1f}), in-process {o['in_process_ttft_ms_p50']:.1f} ms")
+        print(f"TTFT overhead, median of pairs: {o['ttft_overhead_ms_p50']:.1f} ms (IQR "
+              f"{o['ttft_overhead_ms_p25']:.1f} .. {o['ttft_overhead_ms_p75']:.1f}); hops without compute: "
+              f"{o['hops_ms_p50']:.1f} ms")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -462,18 +532,19 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=8, help="output tokens per request (EOS ignored)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (closed loop)")
     p.add_argument("--prefill", type=int, default=2, help="prefill workers per stack")
-    p.add_argument("--overhead-requests", type=int, default=20,
-                   help="sequential uncached prompts for the TTFT overhead (0: skip it)")
-    p.add_argument("--overhead-prompt-tokens", type=int, default=512)
+    p.add_argument("--overhead-requests", type=int, default=40,
+                   help="pairs (stack, in-process engine) of uncached prompts for the TTFT overhead (0: skip it)")
+    p.add_argument("--overhead-prompt-tokens", type=int, default=128)
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     p.add_argument("--transport", default="ucx", choices=["ucx", "tcp"], help="KV transfer between workers")
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="KV cache per worker (default: the workers' own, 2 GiB on CPU)")
-    p.add_argument("--prefill-kv-cache-gb", type=float, default=0.12,
-                   help="KV cache per prefill worker (0.12 GiB holds ~5 of the 8 default system prompts in "
-                        "bf16): smaller than all the prefixes, so they compete for space and routing decides the "
-                        "hit rate; with room for everything every policy ends up caching every prefix everywhere")
+    p.add_argument("--prefill-kv-cache-gb", type=float, default=None,
+                   help="KV cache per prefill worker (default: room for ceil(system prompts / prefill workers) "
+                        "system prompts plus the requests in flight, 280 blocks = 0.097 GiB with the defaults in "
+                        "bf16): the prefixes compete for space and routing decides the hit rate; with room for "
+                        "everything every policy ends up caching every prefix everywhere")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true", help="forward every stack process's output to stderr")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -267,7 +267,7 @@ class Dispatcher:
         self._count(decode, d.reason)
         # Predict the worker's cache: the next request with this prefix goes there even before
         # its KV events arrive (they confirm this, or remove what it evicts).
-        self.index.apply(prefill.worker_id, [("s", hashes)])
+        self.index.touch(prefill.worker_id, hashes, prefill.kv_blocks_total)
         token = self.pool.begin(prefill.worker_id, len(prompt) - choice.overlap_blocks * block_size)
         prefill_task: asyncio.Task | None = None
         call = None

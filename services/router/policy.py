@@ -1,16 +1,28 @@
 """Routing policies: which prefill worker computes a prompt, which decode worker runs it.
 
 ``kv-aware`` (the default) scores each prefill worker by the work a request
-would wait for there, in prompt tokens; lower wins::
+would cost there, in prompt tokens; lower wins::
 
     cost = uncached_tokens                                   # prompt tokens not in its prefix cache
-         + load_weight   * (queued_prefill_tokens + inflight_prefill_tokens)
-         + request_tokens * (num_running + num_waiting + inflight_requests)
+         + load_weight   * max(queued_prefill_tokens, inflight_prefill_tokens)
+         + request_tokens * max(num_running + num_waiting, inflight_requests)
+         + block_size * reused_evictions                     # shared blocks it would push out
 
     uncached_tokens = num_tokens - overlap_blocks * block_size
 
-so a cached prefix attracts a request only while the holder's queue is shorter
-than the prefix it saves: a hot prefix spills to other workers under load.
+A token computed counts more than a token waited for (``load_weight`` < 1): the
+compute is paid again by every request that queues behind it on that worker,
+and a prefix computed on a second worker is a copy that takes cache from other
+prefixes. ``reused_evictions`` (``PrefixIndex.reused_evictions``) counts the
+blocks that served more than one prompt which the worker's LRU cache would drop
+to make room for this prompt's uncached blocks: they are likely wanted again,
+so dropping one costs its recompute later. So a cached prefix keeps its
+requests until the holder's queue is several times longer than the prefix it
+saves (a hot prefix still spills under real overload), and a new prefix goes to
+the worker with cache to spare rather than evicting another worker's working
+set: with more prefixes than one worker holds, they end up partitioned between
+the workers instead of copied onto both.
+
 Candidates within ``tie_tokens`` of the best are sampled with weights
 ``exp(-(cost - best) / (temperature * tie_tokens))``; ``temperature`` 0 takes
 the cheapest, first by worker id on an exact tie (deterministic). Sampling
@@ -44,9 +56,13 @@ POLICY_NAMES = ("kv-aware", "least-load", "round-robin")
 @dataclass
 class RouterPolicyConfig:
     policy: str = "kv-aware"
-    # Prompt tokens of cost per prompt token queued or in flight on a worker: 1.0 means
-    # waiting behind a token costs as much as computing one of your own.
-    load_weight: float = 1.0
+    # Prompt tokens of cost per prompt token queued or in flight on a worker. 1.0: waiting behind
+    # a token costs as much as computing one of your own, so a holder loses a prefix's requests as
+    # soon as one other prefill of that size is queued on it (and the prefix is copied to another
+    # worker). 0.25: computing one costs four waited ones (this request's wait, the waits of those
+    # queued behind it, the cache its KV takes), so the holder keeps them until about four such
+    # prefills are queued there. BENCHMARKS.md ("pdserve bench routing") has the measurements.
+    load_weight: float = 0.25
     # Fixed cost per request on a worker (scheduling, a batch slot), in prompt tokens.
     request_tokens: float = 8.0
     # Costs within this many tokens of the best are near-ties, sampled by temperature.
@@ -104,10 +120,11 @@ class RoutingPolicy:
         if len(candidates) == 1:
             only = candidates[0]
             return Decision(only, "only_worker", overlaps.get(only.worker_id, 0))
-        return self._pick_prefill(candidates, overlaps, num_tokens, block_size, pool)
+        return self._pick_prefill(candidates, overlaps, num_tokens, block_size, pool, block_hashes, index)
 
     def _pick_prefill(self, candidates: list[WorkerInfo], overlaps: dict[str, int], num_tokens: int,
-                      block_size: int, pool: WorkerPool) -> Decision:
+                      block_size: int, pool: WorkerPool, block_hashes: Sequence[int],
+                      index: PrefixIndex | None) -> Decision:
         raise NotImplementedError
 
     def choose_decode(self, workers: Sequence[WorkerInfo], num_blocks_needed: int, pool: WorkerPool,
@@ -153,12 +170,15 @@ class KVAwarePolicy(RoutingPolicy):
         requests = max(load.num_running + load.num_waiting, load.inflight_requests)
         return uncached_tokens + c.load_weight * pending + c.request_tokens * requests
 
-    def _pick_prefill(self, candidates, overlaps, num_tokens, block_size, pool):
+    def _pick_prefill(self, candidates, overlaps, num_tokens, block_size, pool, block_hashes, index):
         scored = []  # (cost, worker, overlap), candidates already sorted by id
         for w in candidates:
             overlap = overlaps.get(w.worker_id, 0)
             uncached = max(0, num_tokens - overlap * block_size)
-            scored.append((self.cost(pool.load(w.worker_id), uncached), w, overlap))
+            cost = self.cost(pool.load(w.worker_id), uncached)
+            if index is not None and w.kv_blocks_total > 0:  # 0: the worker has not reported its cache yet
+                cost += block_size * index.reused_evictions(w.worker_id, block_hashes, w.kv_blocks_total)
+            scored.append((cost, w, overlap))
         best = min(s[0] for s in scored)
         if self.config.temperature == 0:
             cost, worker, overlap = next(s for s in scored if s[0] == best)
@@ -173,7 +193,7 @@ class KVAwarePolicy(RoutingPolicy):
 class LeastLoadPolicy(RoutingPolicy):
     name = "least-load"
 
-    def _pick_prefill(self, candidates, overlaps, num_tokens, block_size, pool):
+    def _pick_prefill(self, candidates, overlaps, num_tokens, block_size, pool, block_hashes, index):
         def key(w):
             load = pool.load(w.worker_id)
             return load.pending_prefill_tokens, load.num_requests, w.worker_id
@@ -198,7 +218,7 @@ class RoundRobinPolicy(RoutingPolicy):
         self._last[role] = chosen.worker_id
         return chosen
 
-    def _pick_prefill(self, candidates, overlaps, num_tokens, block_size, pool):
+    def _pick_prefill(self, candidates, overlaps, num_tokens, block_size, pool, block_hashes, index):
         chosen = self._next("prefill", candidates)
         return Decision(chosen, "round_robin", overlaps.get(chosen.worker_id, 0))
 

@@ -2,6 +2,10 @@
 
 Two maps kept in step: block hash -> holders (what a lookup walks) and
 worker -> hashes (so forgetting a worker costs its own blocks, not the index).
+A worker's hashes are kept in the order this router last sent it a prompt using
+them, least recent first, with how many such prompts there were: a model of the
+worker's LRU cache, from which ``reused_evictions`` estimates what a new prompt
+would push out of it (see ``touch``).
 Block hashes are chained (``services.engine.block_hash``), so a prompt's blocks
 are only useful to a worker as a *leading* run: a hit on block k without blocks
 0..k-1 cannot be served from cache, so overlap stops at the first miss.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from services.kv_events import CLEARED, REMOVED, STORED, STREAM_KEY, decode_entry
@@ -26,7 +31,8 @@ log = logging.getLogger(__name__)
 class PrefixIndex:
     def __init__(self) -> None:
         self._holders: dict[int, set[str]] = {}  # block hash -> worker ids
-        self._blocks: dict[str, set[int]] = {}  # worker id -> block hashes
+        # worker id -> {block hash: prompts routed there that used it}, least recently routed first
+        self._blocks: dict[str, OrderedDict[int, int]] = {}
 
     def apply(self, worker_id: str, runs: Iterable[tuple[str, Sequence[int]]]) -> None:
         """Apply one publish's ``(kind, hashes)`` runs in order. Unknown kinds are skipped."""
@@ -41,18 +47,55 @@ class PrefixIndex:
                 log.warning("unknown KV event kind %r from %s", kind, worker_id)
 
     def _store(self, worker_id: str, hashes: Sequence[int]) -> None:
-        mine = self._blocks.setdefault(worker_id, set())
+        mine = self._blocks.setdefault(worker_id, OrderedDict())
         for h in hashes:
-            mine.add(h)
-            self._holders.setdefault(h, set()).add(worker_id)
+            if h not in mine:
+                mine[h] = 1  # computed for one request (ours, touched already, or another router's)
+                self._holders.setdefault(h, set()).add(worker_id)
+
+    def touch(self, worker_id: str, hashes: Sequence[int], capacity: int = 0) -> None:
+        """A prompt with these full blocks was just routed to ``worker_id``: it will hold them
+        (the prediction the worker's KV events confirm, or correct with removals, milliseconds
+        later), as its most recently used blocks, the first block most recent of all (a worker
+        frees a prompt's blocks tail first), and each has served one more prompt.
+
+        ``capacity`` (the worker's KV blocks; 0: unknown): a worker holds no more, so blocks
+        beyond it, least recently used first, are forgotten; this also drops predictions that
+        never came true (a request that failed before its blocks were stored)."""
+        mine = self._blocks.setdefault(worker_id, OrderedDict())
+        for h in reversed(hashes):
+            uses = mine.pop(h, 0)
+            mine[h] = uses + 1
+            if not uses:
+                self._holders.setdefault(h, set()).add(worker_id)
+        while 0 < capacity < len(mine):
+            h, _ = mine.popitem(last=False)
+            self._unhold(worker_id, h)
+
+    def reused_evictions(self, worker_id: str, hashes: Sequence[int], capacity: int) -> int:
+        """How many blocks that served more than one prompt ``worker_id`` would evict to make room
+        for the blocks of ``hashes`` it lacks, its least recently used first, given ``capacity``
+        blocks of cache. Such blocks are likely wanted again (a shared prefix), so evicting one
+        costs a recompute later; a block used once (a prompt's own suffix) costs nothing."""
+        mine = self._blocks.get(worker_id) or OrderedDict()
+        wanted = set(hashes)
+        evict = sum(1 for h in wanted if h not in mine) - max(0, capacity - len(mine))
+        reused = 0
+        for h, uses in mine.items():  # least recently used first
+            if evict <= 0:
+                break
+            if h in wanted:
+                continue  # this prompt uses it: refreshed, not evicted
+            reused += uses > 1
+            evict -= 1
+        return reused
 
     def _remove(self, worker_id: str, hashes: Sequence[int]) -> None:
         mine = self._blocks.get(worker_id)
         if mine is None:
             return
         for h in hashes:
-            if h in mine:
-                mine.discard(h)
+            if mine.pop(h, None) is not None:
                 self._unhold(worker_id, h)
         if not mine:
             del self._blocks[worker_id]

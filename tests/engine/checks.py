@@ -14,6 +14,7 @@ def assert_no_leaks(engine: Engine) -> None:
     assert not engine.has_unfinished()
     assert engine.block_pool.num_used == 0, f"{engine.block_pool.num_used} KV blocks still in use"
     assert engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0
+    assert engine.kv.num_claimed_blocks == 0, "blocks still announced as being computed"
 
 
 def drain(engine: Engine) -> None:

@@ -104,6 +104,23 @@ def test_least_recently_freed_cached_block_is_evicted_first():
     assert pool.lookup_prefix(held[2][1], seqs[2]) == held[2][0]
 
 
+def test_uncached_free_blocks_are_reused_before_any_cached_block_is_evicted():
+    # a finished request's partial last block (never cached) is freed after its cached blocks;
+    # reusing it first keeps every cached block a hit for as long as uncached room remains
+    pool = BlockPool(num_blocks=6, block_size=BS)  # 5 usable
+    tokens = list(range(500, 500 + 2 * BS))
+    blocks, hashes = cached_sequence(pool, tokens)
+    private = pool.allocate(3)  # a partial block and two more that were never cached
+    pool.free(list(reversed(blocks + private)))
+    pool.take_events()
+
+    reused = pool.allocate(3)
+    assert sorted(reused) == sorted(private) and pool.take_events() == []  # nothing evicted
+    assert pool.lookup_prefix(hashes, tokens) == blocks
+    pool.free(blocks)
+    pool.free(reused)
+
+
 def test_sequence_freed_in_reverse_keeps_its_head_longest():
     pool = BlockPool(num_blocks=5, block_size=BS)  # 4 usable
     tokens = list(range(200, 200 + 4 * BS))

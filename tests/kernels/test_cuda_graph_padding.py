@@ -38,8 +38,9 @@ def test_padded_static_forward_equals_the_eager_runner():
     engine = _tiny_triton_engine()
     try:
         params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-        for rid, n in (("a", 5), ("b", 6), ("c", 3)):
-            engine.add_request(rid, [20 + i for i in range(n)], params)
+        # distinct prompts: one sharing a's first block would wait for a to cache it
+        for rid, first, n in (("a", 20, 5), ("b", 30, 6), ("c", 50, 3)):
+            engine.add_request(rid, [first + i for i in range(n)], params)
         engine.add_request("long", [40 + i for i in range(14)], params)
         engine.step()  # prompts a, b, c whole; "long" a 6-token chunk (long_prefill_chunk)
         long = engine.requests["long"]

@@ -77,6 +77,45 @@ def test_hot_prefix_spills_to_other_workers_under_load():
     assert pool.load("hot").inflight_requests + pool.load("cold").inflight_requests == 50
 
 
+def test_holder_keeps_a_long_prefix_while_its_queue_is_a_prefill_or_two():
+    # a 1,024-token system prompt: computing it again elsewhere costs more than waiting behind
+    # one or two prefills of the same size on its holder, and copies it onto a second worker
+    tokens, hashes = prompt(64 * BS + 20)
+    index = PrefixIndex()
+    index.apply("holder", [("s", hashes[:64])])
+    pool = pool_of(info("holder", kv_blocks_total=1000), info("idle", kv_blocks_total=1000))
+    policy = make_policy("kv-aware")
+    pool.begin("holder", 2 * 1044)  # two uncached prompts of the same size went there just now
+    d = policy.choose_prefill(pool.prefill_workers(), hashes, BS, pool, index, num_tokens=len(tokens))
+    assert (d.worker.worker_id, d.reason, d.overlap_blocks) == ("holder", "prefix_hit", 64)
+    # truly overloaded (five such prefills queued): the request goes where it starts sooner
+    pool.begin("holder", 3 * 1044)
+    d = policy.choose_prefill(pool.prefill_workers(), hashes, BS, pool, index, num_tokens=len(tokens))
+    assert (d.worker.worker_id, d.reason) == ("idle", "load")
+
+
+def test_new_prefix_goes_where_it_evicts_no_shared_blocks():
+    # room for 12 blocks each. "a" serves three shared 4-block prefixes (its cache is full of
+    # blocks that served two prompts each), "b" one: a fourth prefix fits on b without evicting
+    # anything another request is likely to want, so it goes there though a is first by id
+    shared = [prompt(4 * BS, first=1000 * i)[1] for i in range(4)]
+    index = PrefixIndex()
+    for _ in range(2):
+        for h in shared[:3]:
+            index.touch("a", h)
+        index.touch("b", shared[3])
+    pool = pool_of(info("a", kv_blocks_total=12), info("b", kv_blocks_total=12))
+    _, new = prompt(4 * BS, first=9000)
+    d = make_policy("kv-aware").choose_prefill(pool.prefill_workers(), new, BS, pool, index)
+    assert (d.worker.worker_id, d.reason) == ("b", "load")
+    assert d.cost == 4 * BS  # b evicts nothing: the cost is the prompt's own compute
+    # with equal room, the tie goes by id as before
+    for h in shared[:2]:
+        index.touch("b", h)
+    d = make_policy("kv-aware").choose_prefill(pool.prefill_workers(), new, BS, pool, index)
+    assert d.worker.worker_id == "a"
+
+
 def test_heartbeat_queue_counts_as_load():
     _, hashes = prompt(2 * BS)
     index = PrefixIndex()

@@ -55,6 +55,39 @@ def test_overlap_stops_at_first_miss():
     assert index.overlaps(hash_prompt_blocks(list(range(6 * BS)), BS, "model-b")) == {}
 
 
+def test_touch_models_the_workers_lru_cache():
+    a, b = prompt_hashes(3), prompt_hashes(3, first=100)
+    index = PrefixIndex()
+    index.touch("w", a)
+    index.touch("w", b)
+    index.touch("w", a)  # a served two prompts, b one; b is now the least recently used
+    assert index.overlap("w", a) == 3 and index.overlaps(b) == {"w": 3}  # predicted to be held
+    assert index.num_blocks("w") == 6
+
+    with_room, big = prompt_hashes(2, first=200), prompt_hashes(5, first=300)
+    assert index.reused_evictions("w", with_room, capacity=8) == 0  # fits without evicting
+    assert index.reused_evictions("w", with_room, capacity=6) == 0  # evicts 2 of b's (used once)
+    assert index.reused_evictions("w", big, capacity=6) == 2  # all of b's, then 2 of a's
+    # a prompt that uses a's blocks refreshes them rather than evicting them
+    assert index.reused_evictions("w", a + prompt_hashes(3, first=400), capacity=6) == 0
+
+    # the worker's events keep the model honest: what it evicted is no longer counted as held
+    index.apply("w", [("r", b)])
+    assert index.num_blocks("w") == 3 and index.overlaps(b) == {}
+    assert index.reused_evictions("w", big, capacity=6) == 2  # 3 free, then 2 of a's
+    # blocks the worker stored for another router's request count as used once, recently
+    index.apply("w", [("s", b)])
+    assert index.reused_evictions("w", prompt_hashes(3, first=500), capacity=6) == 3  # a's are older
+    index.touch("w", a)
+    assert index.reused_evictions("w", prompt_hashes(3, first=500), capacity=6) == 0
+    assert index.reused_evictions("nobody", big, capacity=6) == 0
+
+    # a worker holds no more than its capacity: the least recently used predictions are forgotten
+    index.touch("w", big, capacity=6)
+    assert index.num_blocks("w") == 6 and index.overlap("w", big) == 5
+    assert index.overlap("w", a) == 1 and index.overlaps(b) == {}  # a's head was the most recent of the rest
+
+
 def test_drop_worker_forgets_only_that_worker():
     h = prompt_hashes(3)
     index = PrefixIndex()

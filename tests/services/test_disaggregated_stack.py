@@ -8,6 +8,7 @@ use on any worker once nothing runs).
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 
 import grpc
@@ -114,14 +115,36 @@ def test_shared_prefix_goes_to_the_worker_that_cached_it(stack):
                 > hits_before)
 
 
-def test_hot_prefix_does_not_starve_the_other_worker(stack):
+def _burst(stack, texts: list[str]):
+    async def run():
+        return await asyncio.gather(*(stack.agenerate(stack.request(text=t, max_tokens=2)) for t in texts))
+
+    return [finish for _, _, finish in asyncio.run(run())]
+
+
+def test_burst_on_a_long_shared_prefix_computes_it_once(stack):
+    # eight requests at once behind a ~650-token system prompt nobody has cached: its holder
+    # computes it once (the others wait for its blocks and hit them), and computing it again on
+    # the idle worker would cost more than that wait
     prefix = " ".join(f"rule {i}: always answer politely and precisely." for i in range(60))
+    finishes = _burst(stack, [f"{prefix} Request {i}." for i in range(8)])
 
-    async def burst():
-        reqs = [stack.request(text=f"{prefix} Request {i}.", max_tokens=2) for i in range(16)]
-        return await asyncio.gather(*(stack.agenerate(r) for r in reqs))
+    assert len({f.prefill_worker for f in finishes}) == 1, [f.prefill_worker for f in finishes]
+    cached = sorted(f.usage.cached_prompt_tokens for f in finishes)
+    full_blocks = 16 * (min(f.usage.prompt_tokens for f in finishes) // 16)
+    assert cached[0] < 16 * 8  # the first computed it (bar what earlier tests left cached)
+    assert all(c >= full_blocks - 16 for c in cached[1:]), cached  # the rest hit all of it
 
-    served = [finish.prefill_worker for _, _, finish in asyncio.run(burst())]
+
+def test_burst_on_a_short_shared_prefix_spreads_over_both_workers(stack):
+    # the shared part saves a few tokens, each request's own ~100 tokens are the work: queueing
+    # them all on one worker would cost more than the cache saves
+    words = "apple river stone cloud market engine silver garden window thunder pencil harbor velvet".split()
+    texts = []
+    for i in range(8):
+        rng = random.Random(i)
+        texts.append("Be brief. " + " ".join(rng.choice(words) for _ in range(100)))
+    served = [f.prefill_worker for f in _burst(stack, texts)]
     assert len(set(served)) == 2, f"every request went to one worker: {served}"
 
 
