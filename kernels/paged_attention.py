@@ -73,6 +73,22 @@ def paged_decode_attention_ref(
     return out.squeeze(2)
 
 
+def prefill_by_sequence(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, attend) -> torch.Tensor:
+    """The loop every torch prefill path shares: per sequence, gather its context's K/V from
+    the blocks and let ``attend(qs [H, q_len, D], k, v [Hkv, ctx, D], ctx)`` return its output
+    ``[H, q_len, D]`` (the queries are the last ``q_len`` of the ``ctx`` tokens)."""
+    out = torch.empty_like(q)
+    starts = cu_seqlens_q.tolist()
+    lens = context_lens.tolist()
+    for s in range(len(lens)):
+        q_start, q_end, ctx = starts[s], starts[s + 1], lens[s]
+        num_blocks = -(-ctx // k_cache.shape[1])
+        k = _gather(k_cache, block_tables[s, :num_blocks], ctx).transpose(0, 1)  # [Hkv, ctx, D]
+        v = _gather(v_cache, block_tables[s, :num_blocks], ctx).transpose(0, 1)
+        out[q_start:q_end] = attend(q[q_start:q_end].transpose(0, 1), k, v, ctx).transpose(0, 1)
+    return out
+
+
 def paged_prefill_attention_ref(
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,
@@ -82,29 +98,19 @@ def paged_prefill_attention_ref(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    num_heads = q.shape[1]
-    num_kv_heads = k_cache.shape[2]
-    out = torch.empty_like(q)
-    starts = cu_seqlens_q.tolist()
-    lens = context_lens.tolist()
-    for s in range(len(lens)):
-        q_start, q_end, ctx = starts[s], starts[s + 1], lens[s]
-        q_len = q_end - q_start
-        num_blocks = -(-ctx // k_cache.shape[1])
-        k = _gather(k_cache, block_tables[s, :num_blocks], ctx).transpose(0, 1)  # [Hkv, ctx, D]
-        v = _gather(v_cache, block_tables[s, :num_blocks], ctx).transpose(0, 1)
-        qs = q[q_start:q_end].transpose(0, 1)  # [H, q_len, D]
+    gqa = q.shape[1] != k_cache.shape[2]
+
+    def attend(qs, k, v, ctx):
+        q_len = qs.shape[1]
         if q_len == ctx:
             mask, causal = None, True
         else:
             # query i (absolute position ctx - q_len + i) sees keys j <= that position
             q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
             mask, causal = torch.arange(ctx, device=q.device)[None, :] <= q_pos, False
-        o = F.scaled_dot_product_attention(
-            qs, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=num_heads != num_kv_heads
-        )
-        out[q_start:q_end] = o.transpose(0, 1)
-    return out
+        return F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+    return prefill_by_sequence(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, attend)
 
 
 _LOG2E = 1.4426950408889634

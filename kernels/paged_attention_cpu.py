@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels import native
-from kernels.paged_attention import _gather, paged_decode_attention_ref
+from kernels.paged_attention import paged_decode_attention_ref, prefill_by_sequence
 
 _FNS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
 
@@ -74,18 +74,11 @@ def paged_prefill_attention_cpu(
 ) -> torch.Tensor:
     """Same contract as ``paged_prefill_attention_ref``: sequence s's ``q_len`` queries are
     the last ``q_len`` of its ``context_lens[s]`` tokens, each seeing keys up to itself."""
-    num_heads = q.shape[1]
-    num_kv_heads = k_cache.shape[2]
-    out = torch.empty_like(q)
-    starts = cu_seqlens_q.tolist()
-    lens = context_lens.tolist()
-    for s in range(len(lens)):
-        q_start, q_end, ctx = starts[s], starts[s + 1], lens[s]
-        num_blocks = -(-ctx // k_cache.shape[1])
-        k = _gather(k_cache, block_tables[s, :num_blocks], ctx).transpose(0, 1).float()  # [Hkv, ctx, D]
-        v = _gather(v_cache, block_tables[s, :num_blocks], ctx).transpose(0, 1).float()
-        qs = q[q_start:q_end].transpose(0, 1).float()  # [H, q_len, D]
-        o = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=causal_lower_right(q_end - q_start, ctx),
-                                           scale=scale, enable_gqa=num_heads != num_kv_heads)
-        out[q_start:q_end] = o[0].transpose(0, 1)
-    return out
+    gqa = q.shape[1] != k_cache.shape[2]
+
+    def attend(qs, k, v, ctx):
+        o = F.scaled_dot_product_attention(qs.float()[None], k.float()[None], v.float()[None],
+                                           attn_mask=causal_lower_right(qs.shape[1], ctx), scale=scale, enable_gqa=gqa)
+        return o[0]
+
+    return prefill_by_sequence(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, attend)
