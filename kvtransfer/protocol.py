@@ -15,6 +15,9 @@ connection carries any number of transfers, interleaved::
     finish(desc, first_token)
       finish {tid, first_token, meta}    ------>   all blocks written? -> pending resolves
                                          <------   done {tid} | failed {tid, error}
+    finish(desc, first_token, blocks=last chunk's, dst_offset)
+      blocks {tid, runs, finish: {first_token, meta}} + payloads
+                                         ------>   written, then as finish above
     abort(desc, reason)
       abort {tid, reason}                ------>   pending fails, blocks released
 

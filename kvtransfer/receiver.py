@@ -205,15 +205,19 @@ class Receiver:
             return
         t.conn = conn
         t.inflight += 1
+        landed = False
         try:
             await conn.recv_payload(msg, dests)
             for p in positions:
                 t.written[p] = 1
             t.nbytes += sum(int(d.numel()) for d in dests)
+            landed = True
         finally:
             t.inflight -= 1
             if t.state == _FAILING and t.inflight == 0:
                 self._release(t)  # it failed while this chunk was landing; now nothing writes
+        if landed and isinstance(msg.get("finish"), dict):  # the last chunk carries the finish
+            await self._on_finish(conn, {**msg["finish"], "transfer_id": tid})
 
     def _destinations(self, t: _Transfer, msg: dict) -> tuple[list[torch.Tensor], list[int]]:
         runs, sizes = msg.get("runs", []), payload_sizes(msg)

@@ -5,9 +5,11 @@ Engine usage (prefill worker), one descriptor per request::
     sender = Sender(engine.kv_cache, engine.kv_spec, namespace)
     desc = TransferDescriptor.from_bytes(request.kv_target)
     await sender.connect(desc.address)          # optional warm-up; compat check
-    for chunk in prefill_chunks:                # as each chunk's KV is written
+    for chunk in prefill_chunks[:-1]:           # as each chunk's KV is written
         await sender.send_blocks(desc, chunk.block_ids, dst_offset=chunk.first_block_index)
-    await sender.finish(desc, first_token)      # returns once the receiver has it all
+    last = prefill_chunks[-1]                   # the last chunk and the finish: one message
+    await sender.finish(desc, first_token, blocks=last.block_ids, dst_offset=last.first_block_index)
+    # finish returns once the receiver has it all
     # on any error: await sender.abort(desc, reason)
 
 Ownership: the sender never holds the source blocks beyond a call. When
@@ -92,33 +94,54 @@ class Sender:
 
     async def send_blocks(self, desc: TransferDescriptor, src_block_ids: Sequence[int], dst_offset: int = 0) -> None:
         """Write our blocks ``src_block_ids`` into ``desc.block_ids[dst_offset:][:len(src_block_ids)]``."""
-        tid = desc.transfer_id
+        src = self._check_blocks(desc, src_block_ids, dst_offset)
+        progress = self._track(desc.transfer_id)
+        link = await self._usable_link(desc)
+        await self._send_blocks(link, desc, src, dst_offset, None)
+        progress.nbytes += len(src) * self._blocks.block_bytes
+
+    def _check_blocks(self, desc: TransferDescriptor, src_block_ids: Sequence[int], dst_offset: int) -> list[int]:
         src = [int(b) for b in src_block_ids]
         if not src or dst_offset < 0 or dst_offset + len(src) > desc.num_blocks:
-            raise ValueError(
-                f"{len(src)} blocks at offset {dst_offset} do not fit the {desc.num_blocks} reserved for {tid}"
-            )
+            raise ValueError(f"{len(src)} blocks at offset {dst_offset} do not fit the {desc.num_blocks} "
+                             f"reserved for {desc.transfer_id}")
         self._blocks.check_ids(src, "source")
-        progress = self._track(tid)
-        link = await self._usable_link(desc)
+        return src
+
+    async def _send_blocks(self, link: _Link, desc: TransferDescriptor, src: list[int], dst_offset: int,
+                           finish: dict | None) -> None:
+        tid = desc.transfer_id
         runs = coalesce(src, desc.block_ids[dst_offset : dst_offset + len(src)])
         payload = [self._blocks.run(r.src, r.count) for r in runs]
         if self._blocks.device.type == "cuda":
             torch.cuda.current_stream(self._blocks.device).synchronize()
         header = {"type": BLOCKS, "transfer_id": tid, "runs": [[r.dst, r.count] for r in runs]}
+        if finish is not None:
+            header["finish"] = finish
         await self._timed(link, link.conn.send(header, payload), f"sending blocks of {tid}", tid)
-        progress.nbytes += len(src) * self._blocks.block_bytes
 
-    async def finish(self, desc: TransferDescriptor, first_token: int, meta: dict | None = None) -> None:
-        """Close the transfer; returns once the receiver confirmed every block arrived."""
+    async def finish(self, desc: TransferDescriptor, first_token: int, meta: dict | None = None,
+                     blocks: Sequence[int] = (), dst_offset: int = 0) -> None:
+        """Close the transfer; returns once the receiver confirmed every block arrived.
+
+        ``blocks`` (with ``dst_offset``, as for ``send_blocks``): the last blocks, sent in the
+        same message as the finish, which saves the receiver a message on the way to the first
+        token. As with ``send_blocks``, no transport reads them once this returns or raises.
+        """
         tid = desc.transfer_id
+        src = self._check_blocks(desc, blocks, dst_offset) if len(blocks) else []
         progress = self._track(tid)
         link = await self._usable_link(desc)
         ack = asyncio.get_running_loop().create_future()
         link.acks[tid] = ack
         try:
-            msg = {"type": FINISH, "transfer_id": tid, "first_token": int(first_token), "meta": meta or {}}
-            await self._timed(link, link.conn.send(msg), f"finishing {tid}", tid)
+            end = {"first_token": int(first_token), "meta": meta or {}}
+            if src:
+                await self._send_blocks(link, desc, src, dst_offset, end)
+                progress.nbytes += len(src) * self._blocks.block_bytes
+            else:
+                await self._timed(link, link.conn.send({"type": FINISH, "transfer_id": tid, **end}),
+                                  f"finishing {tid}", tid)
             await self._timed(link, asyncio.shield(ack), f"waiting for {tid} to be confirmed", tid)
         finally:
             link.acks.pop(tid, None)

@@ -4,6 +4,13 @@ Only the engine thread touches the Engine. Callers' add/abort calls are queued
 and applied between steps; each request's outputs arrive on its own
 asyncio.Queue through ``call_soon_threadsafe``. A caller that stops iterating
 (client gone, task cancelled) aborts its request, which frees its blocks.
+
+The engine thread holds the GIL for most of a step, dropping it only for
+moments inside kernels, and takes it straight back; the event loop, woken by an
+output, would wait for CPython's switch interval (5 ms by default) before it
+gets the GIL to deliver it. Creating an AsyncEngine lowers the process's switch
+interval to ``SWITCH_INTERVAL_S``, so a token reaches its stream within a
+fraction of a millisecond while the next step runs.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import contextlib
 import itertools
 import logging
 import queue
+import sys
 import threading
 from typing import AsyncIterator, Callable
 
@@ -22,6 +30,7 @@ from services.errors import InvalidRequestError
 
 _ids = itertools.count()
 log = logging.getLogger(__name__)
+SWITCH_INTERVAL_S = 0.0005
 
 
 class AsyncEngine:
@@ -34,6 +43,8 @@ class AsyncEngine:
         # Called on the engine thread with each step's outputs, before they are delivered
         # (the decode service batches one Redis write per step from here).
         self.on_step: Callable[[list[RequestOutput]], None] | None = None
+        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
 

@@ -16,14 +16,15 @@ Ownership: the decode engine's blocks are reserved on its engine thread before
 the receiver learns of them; if the transfer fails, the receiver calls
 ``owner.release`` and the reservation is released on the engine thread. On the
 prefill side, full blocks are sent as soon as their chunk is computed (they are
-never written again), the last partial block with the final chunk; the
-prefill-only request's blocks are released when the call ends, on every path.
+never written again), the rest (the last partial block included) with the
+first token in one message; the prefill-only request's blocks are released
+when the call ends, on every path.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 
 from kvtransfer import Completion, PendingTransfer, Receiver, Sender, TransferDescriptor
@@ -81,13 +82,20 @@ class PrefillResult:
     num_cached_tokens: int  # prompt tokens this engine's prefix cache served
 
 
-async def prefill_and_send(async_engine: AsyncEngine, sender: Sender, desc: TransferDescriptor,
-                           prompt: list[int], params: SamplingParams, priority: int = 0) -> PrefillResult:
+async def prefill_and_send(async_engine: AsyncEngine, sender: Sender,
+                           target: TransferDescriptor | Awaitable[TransferDescriptor], prompt: list[int],
+                           params: SamplingParams, priority: int = 0, request_id: str | None = None) -> PrefillResult:
     """Prefill ``prompt`` and write its KV into the descriptor's blocks as chunks finish.
 
-    Raises TransferError (after aborting the transfer) if anything fails.
+    ``target``: the descriptor, or an awaitable of it while the decode side is still
+    reserving (then ``request_id`` names the request): computing starts at once and
+    the first KV send waits for it. Raises TransferError (after aborting the
+    transfer) if anything fails, or what awaiting ``target`` raised.
     """
-    rid = desc.transfer_id
+    desc = target if isinstance(target, TransferDescriptor) else None
+    rid = desc.transfer_id if desc is not None else request_id
+    if rid is None:
+        raise ValueError("prefill_and_send needs request_id while the descriptor is pending")
     engine = async_engine.engine
     block_size = engine.config.block_size
     sent = 0
@@ -97,22 +105,28 @@ async def prefill_and_send(async_engine: AsyncEngine, sender: Sender, desc: Tran
                                                prefill_only=True):
             if out.finished and out.finish_reason != "prefilled":
                 raise TransferError(f"prefill of {rid} ended early: {out.finish_reason}")
+            prefilled = out.finished  # from here its blocks are held until released (finally)
             blocks = out.block_ids or []
             ready = len(blocks) if out.finished else min(out.num_computed_tokens, len(prompt)) // block_size
+            if not out.finished and ready == sent:
+                continue
+            if desc is None:
+                desc = await target
+                if desc.transfer_id != rid:
+                    raise TransferError(f"descriptor is for {desc.transfer_id!r}, not {rid!r}")
             if len(blocks) != desc.num_blocks and out.finished:
                 raise TransferError(f"prefill of {rid} holds {len(blocks)} blocks, the receiver reserved "
                                     f"{desc.num_blocks}")
-            if ready > sent:
-                await sender.send_blocks(desc, blocks[sent:ready], dst_offset=sent)
-                sent = ready
-            if out.finished:
-                prefilled = True
+            if out.finished:  # the last blocks and the first token go in one message
                 first = out.new_token_ids[0]
-                await sender.finish(desc, first)
+                await sender.finish(desc, first, blocks=blocks[sent:ready], dst_offset=sent)
                 return PrefillResult(first, out.num_cached_tokens)
+            await sender.send_blocks(desc, blocks[sent:ready], dst_offset=sent)
+            sent = ready
         raise TransferError(f"prefill of {rid} produced no result")
     except BaseException as exc:
-        await asyncio.shield(sender.abort(desc, f"prefill side failed: {exc}"))
+        if desc is not None:
+            await asyncio.shield(sender.abort(desc, f"prefill side failed: {exc}"))
         raise
     finally:
         # a finished prefill-only request holds its blocks until released; an unfinished

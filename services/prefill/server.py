@@ -1,14 +1,19 @@
 """``pdserve prefill``: the PrefillWorker gRPC service around an engine.
 
-Prefill(request, descriptor) runs the prompt prefill-only (prefix-cache hits
+Prefill(request[, descriptor]) runs the prompt prefill-only (prefix-cache hits
 skip work) and writes its KV into the decode worker's reserved blocks as chunks
 finish (services.engine.handoff.prefill_and_send), then answers the first token.
-The request's blocks here are released when the call ends, on every path; a
-cancelled call (router gone) aborts the request and the transfer.
+The call is a client stream: computing starts on its first message, and where
+that carries no descriptor the second one does (the router reserves decode
+blocks meanwhile); KV waits for it. The request's blocks here are released when
+the call ends, on every path; a cancelled call (router gone, or no room on the
+decode worker) aborts the request and the transfer.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 
 import grpc
@@ -36,8 +41,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if self.sender is not None:
             await self.sender.close()
 
-    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+    async def Prefill(self, messages, context: grpc.aio.ServicerContext):
+        request = await anext(aiter(messages), None)
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Prefill needs a first message with the request")
         req = request.request
+        target = None
         with telemetry.server_span("prefill", context, request_id=req.request_id, prompt_tokens=len(req.token_ids)):
             try:
                 async with self.rt.admit():
@@ -45,19 +54,21 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     if not req.request_id:
                         raise InvalidRequestError("request_id is required", param="request_id")
                     params = sampling_from_proto(req.sampling)
-                    try:
-                        desc = TransferDescriptor.from_bytes(request.descriptor)
-                    except Exception as exc:
-                        raise InvalidRequestError(f"bad descriptor: {exc}", param="descriptor") from None
-                    if desc.transfer_id != req.request_id:
-                        raise InvalidRequestError(f"descriptor is for {desc.transfer_id!r}, not {req.request_id!r}",
-                                                  param="descriptor")
+                    if request.descriptor:
+                        target = _descriptor(request.descriptor, req.request_id)
+                    else:  # it follows once the decode worker reserved blocks; compute meanwhile
+                        target = asyncio.ensure_future(_next_descriptor(messages, req.request_id))
                     started = time.perf_counter()
-                    result = await prefill_and_send(self.rt.aengine, self.sender, desc, list(req.token_ids), params,
-                                                    req.priority)
+                    result = await prefill_and_send(self.rt.aengine, self.sender, target, list(req.token_ids),
+                                                    params, req.priority, request_id=req.request_id)
                     elapsed = time.perf_counter() - started
             except Exception as exc:
                 await abort_with(context, exc)
+            finally:
+                if isinstance(target, asyncio.Future) and not target.done():
+                    target.cancel()
+                    with contextlib.suppress(BaseException):
+                        await target
             telemetry.TTFT_SECONDS.labels(role="prefill").observe(elapsed)
             return worker_pb2.PrefillResponse(first_token_id=result.first_token,
                                               cached_tokens=result.num_cached_tokens, prefill_ms=elapsed * 1e3)
@@ -70,6 +81,25 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def GetLoad(self, request, context):
         return load_message(self.rt)
+
+
+def _descriptor(data: bytes, request_id: str) -> TransferDescriptor:
+    try:
+        desc = TransferDescriptor.from_bytes(data)
+    except Exception as exc:
+        raise InvalidRequestError(f"bad descriptor: {exc}", param="descriptor") from None
+    if desc.transfer_id != request_id:
+        raise InvalidRequestError(f"descriptor is for {desc.transfer_id!r}, not {request_id!r}", param="descriptor")
+    return desc
+
+
+async def _next_descriptor(messages, request_id: str) -> TransferDescriptor:
+    """The descriptor from the call's second message."""
+    message = await anext(aiter(messages), None)
+    if message is None or not message.descriptor:
+        raise InvalidRequestError("the Prefill call ended without a descriptor (send it in the first or "
+                                  "second message)", param="descriptor")
+    return _descriptor(message.descriptor, request_id)
 
 
 def load_message(rt: WorkerRuntime) -> worker_pb2.WorkerLoad:

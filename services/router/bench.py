@@ -41,7 +41,7 @@ both sides of a pair alike, and the median keeps one slow prefill from moving
 the figure. The prompt is short (128 tokens) so that the prefill's own
 variance, which is not overhead, stays small. ``hops_ms_p50`` is the median of
 (stack TTFT - the prefill worker's own Prefill time: compute plus KV send),
-what the router, Reserve, KV completion, decode start and the two gRPC streams
+what the router, the Prefill call, KV completion, decode start and the two gRPC streams
 add, with no compute in it at all.
 """
 

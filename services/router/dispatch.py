@@ -5,9 +5,10 @@ One attempt::
     choose decode worker (free KV blocks, load)
     local prefill?  -> Decode(local_prefill)                     (conditional disaggregation)
     else            -> choose prefill worker (cached prefix vs load)
-                       Reserve on decode -> descriptor
-                       Decode(request_id) opened; Prefill(descriptor) started beside it
-                       the Decode stream yields once the KV has arrived
+                       Prefill(request) opened: the prefill worker computes at once
+                       Reserve on decode -> descriptor, the Prefill call's second message
+                         (no room on the decode worker: the Prefill call is cancelled)
+                       Decode(request_id) opened; the Decode stream yields once the KV has arrived
 
 A failed attempt is retried on other workers, up to ``max_attempts``:
 
@@ -101,6 +102,13 @@ class _PrefillFailed(Exception):
         self.worker = worker
 
 
+def _prefill_failure(prefill_task: asyncio.Task | None) -> _PrefillFailed | None:
+    if prefill_task is None or not prefill_task.done() or prefill_task.cancelled():
+        return None
+    exc = prefill_task.exception()
+    return exc if isinstance(exc, _PrefillFailed) else None
+
+
 class Channels:
     """One gRPC channel per worker address, shared by every request."""
 
@@ -128,6 +136,7 @@ class Dispatcher:
         self.policy_config = policy_config or RouterPolicyConfig()
         self.policy = policy_from_config(self.policy_config)
         self.channels = Channels()
+        self._background: set[asyncio.Task] = set()
 
     async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0,
                        deadline: float = 0.0, results_to: str = "", emitted: list[int] | None = None,
@@ -272,22 +281,29 @@ class Dispatcher:
         prefill_task: asyncio.Task | None = None
         call = None
         try:
+            # The prefill starts computing now; the descriptor follows once the decode worker
+            # has reserved its blocks, so the Reserve round trip is not on the way to the first token.
+            prefill_stub = worker_pb2_grpc.PrefillWorkerStub(self.channels.get(prefill.address))
+            prefill_call = prefill_stub.Prefill(metadata=metadata)
+            descriptor: asyncio.Future = asyncio.get_running_loop().create_future()
+            prefill_task = asyncio.create_task(self._prefill(prefill_call, request, descriptor, prefill))
+            prefill_task.add_done_callback(lambda t: self.pool.end_prefill(token))
             try:
                 reserved = await decode_stub.Reserve(worker_pb2.ReserveRequest(
                     request=request, transfer_timeout_s=self.config.transfer_timeout_s), metadata=metadata)
             except grpc.aio.AioRpcError as exc:
                 raise self._failure(exc, decode) from None
+            failed = _prefill_failure(prefill_task)
+            if failed is not None:  # before it even needed the descriptor: nobody will claim the blocks
+                self._abort_quietly(decode_stub, wrid, metadata)
+                raise self._failure(failed.rpc_error, failed.worker)
+            descriptor.set_result(reserved.descriptor)
             call = decode_stub.Decode(worker_pb2.DecodeRequest(request=worker_pb2.WorkerRequest(request_id=wrid)),
                                       metadata=metadata)
-            prefill_stub = worker_pb2_grpc.PrefillWorkerStub(self.channels.get(prefill.address))
-            prefill_task = asyncio.create_task(self._prefill(
-                prefill_stub, worker_pb2.PrefillRequest(request=request, descriptor=reserved.descriptor),
-                metadata, prefill))
             # A prefill that fails before the KV arrived must not leave the decode call waiting
             # out its transfer timeout: cancel the call, which frees the reservation.
             prefill_task.add_done_callback(
                 lambda t: t.cancelled() or t.exception() is None or call.cancel())
-            prefill_task.add_done_callback(lambda t: self.pool.end_prefill(token))
             async for item in self._relay(call, decode, prefill_task):
                 if isinstance(item, common_pb2.Finish):
                     result = None
@@ -316,20 +332,21 @@ class Dispatcher:
                                            worker=worker.worker_id, reason=reason).inc()
 
     @staticmethod
-    async def _prefill(stub, request: worker_pb2.PrefillRequest, metadata, worker: WorkerInfo):
+    async def _prefill(call, request: worker_pb2.WorkerRequest, descriptor: asyncio.Future, worker: WorkerInfo):
+        """The Prefill call: the request, then the descriptor once reserved; its response."""
         try:
-            return await stub.Prefill(request, metadata=metadata)
+            await call.write(worker_pb2.PrefillRequest(request=request))
+            await call.write(worker_pb2.PrefillRequest(descriptor=await descriptor))
+            await call.done_writing()
+            return await call
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
         except grpc.aio.AioRpcError as exc:
             raise _PrefillFailed(exc, worker) from None
 
     async def _relay(self, call, decode: WorkerInfo, prefill_task: asyncio.Task | None):
         """The decode stream's chunks and finish; a failure becomes _AttemptFailed naming whom to blame."""
-
-        def prefill_failure() -> _PrefillFailed | None:
-            if prefill_task is None or not prefill_task.done() or prefill_task.cancelled():
-                return None
-            exc = prefill_task.exception()
-            return exc if isinstance(exc, _PrefillFailed) else None
 
         try:
             async for msg in call:
@@ -341,17 +358,23 @@ class Dispatcher:
                     return
         except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
             # The decode stream also fails when the prefill side aborts the transfer: blame the cause.
-            cause = prefill_failure()
+            cause = _prefill_failure(prefill_task)
             if cause is None and isinstance(exc, grpc.aio.AioRpcError) and prefill_task is not None \
                     and not prefill_task.done():
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(asyncio.shield(prefill_task), 0.5)
-                cause = prefill_failure()
+                cause = _prefill_failure(prefill_task)
             if cause is not None:
                 raise self._failure(cause.rpc_error, cause.worker) from None
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise self._failure(exc, decode) from None
+
+    def _abort_quietly(self, stub, request_id: str, metadata) -> None:
+        """Free a reservation nobody will claim (best effort: unclaimed ones also expire)."""
+        task = asyncio.create_task(stub.Abort(worker_pb2.AbortRequest(request_id=request_id), metadata=metadata))
+        self._background.add(task)
+        task.add_done_callback(lambda t: self._background.discard(t) or t.cancelled() or t.exception())
 
     def _failure(self, exc: grpc.aio.AioRpcError, worker: WorkerInfo) -> _AttemptFailed:
         error = error_from_rpc(exc)

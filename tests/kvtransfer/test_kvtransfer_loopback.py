@@ -62,6 +62,28 @@ def test_chunks_land_in_the_reserved_blocks_in_prompt_order():
     asyncio.run(go())
 
 
+def test_last_chunk_carries_the_finish():
+    async def go():
+        src, dst, pool, rx, tx = await _pair()
+        pending = rx.reserve("r", 5, timeout_s=5)
+        order = [9, 2, 3, 4, 11]
+        await tx.send_blocks(pending.descriptor, order[:3], dst_offset=0)
+        await tx.finish(pending.descriptor, first_token=17, blocks=order[3:], dst_offset=3)  # one message
+        done = await pending
+        assert (done.first_token, done.nbytes) == (17, 5 * SPEC.block_bytes)
+        assert torch.equal(dst[list(done.block_ids)], src[order])
+        assert rx.stats.completed == tx.stats.completed == 1 and pool.released == []
+        # a last chunk that leaves a block unsent fails the transfer like a bare finish
+        short = rx.reserve("s", 3, timeout_s=5)
+        with pytest.raises(TransferError, match="1 of 3 blocks never sent"):
+            await tx.finish(short.descriptor, first_token=1, blocks=[5, 6], dst_offset=0)
+        with pytest.raises(TransferError, match="1 of 3 blocks never sent"):
+            await short
+        assert pool.released == ["s"] and len(pool.free) == N - 1 - 5
+
+    asyncio.run(go())
+
+
 def test_finish_before_every_block_arrived_fails_and_releases():
     async def go():
         _, _, pool, rx, tx = await _pair()

@@ -174,3 +174,41 @@ def test_ucx_delivers_the_headers_its_peer_sent_before_closing(monkeypatch):
         await listener.close()
 
     asyncio.run(go())
+
+
+def test_tcp_headers_stay_in_order_behind_a_payload_being_written():
+    """Headers go out from the event loop unless a payload is still being written: then they
+    queue behind it. A slow reader fills the socket buffer; everything arrives intact, in order."""
+    from kvtransfer.protocol import payload_sizes
+
+    big = torch.randint(0, 256, (32 << 20,), dtype=torch.uint8)
+
+    async def go():
+        transport, got = TcpTransport(), asyncio.Queue()
+
+        async def on_connection(conn):
+            while True:
+                try:
+                    header = await conn.recv()
+                except TransferError:
+                    return
+                buf = None
+                if payload_sizes(header):
+                    await asyncio.sleep(0.3)  # the sender's socket buffer is full by now
+                    buf = torch.empty(payload_sizes(header)[0], dtype=torch.uint8)
+                    await conn.recv_payload(header, [buf])
+                await got.put((header["n"], buf))
+
+        listener = await transport.listen("127.0.0.1", 0, on_connection)
+        conn = await transport.connect(listener.address, 5)
+        await asyncio.gather(conn.send({"type": "x", "n": 1}, [big]),
+                             conn.send_header({"type": "x", "n": 2}), conn.send_header({"type": "x", "n": 3}))
+        await conn.send_header({"type": "x", "n": 4})  # the writer is idle again: straight from the loop
+        arrived = [await asyncio.wait_for(got.get(), 10) for _ in range(4)]
+        conn.close()
+        await listener.close()
+        return arrived
+
+    arrived = asyncio.run(go())
+    assert [n for n, _ in arrived] == [1, 2, 3, 4]
+    assert torch.equal(arrived[0][1], big) and all(buf is None for _, buf in arrived[1:])

@@ -172,6 +172,30 @@ def test_bad_input_gets_invalid_argument(stack):
     assert text
 
 
+def test_prefill_call_needs_a_valid_descriptor(stack, reference):
+    """The worker API: a Prefill stream whose descriptor never comes, or is garbage, is
+    INVALID_ARGUMENT, and the prompt it started computing leaves no block behind."""
+    from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+    prompt = reference.tokenizer.encode("Explain gravity to a child in one sentence.")
+    sampling = common_pb2.SamplingParams(max_tokens=4, temperature=0.0)
+
+    async def call(*descriptors: bytes) -> grpc.aio.AioRpcError:
+        async with grpc.aio.insecure_channel(stack.procs["prefill-0"].address) as ch:
+            request = worker_pb2.WorkerRequest(request_id=f"direct-{len(descriptors)}", token_ids=prompt,
+                                               sampling=sampling)
+            messages = [worker_pb2.PrefillRequest(request=request)]
+            messages += [worker_pb2.PrefillRequest(descriptor=d) for d in descriptors]
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await worker_pb2_grpc.PrefillWorkerStub(ch).Prefill(iter(messages), timeout=60)
+            return err.value
+
+    never = asyncio.run(call())
+    assert never.code() == grpc.StatusCode.INVALID_ARGUMENT and "without a descriptor" in never.details()
+    garbage = asyncio.run(call(b"not a descriptor"))
+    assert garbage.code() == grpc.StatusCode.INVALID_ARGUMENT and "bad descriptor" in garbage.details()
+
+
 def test_client_going_away_frees_blocks(stack):
     async def abandon():
         task = asyncio.create_task(stack.agenerate(stack.request(text="Count to one hundred:", max_tokens=200,

@@ -34,7 +34,7 @@ class PrefillWorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
+        self.Prefill = channel.stream_unary(
                 '/pdserve.v1.PrefillWorker/Prefill',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
@@ -54,8 +54,12 @@ class PrefillWorkerStub:
 class PrefillWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Prefill(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def Prefill(self, request_iterator, context):
+        """A client stream of one or two messages: the request, with the descriptor or
+        followed by a message carrying only the descriptor. The worker starts
+        computing on the first message and needs the descriptor only to send KV, so
+        the router reserves decode blocks while the prefill already runs.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -75,7 +79,7 @@ class PrefillWorkerServicer:
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
+            'Prefill': grpc.stream_unary_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
@@ -102,7 +106,7 @@ class PrefillWorker:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Prefill(request,
+    def Prefill(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -112,8 +116,8 @@ class PrefillWorker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_unary(
+            request_iterator,
             target,
             '/pdserve.v1.PrefillWorker/Prefill',
             pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
