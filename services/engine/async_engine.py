@@ -48,6 +48,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def thread_id(self) -> int | None:
+        """The OS id of the engine thread (the one that computes), e.g. to pin it to a core."""
+        return self._thread.native_id
+
     # ---- engine thread --------------------------------------------------
     def _loop(self) -> None:
         while not self._stopped:

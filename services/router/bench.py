@@ -35,11 +35,18 @@ stack idle, ``--overhead-requests`` pairs. A pair is one uncached prompt of
 and through an in-process engine in this process (``Engine`` + ``AsyncEngine``,
 same model and dtype, one torch thread like a worker), one after the other,
 each side's cache cold for it; which side goes first alternates from pair to
-pair. ``ttft_overhead_ms_p50`` is the median over pairs of (stack TTFT -
-in-process TTFT): pairing cancels the drift of a shared machine, which moves
-both sides of a pair alike, and the median keeps one slow prefill from moving
-the figure. The prompt is short (128 tokens) so that the prefill's own
-variance, which is not overhead, stays small. ``hops_ms_p50`` is the median of
+pair. Both sides compute on the same core: for the pairs, every thread of the
+prefill workers and the in-process engine's thread are pinned to one CPU
+(``compute_cpu`` in the result; the rest of the stack and the client float).
+On the project's 2-core VM the two cores run the same prefill at different
+speeds, one up to 30% slower than the other for seconds at a time, so
+unpinned pairs compared one core's speed with the other's (pairs gave -120 to
++115 ms, medians 26-33 ms over runs); pinned, a pair compares like with like.
+``ttft_overhead_ms_p50`` is the median over pairs of (stack TTFT - in-process
+TTFT): pairing cancels the drift of a shared machine, which moves both sides
+of a pair alike, and the median keeps one slow prefill from moving the
+figure. The prompt is short (128 tokens) so that the prefill's own variance,
+which is not overhead, stays small. ``hops_ms_p50`` is the median of
 (stack TTFT - the prefill worker's own Prefill time: compute plus KV send),
 what the router, the Prefill call, KV completion, decode start and the two gRPC streams
 add, with no compute in it at all.
@@ -350,6 +357,25 @@ class InProcessEngine:
         self.aengine.shutdown()
 
 
+def compute_cpu() -> int | None:
+    """The core both sides of the overhead pairs compute on: the first one this process may use;
+    None where threads cannot be pinned (not Linux) or there is only one."""
+    if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[0] if len(cpus) > 1 else None
+
+
+def pin_threads(pid: int, cpu: int, only: int | None = None) -> None:
+    """Pin every thread of process ``pid`` (or just thread ``only``) to ``cpu``."""
+    tids = [only] if only is not None else [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, {cpu})
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
 OVERHEAD_MAX_TOKENS = 2  # the first token is what is timed; a second one makes the decode worker decode
 
 
@@ -362,6 +388,12 @@ async def measure_overhead(stack: Stack, cfg: RoutingBenchConfig, work: Workload
 
     _log("loading the in-process engine")
     local = InProcessEngine(cfg)
+    cpu = compute_cpu()
+    if cpu is not None:  # both sides compute on one core: this VM's cores differ in speed (see above)
+        for p in stack.local.procs.values():
+            if p.name.startswith("prefill") and p.proc is not None:
+                pin_threads(p.proc.pid, cpu)
+        pin_threads(os.getpid(), cpu, only=local.aengine.thread_id)
     diffs, disagg, in_process, hops, router_ttft, prefill = [], [], [], [], [], []
     try:
         async with grpc.aio.insecure_channel(stack.address) as channel:
@@ -395,6 +427,7 @@ async def measure_overhead(stack: Stack, cfg: RoutingBenchConfig, work: Workload
         return round(percentile(values, q), 1)
 
     return {"policy": stack.policy, "pairs": cfg.overhead_requests, "prompt_tokens": cfg.overhead_prompt_tokens,
+            "compute_cpu": cpu,
             "ttft_overhead_ms_p50": p(diffs, 50), "ttft_overhead_ms_p25": p(diffs, 25),
             "ttft_overhead_ms_p75": p(diffs, 75),
             "disagg_ttft_ms_p50": p(disagg, 50), "in_process_ttft_ms_p50": p(in_process, 50),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -39,6 +40,9 @@ def test_headline_keys_are_finite_numbers(report):
         assert _finite(report[key]), f"{key} = {report[key]!r}"
     o = report["overhead"]
     assert o["disagg_ttft_ms_p50"] > 0 and o["in_process_ttft_ms_p50"] > 0 and o["pairs"] == 3
+    # both sides of the pairs computed on one core, where there are two to choose from
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    assert (o["compute_cpu"] in cpus) if len(cpus) > 1 else o["compute_cpu"] is None
     # the headline is the median over pairs of (stack - in-process), with its spread
     assert report["ttft_overhead_ms_p50"] == o["ttft_overhead_ms_p50"]
     assert o["ttft_overhead_ms_p25"] <= o["ttft_overhead_ms_p50"] <= o["ttft_overhead_ms_p75"]
@@ -78,3 +82,25 @@ def test_policies_see_the_same_prompts_and_caches_report_hits(report):
         assert p["hit_rate"] <= report["ideal_hit_rate"] + 1e-9
     # 12 requests over 2 system prompts: prefix caching must show up under some policy
     assert kv["cached_prompt_tokens"] + rr["cached_prompt_tokens"] > 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or len(os.sched_getaffinity(0)) < 2,
+                    reason="pinning threads needs Linux and two CPUs")
+def test_pin_threads_pins_every_thread_of_a_process():
+    from services.router.bench import pin_threads
+
+    # a child with a second thread, both alive until its stdin closes
+    child = subprocess.Popen([sys.executable, "-c", "import sys, threading; "
+                              "threading.Thread(target=sys.stdin.read, daemon=True).start(); "
+                              "print('up', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        cpu = max(os.sched_getaffinity(0))
+        tids = [int(t) for t in os.listdir(f"/proc/{child.pid}/task")]
+        assert len(tids) >= 2
+        pin_threads(child.pid, cpu)
+        assert all(os.sched_getaffinity(tid) == {cpu} for tid in tids)
+    finally:
+        child.stdin.close()
+        child.wait(10)
