@@ -95,7 +95,7 @@ static inline void store16(void *y, int y_bf16, int64_t off, __m512 v, __mmask16
  * either the packed bf16 weights (widened per k) or an fp32 copy of them (wide == 1). */
 static inline __attribute__((always_inline)) void micro(
         const int mr, const int wide, const float *x, const void *panel, int K, const float *bias,
-        void *y, int y_bf16, int64_t ldy, int64_t col, int ncols) {
+        void *y, int y_bf16, int64_t ldy, int64_t col, int ncols, const uint16_t *pf) {
     __m512 acc[MR][2];
 #pragma GCC unroll 12
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -132,6 +132,8 @@ static inline __attribute__((always_inline)) void micro(
     for (; k < K; k++) {
         __m512 w0, w1;
         if (wide) {
+            /* the next panel's bf16 weights, one cache line per k, reach L2 while this one computes */
+            if (pf) _mm_prefetch((const char *)(pf + (int64_t)k * 32), _MM_HINT_T1);
             w0 = _mm512_load_ps((const float *)panel + (int64_t)k * 32);
             w1 = _mm512_load_ps((const float *)panel + (int64_t)k * 32 + 16);
         } else {
@@ -161,10 +163,10 @@ static inline __attribute__((always_inline)) void micro(
 }
 
 static void rows_times_panel(int mr, int wide, const float *x, const void *panel, int K, const float *bias,
-                             void *y, int y_bf16, int64_t ldy, int64_t col, int ncols) {
+                             void *y, int y_bf16, int64_t ldy, int64_t col, int ncols, const uint16_t *pf) {
     /* each case is the micro-kernel specialised for that many rows and weight type */
-#define CASE(R) case R: if (wide) { micro(R, 1, x, panel, K, bias, y, y_bf16, ldy, col, ncols); } \
-                        else { micro(R, 0, x, panel, K, bias, y, y_bf16, ldy, col, ncols); } break;
+#define CASE(R) case R: if (wide) { micro(R, 1, x, panel, K, bias, y, y_bf16, ldy, col, ncols, pf); } \
+                        else { micro(R, 0, x, panel, K, bias, y, y_bf16, ldy, col, ncols, NULL); } break;
     switch (mr) {
         CASE(12) CASE(11) CASE(10) CASE(9) CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2) CASE(1)
         default: break;
@@ -218,8 +220,10 @@ int pdserve_linear_bf16w(const void *x, int x_bf16, int64_t ldx, const uint16_t 
                 const int mr = mc - r < MR ? mc - r : MR;
                 const int64_t row = m0 + r;
                 void *yrow = y_bf16 ? (void *)((uint16_t *)y + row * ldy) : (void *)((float *)y + row * ldy);
+                /* the first block of rows prefetches the next panel (the one this thread most likely takes next) */
+                const uint16_t *pf = r == 0 && p + 1 < panels ? panel + (int64_t)K * 32 : NULL;
                 rows_times_panel(mr, wide != NULL, xf + row * K, wide ? (const void *)wide : (const void *)panel,
-                                 K, bias, yrow, y_bf16, ldy, 32 * (int64_t)p, ncols);
+                                 K, bias, yrow, y_bf16, ldy, 32 * (int64_t)p, ncols, pf);
             }
         }
     }
