@@ -200,14 +200,14 @@ int pdserve_linear_bf16w(const void *x, int x_bf16, int64_t ldx, const uint16_t 
     const float *xf = pack_rows(x, x_bf16, ldx, M, K);
     if (!xf) return -1;
     const int panels = (N + 31) / 32;
-    /* panels are handed out in small chunks, not in one static half per thread: this VM's
-     * cores run at different speeds from second to second (one 30% slower than the other
-     * for seconds at a time), and a static split waits for the slow one; about 8 chunks per
-     * thread keep the dispatch cost low; a few rows make a panel too little work for that,
-     * so they get 2 chunks per thread. With a 30% load on one of two cores: 18-20% faster
+    /* panels are handed out in small chunks, not in one static share per thread: cores do not
+     * always run at one speed (a shared VM's cores differ by up to 30% for seconds at a time;
+     * another process may take part of one), and a static split waits for the slowest. About
+     * 8 chunks per thread keep the dispatch cost low; fewer than MR rows make a panel too
+     * little work for that, so they get 2. With a 30% load on one of two cores: 18-20% faster
      * at 34-512 rows than a static split, the same at 1 row. */
-    const int per_thread = M < MR ? 2 : 8;
-    const int chunk = panels / (per_thread * omp_get_max_threads()) > 1 ? panels / (per_thread * omp_get_max_threads()) : 1;
+    const int per_chunk = panels / ((M < MR ? 2 : 8) * omp_get_max_threads());
+    const int chunk = per_chunk > 1 ? per_chunk : 1;
     for (int m0 = 0; m0 < M; m0 += MC) {
         const int mc = M - m0 < MC ? M - m0 : MC;
 #pragma omp parallel for schedule(dynamic, chunk)

@@ -47,10 +47,9 @@ class KVManager:
         """Prompt tokens a waiting request will not compute itself: its leading blocks that are
         cached now or claimed by a running request (it waits for those; see ``waits_for_computing``).
         No side effects."""
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        self._extend_hashes(req, max_blocks)
-        n = self.pool.cached_run(req.block_hashes[:max_blocks])
-        while n < max_blocks and req.block_hashes[n] in self._computing:
+        hashes = self._hit_hashes(req)
+        n = self.pool.cached_run(hashes)
+        while n < len(hashes) and hashes[n] in self._computing:
             n += 1
         return n * self.block_size
 
@@ -64,10 +63,16 @@ class KVManager:
         """
         if not self._computing:
             return False
+        hashes = self._hit_hashes(req)
+        n = self.pool.cached_run(hashes)
+        return n < len(hashes) and hashes[n] in self._computing
+
+    def _hit_hashes(self, req: Request) -> list[int]:
+        """Hashes of the leading full blocks a prefix-cache hit may cover: all but the block
+        holding the last token, which must be computed so the step yields logits."""
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._extend_hashes(req, max_blocks)
-        n = self.pool.cached_run(req.block_hashes[:max_blocks])
-        return n < max_blocks and req.block_hashes[n] in self._computing
+        return req.block_hashes[:max_blocks]
 
     def claim_computing(self, req: Request) -> None:
         """Announce that an admitted request will compute the full blocks of its prompt that it did
@@ -101,9 +106,7 @@ class KVManager:
         none. At least one token is left to compute, so the step yields logits.
         Returns the number of tokens found."""
         assert not req.block_ids, "prefix matching is for requests without blocks"
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        self._extend_hashes(req, max_blocks)
-        hits = self.pool.lookup_prefix(req.block_hashes[:max_blocks], req.all_token_ids)
+        hits = self.pool.lookup_prefix(self._hit_hashes(req), req.all_token_ids)
         req.block_ids = hits
         req.num_cached_blocks = len(hits)
         req.num_computed_tokens = len(hits) * self.block_size

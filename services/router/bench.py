@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -370,10 +371,8 @@ def pin_threads(pid: int, cpu: int, only: int | None = None) -> None:
     """Pin every thread of process ``pid`` (or just thread ``only``) to ``cpu``."""
     tids = [only] if only is not None else [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     for tid in tids:
-        try:
+        with contextlib.suppress(OSError):  # the thread ended meanwhile
             os.sched_setaffinity(tid, {cpu})
-        except OSError:  # the thread ended meanwhile
-            pass
 
 
 OVERHEAD_MAX_TOKENS = 2  # the first token is what is timed; a second one makes the decode worker decode

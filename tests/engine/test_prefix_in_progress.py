@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from services.engine.sampling_params import SamplingParams
 from tests.engine.checks import StepLog, assert_no_leaks, generate_alone, run, tokens
 
@@ -28,16 +30,22 @@ PREFIX = words(96, seed=10)  # 6 full blocks
 PROMPTS = {"a": PREFIX + words(20, seed=11), "b": PREFIX + words(9, seed=12), "c": PREFIX + words(30, seed=13)}
 
 
+@pytest.fixture
+def chunked(tiny_engine):
+    """(engine computing prompts 32 tokens per step (the prefix takes 3 steps), a reference engine
+    with room to run each prompt alone, a log of the engine's steps)."""
+    engine = tiny_engine(long_prefill_chunk=32)
+    return engine, tiny_engine(num_blocks=512), StepLog(engine)
+
+
 def prompt_tokens_run(log: StepLog, rid: str, num_outputs: int) -> int:
     """Tokens a request computed for its prompt (its steps before the decode steps)."""
     steps = log.of(rid)
     return sum(steps[: len(steps) - (num_outputs - 1)])
 
 
-def test_burst_on_an_uncached_prefix_computes_it_once(tiny_engine):
-    engine = tiny_engine(long_prefill_chunk=32)  # the prefix takes 3 steps
-    reference = tiny_engine(num_blocks=512)
-    log = StepLog(engine)
+def test_burst_on_an_uncached_prefix_computes_it_once(chunked):
+    engine, reference, log = chunked
     params = SamplingParams(max_tokens=5, **GREEDY)
     for rid, ids in PROMPTS.items():  # all in the same step
         engine.add_request(rid, ids, params)
@@ -75,10 +83,8 @@ def test_prefill_only_burst_hits_the_prefix_and_frees_every_block(tiny_engine):
     assert_no_leaks(engine)
 
 
-def test_a_waiting_request_does_not_hold_up_unrelated_ones(tiny_engine):
-    engine = tiny_engine(long_prefill_chunk=32)
-    reference = tiny_engine(num_blocks=512)
-    log = StepLog(engine)
+def test_a_waiting_request_does_not_hold_up_unrelated_ones(chunked):
+    engine, reference, log = chunked
     params = SamplingParams(max_tokens=3, **GREEDY)
     prompts = {"a": PROMPTS["a"], "b": PROMPTS["b"], "other": words(40, seed=20)}
     for rid, ids in prompts.items():  # b arrives before other
@@ -92,10 +98,8 @@ def test_a_waiting_request_does_not_hold_up_unrelated_ones(tiny_engine):
     assert_no_leaks(engine)
 
 
-def test_waiting_request_proceeds_when_the_computing_one_is_aborted(tiny_engine):
-    engine = tiny_engine(long_prefill_chunk=32)
-    reference = tiny_engine(num_blocks=512)
-    log = StepLog(engine)
+def test_waiting_request_proceeds_when_the_computing_one_is_aborted(chunked):
+    engine, reference, log = chunked
     params = SamplingParams(max_tokens=4, **GREEDY)
     engine.add_request("a", PROMPTS["a"], params)
     engine.add_request("b", PROMPTS["b"], params)
@@ -163,10 +167,8 @@ def run_steps(engine, n: int) -> dict[str, list]:
     return outs
 
 
-def test_identical_prompts_share_every_full_block(tiny_engine):
-    engine = tiny_engine(long_prefill_chunk=32)
-    reference = tiny_engine(num_blocks=512)
-    log = StepLog(engine)
+def test_identical_prompts_share_every_full_block(chunked):
+    engine, reference, log = chunked
     params = SamplingParams(max_tokens=4, **GREEDY)
     prompt = PROMPTS["a"]  # 116 tokens: 7 full blocks
     for rid in ("x", "y"):
