@@ -19,10 +19,33 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from services.errors import ServiceUnavailableError
+
 log = logging.getLogger(__name__)
 
 WORKERS_KEY = "pd:workers"
 ROLES = ("prefill", "decode")
+
+
+REDIS_CONNECT_TIMEOUT_S = 5.0
+
+
+async def connect_redis(url: str):
+    """A ``redis.asyncio`` client for ``url`` that has answered a PING. Nothing answering there is
+    a ServiceUnavailableError naming the URL (the CLI prints it and exits 1), not a traceback
+    from the first command some time later; a malformed URL is redis-py's ValueError."""
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+
+    client = aioredis.Redis.from_url(url)
+    try:
+        await asyncio.wait_for(client.ping(), REDIS_CONNECT_TIMEOUT_S)
+    except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        await client.aclose()
+        reason = str(exc) or f"no answer in {REDIS_CONNECT_TIMEOUT_S:.0f} s"
+        raise ServiceUnavailableError(f"cannot reach Redis at {url}: {reason} (`pdserve up` starts an embedded "
+                                      "server; otherwise start one or give its address with --redis-url)") from None
+    return client
 
 
 def worker_key(worker_id: str) -> str:

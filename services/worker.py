@@ -30,7 +30,7 @@ from kvtransfer import TransferConfig
 from services import kv_events, telemetry
 from services.config import EngineConfig
 from services.errors import NoWorkerError
-from services.registry import ROLES, Registrar, WorkerInfo, new_worker_id
+from services.registry import ROLES, Registrar, WorkerInfo, connect_redis, new_worker_id
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +113,6 @@ class WorkerRuntime:
     async def serve(self, add_servicers: Callable[[grpc.aio.Server], list[str]],
                     setup: Callable[[], Awaitable[None]], teardown: Callable[[], Awaitable[None]]) -> None:
         """Run until SIGTERM/SIGINT (or ``stop()``), then drain. ``add_servicers`` returns service names."""
-        import redis.asyncio as aioredis
-
         from services.engine.async_engine import AsyncEngine
         from services.engine.engine import Engine
 
@@ -132,7 +130,7 @@ class WorkerRuntime:
         await self.server.start()
         if cfg.metrics_port is not None:
             self.metrics_address = telemetry.start_metrics_server(cfg.host, cfg.metrics_port)
-        log.info("%s listening on %s (metrics %s); loading the model", self.worker_id, self.address,
+        log.info("%s listening on %s (metrics %s); connecting to Redis, then loading the model", self.worker_id, self.address,
                  self.metrics_address or "off")
 
         loop = asyncio.get_running_loop()
@@ -142,10 +140,12 @@ class WorkerRuntime:
 
         registrar = None
         try:
+            self.redis = await connect_redis(cfg.redis_url)  # before the model: no Redis fails in seconds
             self.engine = await asyncio.to_thread(Engine, self.engine_config)
             self.aengine = AsyncEngine(self.engine)
+            if self._stop.is_set():  # stopped while the model loaded: never register
+                return
             await setup()
-            self.redis = aioredis.Redis.from_url(cfg.redis_url)
             self._stats = await self.aengine.call(self.engine.stats)
             self.info = WorkerInfo(
                 worker_id=self.worker_id, role=cfg.role, address=self.address, model=self.engine.model_name,

@@ -15,6 +15,7 @@ import signal
 from services import telemetry
 from services.gateway.api_keys import ApiKeys
 from services.gateway.config import GatewayConfig
+from services.registry import connect_redis
 
 log = logging.getLogger(__name__)
 READY_PREFIX = "[pdserve] gateway ready on "
@@ -29,7 +30,6 @@ def build_config(args) -> GatewayConfig:
 
 
 async def serve(args) -> None:
-    import redis.asyncio as aioredis
     import uvicorn
 
     from services.gateway.app import create_app
@@ -42,7 +42,7 @@ async def serve(args) -> None:
         else ApiKeys.disabled(config.default_tier)
     telemetry.setup_tracing("pdserve-gateway")
     model = load_served_model(args.model)
-    redis = aioredis.Redis.from_url(args.redis_url)
+    redis = await connect_redis(args.redis_url)
     core = GatewayCore(redis, config, model, keys)
     server = uvicorn.Server(uvicorn.Config(create_app(core), host=args.host, port=args.port, lifespan="off",
                                            log_level="warning", access_log=False,

@@ -24,6 +24,7 @@ from proto.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from services import telemetry
 from services.errors import InvalidRequestError, NoWorkerError
 from services.grpc_codec import abort_with, sampling_from_proto
+from services.registry import connect_redis
 from services.router.dispatch import DispatchConfig, Dispatcher
 from services.router.policy import POLICY_NAMES, RouterPolicyConfig
 from services.router.prefix_index import KVEventFollower, PrefixIndex
@@ -104,11 +105,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
 
 async def serve(args) -> None:
-    import redis.asyncio as aioredis
-
     telemetry.setup_tracing("pdserve-router")
     tokenizer, model_name = load_tokenizer(args.model)
-    redis = aioredis.Redis.from_url(args.redis_url)
+    redis = await connect_redis(args.redis_url)
     index = PrefixIndex()
     pool = WorkerPool(redis, refresh_s=0.25, on_removed=index.drop_worker)
     follower = KVEventFollower(redis, index)

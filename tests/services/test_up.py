@@ -88,3 +88,16 @@ def test_up_serves_grpc_and_http_then_stops_on_ctrl_c():
     time.sleep(0.5)
     leftovers = subprocess.run(["pgrep", "-f", f"--port {router_port}"], capture_output=True, text=True)
     assert leftovers.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("role", ["router", "gateway", "prefill", "decode"])
+def test_a_service_without_redis_says_so_and_exits(role):
+    # nothing listens on a port just freed: every service must say which Redis it could not
+    # reach and exit 1, not print a traceback (a worker checks before loading the model)
+    redis_port = _free_port()
+    proc = subprocess.run([sys.executable, "-m", "services.cli", role, "--redis-url",
+                           f"redis://127.0.0.1:{redis_port}", "--port", str(_free_port())],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"cannot reach Redis at redis://127.0.0.1:{redis_port}" in proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
