@@ -15,6 +15,9 @@
  * i.e. panels of 32 output columns, each panel K rows of 32 contiguous bf16
  * (64 bytes: two fp32 vectors after widening). Columns past N are zero.
  *
+ * Each k's 32 bf16 weights become two fp32 vectors, the even columns and the odd ones (a
+ * shift and an and; no shuffle), and the accumulators keep that split until the store.
+ *
  * Loop nest (x is widened to fp32 and packed once per call, into a per-thread buffer):
  *
  *     for each chunk of MC rows of x          (x chunk stays in L2)
@@ -33,6 +36,7 @@
 
 #define MR 12   /* rows per micro-kernel: 24 accumulators + 2 weight vectors + 1 broadcast <= 32 zmm */
 #define MC 192  /* rows per chunk */
+#define WIDEN_MIN 96 /* rows from which a panel is widened to fp32 once (widen_panel) */
 /* weights are prefetched this many bf16 (8 KiB) ahead of the loads: the hardware prefetcher
  * alone left one core at ~10 GB/s on a stream it can read at ~20 */
 #define PREFETCH 4096
@@ -47,52 +51,103 @@ int pdserve_linear_available(void) {
 
 #if defined(__AVX512F__)
 
-static __thread float *xbuf;
+/* 16 rows of 16 floats -> 16 columns of 16 floats (r[c][i] = old r[i][c]) */
+static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xDD);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
+    }
+}
+
+static __thread float *xbuf; /* the calling thread's; the OpenMP threads fill it */
 static __thread size_t xbuf_len;
 
-/* x as fp32 in blocks of MR rows, each stored k-major: block b holds rows
- * [MR*b, MR*b + mr) as xp[b*MR*K + k*mr + r], so a micro-kernel's broadcasts for one
- * k are adjacent (one stream instead of MR) */
+/* x as fp32 in blocks of MR rows, each stored k-major: block b holds rows [MR*b, MR*b + mr)
+ * as xp[b*MR*K + k*mr + r], so a micro-kernel's broadcasts for one k are adjacent (one stream
+ * instead of MR). Built 16 k at a time by an in-register transpose, the blocks split between
+ * the threads: a scatter per row on one thread took a quarter of a 512 x 1536 projection. */
 static float *pack_rows(const void *x, int x_bf16, int64_t ldx, int M, int K) {
+    const int blocks = (M + MR - 1) / MR;
     const size_t need = (size_t)M * (size_t)K;
     if (xbuf_len < need) {
         free(xbuf);
-        xbuf = aligned_alloc(64, ((need * sizeof(float) + 63) / 64) * 64);
+        xbuf = aligned_alloc(64, need * sizeof(float));
         xbuf_len = xbuf ? need : 0;
         if (!xbuf) return NULL;
     }
-    for (int m = 0; m < M; m++) {
-        const int b = m / MR, r = m % MR, mr = M - b * MR < MR ? M - b * MR : MR;
-        float *dst = xbuf + (size_t)b * MR * K + r;
-        /* 16 consecutive k of this row land mr floats apart: one scatter */
-        const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32(mr));
-        int k = 0;
-        if (x_bf16) {
-            const uint16_t *src = (const uint16_t *)x + m * ldx;
-            for (; k + 16 <= K; k += 16) _mm512_i32scatter_ps(dst + (size_t)k * mr, at, load16_bf16(src + k), 4);
-            for (; k < K; k++) {
-                const uint32_t u = (uint32_t)src[k] << 16;
-                memcpy(dst + (size_t)k * mr, &u, 4);
+    float *const out = xbuf;
+#pragma omp parallel for schedule(static) if (blocks > 1)
+    for (int b = 0; b < blocks; b++) {
+        const int mr = M - b * MR < MR ? M - b * MR : MR;
+        float *dst = out + (size_t)b * MR * K;
+        const __mmask16 rows = (__mmask16)((1u << mr) - 1u);
+        for (int k0 = 0; k0 < K; k0 += 16) {
+            const int kc = K - k0 < 16 ? K - k0 : 16;
+            const __mmask16 live = (__mmask16)((1u << kc) - 1u);
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) {
+                const int64_t off = (int64_t)(b * MR + i) * ldx + k0;
+                if (i >= mr)
+                    r[i] = _mm512_setzero_ps();
+                else if (x_bf16)
+                    r[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, (const uint16_t *)x + off)), 16));
+                else
+                    r[i] = _mm512_maskz_loadu_ps(live, (const float *)x + off);
             }
-        } else {
-            const float *src = (const float *)x + m * ldx;
-            for (; k + 16 <= K; k += 16) _mm512_i32scatter_ps(dst + (size_t)k * mr, at, _mm512_loadu_ps(src + k), 4);
-            for (; k < K; k++) dst[(size_t)k * mr] = src[k];
+            transpose16(r);
+            for (int c = 0; c < kc; c++) _mm512_mask_storeu_ps(dst + (size_t)(k0 + c) * mr, rows, r[c]);
         }
     }
-    return xbuf;
+    return out;
 }
 
-static inline void store16(void *y, int y_bf16, int64_t off, __m512 v, __mmask16 mask) {
-    if (y_bf16)
-        _mm256_mask_storeu_epi16((uint16_t *)y + off, mask, narrow16_bf16(v));
-    else
-        _mm512_mask_storeu_ps((float *)y + off, mask, v);
+/* 32 packed bf16 weights of one k as fp32: the even columns and the odd ones (a shift and
+ * an and, no shuffle). Accumulators keep that split; stores put the columns back in order. */
+static inline __attribute__((always_inline)) void widen32(const uint16_t *w, __m512 *even, __m512 *odd) {
+    const __m512i v = _mm512_loadu_si512(w);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
-/* one packed block of mr rows of x (see pack_rows) times one panel -> 32 columns of y. The panel is
- * either the packed bf16 weights (widened per k) or an fp32 copy of them (wide == 1). */
+/* y[0:ncols] = (even, odd) columns + bias, ncols <= 32 */
+static inline __attribute__((always_inline)) void store32(void *y, int y_bf16, int64_t off, __m512 even, __m512 odd,
+                                                          int ncols) {
+    if (y_bf16) { /* lane j = bf16(odd[j]) << 16 | bf16(even[j]): columns 2j, 2j+1 in memory order */
+        const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+        __m512i a = _mm512_castps_si512(even), b = _mm512_castps_si512(odd);
+        a = _mm512_add_epi32(a, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(a, 16), one)));
+        b = _mm512_add_epi32(b, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(b, 16), one)));
+        const __m512i v = _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, _mm512_set1_epi32((int)0xffff0000u)));
+        const __mmask32 m = ncols >= 32 ? 0xffffffffu : (__mmask32)((1u << ncols) - 1u);
+        _mm512_mask_storeu_epi16((uint16_t *)y + off, m, v);
+    } else {
+        const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+        const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+        const __mmask16 m0 = ncols >= 16 ? 0xffff : (__mmask16)((1u << ncols) - 1u);
+        const __mmask16 m1 = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1u);
+        _mm512_mask_storeu_ps((float *)y + off, m0, _mm512_permutex2var_ps(even, lo, odd));
+        _mm512_mask_storeu_ps((float *)y + off + 16, m1, _mm512_permutex2var_ps(even, hi, odd));
+    }
+}
+
+/* one packed block of mr rows of x (see pack_rows) times one panel -> 32 columns of y */
 static inline __attribute__((always_inline)) void micro(
         const int mr, const int wide, const float *x, const void *panel, int K, const float *bias,
         void *y, int y_bf16, int64_t ldy, int64_t col, int ncols, const uint16_t *pf) {
@@ -111,8 +166,9 @@ static inline __attribute__((always_inline)) void micro(
             const uint16_t *w = (const uint16_t *)panel + (int64_t)k * 32;
             _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
             _mm_prefetch((const char *)(w + PREFETCH + 32), _MM_HINT_T0);
-            const __m512 w0 = load16_bf16(w), w1 = load16_bf16(w + 16);
-            const __m512 w2 = load16_bf16(w + 32), w3 = load16_bf16(w + 48);
+            __m512 w0, w1, w2, w3;
+            widen32(w, &w0, &w1);
+            widen32(w + 32, &w2, &w3);
 #pragma GCC unroll 4
             for (int r = 0; r < mr; r++) {
                 const __m512 a = _mm512_set1_ps(x[(int64_t)k * mr + r]);
@@ -130,16 +186,14 @@ static inline __attribute__((always_inline)) void micro(
         }
     }
     for (; k < K; k++) {
+        /* the next panel's weights, one cache line per k, reach L2 while this one computes */
+        if (pf) _mm_prefetch((const char *)(pf + (int64_t)k * 32), _MM_HINT_T1);
         __m512 w0, w1;
         if (wide) {
-            /* the next panel's bf16 weights, one cache line per k, reach L2 while this one computes */
-            if (pf) _mm_prefetch((const char *)(pf + (int64_t)k * 32), _MM_HINT_T1);
             w0 = _mm512_load_ps((const float *)panel + (int64_t)k * 32);
             w1 = _mm512_load_ps((const float *)panel + (int64_t)k * 32 + 16);
         } else {
-            _mm_prefetch((const char *)((const uint16_t *)panel + (int64_t)k * 32 + PREFETCH), _MM_HINT_T0);
-            w0 = load16_bf16((const uint16_t *)panel + (int64_t)k * 32);
-            w1 = load16_bf16((const uint16_t *)panel + (int64_t)k * 32 + 16);
+            widen32((const uint16_t *)panel + (int64_t)k * 32, &w0, &w1);
         }
 #pragma GCC unroll 12
         for (int r = 0; r < mr; r++) {
@@ -148,25 +202,25 @@ static inline __attribute__((always_inline)) void micro(
             acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
         }
     }
-    const __mmask16 m0 = ncols >= 16 ? 0xffff : (__mmask16)((1u << ncols) - 1u);
-    const __mmask16 m1 = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1u);
     __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-    if (bias) {
-        b0 = _mm512_maskz_loadu_ps(m0, bias + col);
-        b1 = _mm512_maskz_loadu_ps(m1, bias + col + 16);
+    if (bias) { /* split like the weights */
+        const __mmask16 m0 = ncols >= 16 ? 0xffff : (__mmask16)((1u << ncols) - 1u);
+        const __mmask16 m1 = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1u);
+        const __m512 lo = _mm512_maskz_loadu_ps(m0, bias + col), hi = _mm512_maskz_loadu_ps(m1, bias + col + 16);
+        const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        b0 = _mm512_permutex2var_ps(lo, ev, hi);
+        b1 = _mm512_permutex2var_ps(lo, _mm512_add_epi32(ev, _mm512_set1_epi32(1)), hi);
     }
 #pragma GCC unroll 12
-    for (int r = 0; r < mr; r++) {
-        store16(y, y_bf16, r * ldy + col, _mm512_add_ps(acc[r][0], b0), m0);
-        store16(y, y_bf16, r * ldy + col + 16, _mm512_add_ps(acc[r][1], b1), m1);
-    }
+    for (int r = 0; r < mr; r++)
+        store32(y, y_bf16, r * ldy + col, _mm512_add_ps(acc[r][0], b0), _mm512_add_ps(acc[r][1], b1), ncols);
 }
 
 static void rows_times_panel(int mr, int wide, const float *x, const void *panel, int K, const float *bias,
                              void *y, int y_bf16, int64_t ldy, int64_t col, int ncols, const uint16_t *pf) {
     /* each case is the micro-kernel specialised for that many rows and weight type */
 #define CASE(R) case R: if (wide) { micro(R, 1, x, panel, K, bias, y, y_bf16, ldy, col, ncols, pf); } \
-                        else { micro(R, 0, x, panel, K, bias, y, y_bf16, ldy, col, ncols, NULL); } break;
+                        else { micro(R, 0, x, panel, K, bias, y, y_bf16, ldy, col, ncols, pf); } break;
     switch (mr) {
         CASE(12) CASE(11) CASE(10) CASE(9) CASE(8) CASE(7) CASE(6) CASE(5) CASE(4) CASE(3) CASE(2) CASE(1)
         default: break;
@@ -174,8 +228,9 @@ static void rows_times_panel(int mr, int wide, const float *x, const void *panel
 #undef CASE
 }
 
-/* fp32 copy of one panel, reused by every MR-row block of a chunk: widening once per
- * panel instead of once per block leaves the FMA ports to the FMAs */
+/* fp32 copy of one panel (even/odd split, as widen32), reused by every MR-row block of a
+ * chunk: at WIDEN_MIN rows and more, widening once per panel instead of once per block
+ * leaves the FMA ports to the FMAs; below it the copy costs more than it saves. */
 static __thread float *wbuf;
 static __thread size_t wbuf_len;
 
@@ -187,10 +242,14 @@ static const float *widen_panel(const uint16_t *panel, int K) {
         wbuf_len = wbuf ? need : 0;
         if (!wbuf) return NULL;
     }
-    for (size_t i = 0; i < need; i += 16) _mm512_store_ps(wbuf + i, load16_bf16(panel + i));
+    for (int k = 0; k < K; k++) {
+        __m512 e, o;
+        widen32(panel + (int64_t)k * 32, &e, &o);
+        _mm512_store_ps(wbuf + 32 * k, e);
+        _mm512_store_ps(wbuf + 32 * k + 16, o);
+    }
     return wbuf;
 }
-
 #endif
 
 /* Returns 0 on success, -1 if the kernel is not compiled in or memory ran out. */
@@ -214,16 +273,16 @@ int pdserve_linear_bf16w(const void *x, int x_bf16, int64_t ldx, const uint16_t 
         for (int p = 0; p < panels; p++) {
             const uint16_t *panel = wp + (int64_t)p * K * 32;
             const int ncols = N - 32 * p < 32 ? N - 32 * p : 32;
-            /* a widened copy pays off once the panel feeds several blocks of rows */
-            const float *wide = mc >= 2 * MR ? widen_panel(panel, K) : NULL;
+            const float *wide = mc >= WIDEN_MIN ? widen_panel(panel, K) : NULL;
             for (int r = 0; r < mc; r += MR) {
                 const int mr = mc - r < MR ? mc - r : MR;
                 const int64_t row = m0 + r;
                 void *yrow = y_bf16 ? (void *)((uint16_t *)y + row * ldy) : (void *)((float *)y + row * ldy);
                 /* the first block of rows prefetches the next panel (the one this thread most likely takes next) */
                 const uint16_t *pf = r == 0 && p + 1 < panels ? panel + (int64_t)K * 32 : NULL;
-                rows_times_panel(mr, wide != NULL, xf + row * K, wide ? (const void *)wide : (const void *)panel,
-                                 K, bias, yrow, y_bf16, ldy, 32 * (int64_t)p, ncols, pf);
+                rows_times_panel(mr, wide != NULL, xf + row * (int64_t)K,
+                                 wide ? (const void *)wide : (const void *)panel, K, bias, yrow, y_bf16, ldy,
+                                 32 * (int64_t)p, ncols, pf);
             }
         }
     }

@@ -8,18 +8,24 @@
  *   k, v     [num_blocks, block_size, HKV, D]  (strided views of the big KV tensor)
  *   block_tables int32 [S, bt_stride], context_lens int32 [S]
  * Work item = (sequence, kv head): its G = H / HKV query heads share every K/V row
- * they read, so each row is loaded from memory once per item.
+ * they read, so each row is loaded from memory once per item. A thread takes all of a
+ * sequence's items at once when there are enough sequences to go round.
  *
  * Two implementations of the same function:
- *   - AVX-512 (compiled where the build machine has it, used when D % 16 == 0):
- *     a K/V row is D/16 vectors; scores of 16 consecutive positions form one
- *     vector, so the softmax of a tile (max, exp2, sum) is vector code and the
- *     kernel runs at memory speed instead of being bound by scalar expf;
+ *   - AVX-512 (compiled where the build machine has it, used when D % 32 == 0):
+ *     positions go in tiles of up to 256. A tile's scores are computed 16 at a
+ *     time (16 dot-product vectors summed by one shuffle tree, hsum16), then one
+ *     online-softmax update covers the whole tile (vector exp2), then its V rows.
+ *     The per-position work is loads, FMAs and a few shuffles; the once-per-tile
+ *     work (horizontal max and sum, rescaling) is amortised over 256 positions.
+ *     1.5x the previous per-16-position version on SmolLM2's decode steps
+ *     (BENCHMARKS.md);
  *   - portable C (every other case), which gcc vectorises where it can.
  * Scores are kept in the log2 domain (q is pre-scaled by scale * log2(e)), so
  * exp(x - m) becomes exp2(x' - m').
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -94,137 +100,222 @@ static void NAME(const T *q, int64_t q_ss, int64_t q_sh,                        
 
 
 #if defined(__AVX512F__)
-/* One (sequence, kv head) item. ND = D / 16 vectors per row. Positions are taken
- * in tiles of 16 (a tile never crosses a block when block_size % 16 == 0; with
- * smaller blocks each position finds its own block). Always inlined into callers
- * that pass compile-time G and ND for the common head layouts, so the query and
- * accumulator vectors live in registers (with runtime bounds they live on the
- * stack and every FMA round-trips through memory: 3x slower). */
-#define DEFINE_AVX512_ITEM(NAME, T, LOADV, STORE)                                                     \
-static inline __attribute__((always_inline)) void NAME(                                              \
-        const int G, const int ND, int s, int kh,                                                    \
-        const T *q, int64_t q_ss, int64_t q_sh,                                                      \
-        const T *k, int64_t k_sb, int64_t k_st, int64_t k_sh,                                        \
-        const T *v, int64_t v_sb, int64_t v_st, int64_t v_sh,                                        \
-        const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,                 \
-        T *out, int64_t o_ss, int64_t o_sh, int D, int BS, float qscale) {                           \
-    __m512 qv[MAX_G][MAX_D / 16], acc[MAX_G][MAX_D / 16];                                             \
-    float m[MAX_G], l[MAX_G];                                                                         \
-    float sc[MAX_G][16] __attribute__((aligned(64)));                                                 \
-    const int ctx = context_lens[s];                                                                  \
-    const int32_t *bt = block_tables + s * bt_stride;                                                 \
-    for (int g = 0; g < G; g++) {                                                                     \
-        const T *qp = q + s * q_ss + (int64_t)(kh * G + g) * q_sh;                                    \
-        for (int i = 0; i < ND; i++) {                                                                \
-            qv[g][i] = _mm512_mul_ps(LOADV(qp + 16 * i), _mm512_set1_ps(qscale));                     \
-            acc[g][i] = _mm512_setzero_ps();                                                          \
-        }                                                                                             \
-        m[g] = -INFINITY; l[g] = 0.f;                                                                 \
-    }                                                                                                 \
-    for (int start = 0; start < ctx; start += 16) {                                                   \
-        const int n = ctx - start < 16 ? ctx - start : 16;                                            \
-        const __mmask16 live = (__mmask16)((1u << n) - 1u);                                           \
-        const T *kp[16], *vp[16];                                                                     \
-        for (int t = 0; t < n; t++) {                                                                 \
-            const int pos = start + t;                                                                \
-            const int64_t blk = bt[pos / BS];                                                         \
-            kp[t] = k + blk * k_sb + (pos % BS) * k_st + kh * k_sh;                                   \
-            vp[t] = v + blk * v_sb + (pos % BS) * v_st + kh * v_sh;                                   \
-        }                                                                                             \
-        /* the next tile's rows are fetched while this one computes: one core alone does          \
-         * not keep enough misses in flight to reach memory bandwidth otherwise */                 \
-        for (int pos = start + 16; pos < start + 32 && pos < ctx; pos++) {                           \
-            const int64_t blk = bt[pos / BS];                                                         \
-            const char *kn = (const char *)(k + blk * k_sb + (pos % BS) * k_st + kh * k_sh);          \
-            const char *vn = (const char *)(v + blk * v_sb + (pos % BS) * v_st + kh * v_sh);          \
-            for (int b = 0; b < D * (int)sizeof(T); b += 64) {                                        \
-                _mm_prefetch(kn + b, _MM_HINT_T0);                                                    \
-                _mm_prefetch(vn + b, _MM_HINT_T0);                                                    \
-            }                                                                                         \
-        }                                                                                             \
-        for (int t = 0; t < n; t++) {                                                                 \
-            __m512 kf[MAX_D / 16];                                                                    \
-            for (int i = 0; i < ND; i++) kf[i] = LOADV(kp[t] + 16 * i);                               \
-            for (int g = 0; g < G; g++) {                                                             \
-                __m512 d = _mm512_mul_ps(qv[g][0], kf[0]);                                            \
-                for (int i = 1; i < ND; i++) d = _mm512_fmadd_ps(qv[g][i], kf[i], d);                 \
-                sc[g][t] = _mm512_reduce_add_ps(d);                                                   \
-            }                                                                                         \
-        }                                                                                             \
-        for (int g = 0; g < G; g++) {                                                                 \
-            const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sc[g]);            \
-            const float tmax = _mm512_reduce_max_ps(x);                                               \
-            const float mnew = tmax > m[g] ? tmax : m[g];                                             \
-            const float corr = exp2f(m[g] - mnew); /* 0 on the first tile: m = -inf */                \
-            const __m512 p = _mm512_maskz_mov_ps(live, exp2_ps(_mm512_sub_ps(x, _mm512_set1_ps(mnew)))); \
-            l[g] = l[g] * corr + _mm512_reduce_add_ps(p);                                             \
-            m[g] = mnew;                                                                              \
-            if (corr != 1.f) {                                                                        \
-                const __m512 c = _mm512_set1_ps(corr);                                                \
-                for (int i = 0; i < ND; i++) acc[g][i] = _mm512_mul_ps(acc[g][i], c);                 \
-            }                                                                                         \
-            _mm512_store_ps(sc[g], p);                                                                \
-        }                                                                                             \
-        for (int t = 0; t < n; t++) {                                                                 \
-            __m512 vf[MAX_D / 16];                                                                    \
-            for (int i = 0; i < ND; i++) vf[i] = LOADV(vp[t] + 16 * i);                               \
-            for (int g = 0; g < G; g++) {                                                             \
-                const __m512 p = _mm512_set1_ps(sc[g][t]);                                            \
-                for (int i = 0; i < ND; i++) acc[g][i] = _mm512_fmadd_ps(p, vf[i], acc[g][i]);        \
-            }                                                                                         \
-        }                                                                                             \
-    }                                                                                                 \
-    for (int g = 0; g < G; g++) {                                                                     \
-        T *op = out + s * o_ss + (int64_t)(kh * G + g) * o_sh;                                        \
-        const __m512 inv = _mm512_set1_ps(l[g] > 0.f ? 1.f / l[g] : 0.f);                             \
-        float o[MAX_D] __attribute__((aligned(64)));                                                  \
-        for (int i = 0; i < ND; i++) _mm512_store_ps(o + 16 * i, _mm512_mul_ps(acc[g][i], inv));      \
-        for (int d = 0; d < D; d++) op[d] = STORE(o[d]);                                              \
-    }                                                                                                 \
+#define TILE 256 /* positions whose scores are computed before one softmax update */
+
+/* 32 consecutive elements of a row as two fp32 vectors. bf16: the even elements and the odd
+ * ones (a shift and an and: no shuffle); fp32: the first 16 and the last 16. q, K, V and the
+ * accumulators all use this order, so only the output store undoes it. */
+static inline __attribute__((always_inline)) void load32(const int bf16, const char *p, __m512 *lo, __m512 *hi) {
+    if (bf16) {
+        const __m512i x = _mm512_loadu_si512(p);
+        *lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        *hi = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+    } else {
+        *lo = _mm512_loadu_ps((const float *)p);
+        *hi = _mm512_loadu_ps((const float *)p + 16);
+    }
 }
 
-/* (G, ND) pairs with a specialised item: the layouts of the supported model families
- * (G = query heads per KV head, ND = head_dim / 16); others run the generic item. */
-#define FOR_COMMON_LAYOUTS(X) X(1, 4) X(2, 4) X(3, 4) X(4, 4) X(5, 4) X(7, 4) X(8, 4) \
-                              X(1, 8) X(2, 8) X(4, 8) X(6, 8) X(7, 8) X(8, 8)
+static inline __attribute__((always_inline)) void store32(const int bf16, char *p, __m512 lo, __m512 hi) {
+    if (bf16) { /* round each to nearest even; lane j = bf16(hi[j]) << 16 | bf16(lo[j]) */
+        const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+        __m512i a = _mm512_castps_si512(lo), b = _mm512_castps_si512(hi);
+        a = _mm512_add_epi32(a, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(a, 16), one)));
+        b = _mm512_add_epi32(b, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(b, 16), one)));
+        _mm512_storeu_si512(p, _mm512_or_si512(_mm512_srli_epi32(a, 16),
+                                               _mm512_and_si512(b, _mm512_set1_epi32((int)0xffff0000u))));
+    } else {
+        _mm512_storeu_ps((float *)p, lo);
+        _mm512_storeu_ps((float *)p + 16, hi);
+    }
+}
 
-#define DEFINE_AVX512_KERNEL(NAME, ITEM, T)                                                           \
+/* The sums of 16 vectors as one vector: lane i holds the sum of v[4 * (i % 4) + i / 4] (that
+ * map is its own inverse, so position t's vector goes to slot 4 * (t % 4) + t / 4). A tree of
+ * 15 merges, two shuffles and an add each, where 16 horizontal sums cost four of each. */
+static inline __attribute__((always_inline)) __m512 hsum16(const __m512 v[16]) {
+    __m512 u[8], w[4], z[2];
+    for (int j = 0; j < 8; j++)
+        u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+    for (int j = 0; j < 4; j++)
+        w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xDD));
+    for (int j = 0; j < 2; j++)
+        z[j] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * j], w[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(w[2 * j], w[2 * j + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+}
+
+/* Row addresses (bytes) of positions [pos, pos + n), n <= 16, for one kv head. With
+ * block_size % 16 == 0 a group of 16 never crosses a block: one table lookup. */
+static inline __attribute__((always_inline)) void rows16(
+        const char *base, int64_t sb, int64_t st, const int32_t *bt, int BS, int pos, int n, const char **rows) {
+    if (BS % 16 == 0) {
+        const char *r = base + (int64_t)bt[pos / BS] * sb + (int64_t)(pos % BS) * st;
+        for (int t = 0; t < n; t++) rows[t] = r + t * st;
+    } else {
+        for (int t = 0; t < n; t++) rows[t] = base + (int64_t)bt[(pos + t) / BS] * sb + (int64_t)((pos + t) % BS) * st;
+    }
+}
+
+/* One (sequence, kv head) item: its G = H / HKV query heads share every K/V row. NP = D / 32.
+ * Positions go in tiles of TILE: all scores of a tile (16 at a time, through hsum16), then one
+ * online-softmax update, then the tile's V rows. Always inlined into callers that pass
+ * compile-time flags, G and NP for the common head layouts, so the query and accumulator
+ * vectors live in registers (with runtime bounds they live on the stack: 3x slower).
+ * Strides are in bytes. */
+static inline __attribute__((always_inline)) void decode_item(
+        const int bf16, const int G, const int NP, int s, int kh,
+        const char *q, int64_t q_ss, int64_t q_sh,
+        const char *k, int64_t k_sb, int64_t k_st, int64_t k_sh,
+        const char *v, int64_t v_sb, int64_t v_st, int64_t v_sh,
+        const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
+        char *out, int64_t o_ss, int64_t o_sh, int BS, float qscale) {
+    const int es = bf16 ? 2 : 4, row_bytes = 32 * NP * es;
+    __m512 qv[MAX_G][MAX_D / 16], acc[MAX_G][MAX_D / 16];
+    float m[MAX_G], l[MAX_G];
+    float sc[MAX_G][TILE] __attribute__((aligned(64)));
+    const int ctx = context_lens[s];
+    const int32_t *bt = block_tables + s * bt_stride;
+    const char *kbase = k + kh * k_sh, *vbase = v + kh * v_sh;
+    for (int g = 0; g < G; g++) {
+        const char *qp = q + s * q_ss + (int64_t)(kh * G + g) * q_sh;
+        for (int i = 0; i < NP; i++) {
+            load32(bf16, qp + 32 * i * es, &qv[g][2 * i], &qv[g][2 * i + 1]);
+            qv[g][2 * i] = _mm512_mul_ps(qv[g][2 * i], _mm512_set1_ps(qscale));
+            qv[g][2 * i + 1] = _mm512_mul_ps(qv[g][2 * i + 1], _mm512_set1_ps(qscale));
+        }
+        for (int i = 0; i < 2 * NP; i++) acc[g][i] = _mm512_setzero_ps();
+        m[g] = -INFINITY; l[g] = 0.f;
+    }
+    for (int start = 0; start < ctx; start += TILE) {
+        const int n = ctx - start < TILE ? ctx - start : TILE;
+        __m512 vmax[MAX_G];
+        for (int g = 0; g < G; g++) vmax[g] = _mm512_set1_ps(-INFINITY);
+        /* scores */
+        for (int j = 0; j < n; j += 16) {
+            const int nj = n - j < 16 ? n - j : 16;
+            const char *kr[16], *vr[16];
+            rows16(kbase, k_sb, k_st, bt, BS, start + j, nj, kr);
+            /* while this group computes: the next group's K rows into L1, this group's V rows
+             * into L2 for the value pass (one core alone does not keep enough misses in flight
+             * to reach memory bandwidth otherwise) */
+            if (start + j + 16 < ctx) {
+                const int nn = ctx - start - j - 16 < 16 ? ctx - start - j - 16 : 16;
+                const char *kn[16];
+                rows16(kbase, k_sb, k_st, bt, BS, start + j + 16, nn, kn);
+                for (int t = 0; t < nn; t++)
+                    for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(kn[t] + b, _MM_HINT_T0);
+            }
+            rows16(vbase, v_sb, v_st, bt, BS, start + j, nj, vr);
+            for (int t = 0; t < nj; t++)
+                for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(vr[t] + b, _MM_HINT_T1);
+            __m512 d[MAX_G][16];
+            for (int t = 0; t < 16; t++) {
+                const int slot = 4 * (t % 4) + t / 4;
+                if (t < nj) {
+                    __m512 kf[MAX_D / 16];
+                    for (int i = 0; i < NP; i++) load32(bf16, kr[t] + 32 * i * es, &kf[2 * i], &kf[2 * i + 1]);
+                    for (int g = 0; g < G; g++) {
+                        __m512 x = _mm512_mul_ps(qv[g][0], kf[0]);
+                        for (int i = 1; i < 2 * NP; i++) x = _mm512_fmadd_ps(qv[g][i], kf[i], x);
+                        d[g][slot] = x;
+                    }
+                } else {
+                    for (int g = 0; g < G; g++) d[g][slot] = _mm512_setzero_ps();
+                }
+            }
+            const __mmask16 live = (__mmask16)((1u << nj) - 1u);
+            for (int g = 0; g < G; g++) {
+                const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, hsum16(d[g]));
+                _mm512_store_ps(&sc[g][j], x);
+                vmax[g] = _mm512_max_ps(vmax[g], x);
+            }
+        }
+        /* online softmax, once per tile */
+        for (int g = 0; g < G; g++) {
+            const float tmax = _mm512_reduce_max_ps(vmax[g]);
+            const float mnew = tmax > m[g] ? tmax : m[g];
+            const float corr = exp2f(m[g] - mnew); /* 0 on the first tile: m = -inf */
+            const __m512 mv = _mm512_set1_ps(mnew);
+            __m512 sum = _mm512_setzero_ps();
+            for (int j = 0; j < n; j += 16) { /* masked lanes hold -inf: exp2 gives 0 */
+                const __m512 p = exp2_ps(_mm512_sub_ps(_mm512_load_ps(&sc[g][j]), mv));
+                _mm512_store_ps(&sc[g][j], p);
+                sum = _mm512_add_ps(sum, p);
+            }
+            l[g] = l[g] * corr + _mm512_reduce_add_ps(sum);
+            m[g] = mnew;
+            const __m512 c = _mm512_set1_ps(corr);
+            for (int i = 0; i < 2 * NP; i++) acc[g][i] = _mm512_mul_ps(acc[g][i], c);
+        }
+        /* values */
+        for (int j = 0; j < n; j += 16) {
+            const int nj = n - j < 16 ? n - j : 16;
+            const char *vr[16];
+            rows16(vbase, v_sb, v_st, bt, BS, start + j, nj, vr);
+            for (int t = 0; t < nj; t++) {
+                __m512 vf[MAX_D / 16];
+                for (int i = 0; i < NP; i++) load32(bf16, vr[t] + 32 * i * es, &vf[2 * i], &vf[2 * i + 1]);
+                for (int g = 0; g < G; g++) {
+                    const __m512 p = _mm512_set1_ps(sc[g][j + t]);
+                    for (int i = 0; i < 2 * NP; i++) acc[g][i] = _mm512_fmadd_ps(p, vf[i], acc[g][i]);
+                }
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        char *op = out + s * o_ss + (int64_t)(kh * G + g) * o_sh;
+        const __m512 inv = _mm512_set1_ps(l[g] > 0.f ? 1.f / l[g] : 0.f);
+        for (int i = 0; i < NP; i++)
+            store32(bf16, op + 32 * i * es, _mm512_mul_ps(acc[g][2 * i], inv), _mm512_mul_ps(acc[g][2 * i + 1], inv));
+    }
+}
+
+/* (G, NP) pairs with a specialised item: the layouts of the supported model families
+ * (G = query heads per KV head, NP = head_dim / 32); others run the generic item. */
+#define FOR_COMMON_LAYOUTS(X) X(1, 2) X(2, 2) X(3, 2) X(4, 2) X(5, 2) X(7, 2) X(8, 2) \
+                              X(1, 4) X(2, 4) X(4, 4) X(6, 4) X(7, 4) X(8, 4)
+
+/* One sequence per task (its kv heads share cache lines), or one (sequence, kv head) when
+ * there are too few sequences to keep every thread busy. */
+#define DEFINE_AVX512_KERNEL(NAME, T, BF16)                                                           \
 static void NAME(const T *q, int64_t q_ss, int64_t q_sh,                                             \
                  const T *k, int64_t k_sb, int64_t k_st, int64_t k_sh,                               \
                  const T *v, int64_t v_sb, int64_t v_st, int64_t v_sh,                               \
                  const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,         \
                  T *out, int64_t o_ss, int64_t o_sh,                                                  \
                  int S, int H, int HKV, int D, int BS, float scale) {                                 \
-    const int G = H / HKV, ND = D / 16;                                                               \
+    const int G = H / HKV, NP = D / 32, es = sizeof(T), bf16 = BF16;                                             \
     const float qscale = scale * LOG2E;                                                               \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1)")                                      \
-    for (int s = 0; s < S; s++) {                                                                     \
-        for (int kh = 0; kh < HKV; kh++) {                                                            \
-            switch (G * 64 + ND) {                                                                    \
-                FOR_COMMON_LAYOUTS(ITEM_CASE_##ITEM)                                                  \
-                default: ITEM(G, ND, s, kh, q, q_ss, q_sh, k, k_sb, k_st, k_sh, v, v_sb, v_st, v_sh,  \
-                              block_tables, bt_stride, context_lens, out, o_ss, o_sh, D, BS, qscale); \
+    const int per = S >= 4 * omp_get_max_threads() ? HKV : 1; /* kv heads per task */                \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                                  \
+    for (int task = 0; task < S * HKV / per; task++) {                                                \
+        for (int item = task * per; item < (task + 1) * per; item++) {                                \
+            const int s = item / HKV, kh = item % HKV;                                                \
+            switch (G * 64 + NP) {                                                                    \
+                FOR_COMMON_LAYOUTS(ITEM_CASE)                                                         \
+                default: decode_item(bf16, G, NP, ITEM_ARGS); break;                                  \
             }                                                                                         \
         }                                                                                             \
     }                                                                                                 \
 }
+#define ITEM_ARGS s, kh, (const char *)q, q_ss * es, q_sh * es, (const char *)k, k_sb * es, k_st * es, k_sh * es, \
+                  (const char *)v, v_sb * es, v_st * es, v_sh * es, block_tables, bt_stride, context_lens,      \
+                  (char *)out, o_ss * es, o_sh * es, BS, qscale
+#define ITEM_CASE(g, np) case g * 64 + np: decode_item(bf16, g, np, ITEM_ARGS); break;
 #endif
 
 #define F32_LOAD(x) (x)
 #define F32_STORE(x) (x)
 #if defined(__AVX512F__)
-DEFINE_AVX512_ITEM(item_f32, float, load16_f32, F32_STORE)
-DEFINE_AVX512_ITEM(item_bf16, uint16_t, load16_bf16, f32_to_bf16)
-#define ITEM_ARGS s, kh, q, q_ss, q_sh, k, k_sb, k_st, k_sh, v, v_sb, v_st, v_sh, block_tables, bt_stride, \
-                  context_lens, out, o_ss, o_sh, D, BS, qscale
-#define ITEM_CASE_item_f32(g, nd) case g * 64 + nd: item_f32(g, nd, ITEM_ARGS); break;
-#define ITEM_CASE_item_bf16(g, nd) case g * 64 + nd: item_bf16(g, nd, ITEM_ARGS); break;
 #endif
 DEFINE_KERNEL(decode_f32_generic, float, F32_LOAD, F32_STORE)
 DEFINE_KERNEL(decode_bf16_generic, uint16_t, bf16_to_f32, f32_to_bf16)
 #if defined(__AVX512F__)
-DEFINE_AVX512_KERNEL(decode_f32_avx512, item_f32, float)
-DEFINE_AVX512_KERNEL(decode_bf16_avx512, item_bf16, uint16_t)
+DEFINE_AVX512_KERNEL(decode_f32_avx512, float, 0)
+DEFINE_AVX512_KERNEL(decode_bf16_avx512, uint16_t, 1)
 #define HAVE_AVX512 1
 #else
 #define HAVE_AVX512 0
@@ -237,7 +328,7 @@ void NAME(const T *q, int64_t q_ss, int64_t q_sh,                               
           const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,                \
           T *out, int64_t o_ss, int64_t o_sh,                                                         \
           int S, int H, int HKV, int D, int BS, float scale) {                                        \
-    if (HAVE_AVX512 && D % 16 == 0)                                                                   \
+    if (HAVE_AVX512 && D % 32 == 0)                                                                   \
         SUFFIX##_avx512_or_generic(q, q_ss, q_sh, k, k_sb, k_st, k_sh, v, v_sb, v_st, v_sh,           \
                                    block_tables, bt_stride, context_lens, out, o_ss, o_sh,            \
                                    S, H, HKV, D, BS, scale);                                          \

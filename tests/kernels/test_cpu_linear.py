@@ -46,6 +46,24 @@ def test_strided_and_3d_inputs_and_fp32_activations():
     assert layer(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 40)
 
 
+@needs_kernel
+def test_concurrent_callers_get_their_own_results():
+    # two engines in one process call the kernel from two threads at once (ctypes drops the GIL);
+    # each call packs its rows into scratch memory that must be its own
+    from concurrent.futures import ThreadPoolExecutor
+
+    w = torch.randn(960, 576).to(torch.bfloat16)
+    layer = PackedLinear(w)
+    xs = [torch.randn(rows, 576).to(torch.bfloat16) for rows in (7, 40, 130, 300)]
+    want = [layer(x, out_dtype=torch.float32) for x in xs]
+
+    def run(i):
+        return all(torch.equal(layer(xs[i], out_dtype=torch.float32), want[i]) for _ in range(20))
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(run, range(4)))
+
+
 def test_rejects_weights_it_cannot_pack():
     with pytest.raises(ValueError, match="bf16 CPU weight"):
         PackedLinear(torch.randn(4, 4))

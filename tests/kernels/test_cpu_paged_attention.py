@@ -23,8 +23,8 @@ def test_matches_reference_on_ragged_block_tables(dtype, atol, heads, kv_heads, 
     check_against_reference(dtype, atol, heads, kv_heads, block_size, head_dim=64)
 
 
-# head_dim 128 and 48 take the vector path (multiples of 16), 40 the portable one;
-# 32-token blocks hold two 16-position tiles each
+# head_dim 128 and 64 take the vector path (multiples of 32), 48 and 40 the portable one;
+# 32-token blocks hold two 16-position groups each
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
 @pytest.mark.parametrize("head_dim,block_size", [(128, 16), (48, 32), (40, 16), (64, 32)])
 def test_matches_reference_for_other_head_dims_and_block_sizes(dtype, atol, head_dim, block_size):
@@ -34,12 +34,14 @@ def test_matches_reference_for_other_head_dims_and_block_sizes(dtype, atol, head
 def check_against_reference(dtype, atol, heads, kv_heads, block_size, head_dim):
     gen = torch.Generator().manual_seed(heads * 100 + block_size + head_dim)
     spec = KVCacheSpec(3, kv_heads, head_dim, block_size, "float32" if dtype == torch.float32 else "bfloat16")
-    kv = allocate_kv_cache(spec, 200)
+    kv = allocate_kv_cache(spec, 250)
     kv.copy_(torch.randn(kv.shape, generator=gen).to(dtype))
     k_cache, v_cache = layer_view(kv, 1)  # strided views, as the model passes them
-    lens = torch.tensor([1, block_size - 1, block_size, block_size + 1, 100, 33, 150], dtype=torch.int32)
+    # 256 positions make one softmax tile: 256, 257 and 600 cross tile boundaries (600 crosses two);
+    # ten sequences are enough for the kernel to hand each thread whole sequences
+    lens = torch.tensor([1, block_size - 1, block_size, block_size + 1, 100, 33, 150, 256, 257, 600], dtype=torch.int32)
     width = max(-(-int(n) // block_size) for n in lens) + 2  # padded with the null block
-    order = (torch.randperm(199, generator=gen) + 1).int()
+    order = (torch.randperm(249, generator=gen) + 1).int()
     tables = torch.zeros(len(lens), width, dtype=torch.int32)
     used = 0
     for s, n in enumerate(lens.tolist()):
