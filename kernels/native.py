@@ -88,6 +88,11 @@ def library() -> ctypes.CDLL | None:
         fn.restype = None
         fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64,
                        i32, i32, i32, i32, i32, f32]
+    for name in ("paged_prefill_attention_f32", "paged_prefill_attention_bf16"):
+        fn = getattr(lib, name)
+        fn.restype = i32
+        fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, i64,
+                       i32, i32, i32, i32, i32, f32]
     lib.pdserve_limits.restype = i32
     lib.pdserve_limits.argtypes = [i32]
     lib.pdserve_linear_available.restype = i32

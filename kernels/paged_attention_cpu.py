@@ -5,10 +5,11 @@ Decode: the C kernel in paged_attention_cpu.c, with the signature and semantics 
 shapes past its fixed limits) it falls back to the reference, so callers never
 need to know.
 
-Prefill: ``paged_prefill_attention_ref``'s gather, then torch's flash attention in
-fp32 with a bottom-right causal bias. On CPU that is 3-4x faster than what the
-reference's explicit boolean mask gets (the unfused math path), and fp32 flash runs
-about twice as fast as bf16 flash.
+Prefill: the C kernel in paged_attention_cpu.c (reads the paged cache in place; every
+softmax quantity elementwise across 32 query rows); where it cannot serve a call,
+``paged_prefill_attention_ref``'s gather, then torch's flash attention in fp32 with a
+bottom-right causal bias (3-4x faster than the reference's explicit boolean mask, and
+fp32 flash runs about twice as fast as bf16 flash).
 """
 
 from __future__ import annotations
@@ -73,7 +74,23 @@ def paged_prefill_attention_cpu(
     scale: float,
 ) -> torch.Tensor:
     """Same contract as ``paged_prefill_attention_ref``: sequence s's ``q_len`` queries are
-    the last ``q_len`` of its ``context_lens[s]`` tokens, each seeing keys up to itself."""
+    the last ``q_len`` of its ``context_lens[s]`` tokens, each seeing keys up to itself.
+    The C kernel where it applies (AVX-512, D % 16 == 0, up to 32 query heads per KV head),
+    else per sequence: gather, then torch's fp32 flash attention."""
+    if _prefill_supported(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens):
+        num_seqs = context_lens.shape[0]
+        out = torch.empty_like(q)
+        fn = getattr(native.library(), _PREFILL_FNS[q.dtype])
+        rc = fn(q.data_ptr(), q.stride(0), q.stride(1),
+                k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                block_tables.data_ptr(), block_tables.stride(0), cu_seqlens_q.data_ptr(), context_lens.data_ptr(),
+                out.data_ptr(), out.stride(0), out.stride(1),
+                num_seqs, q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], float(scale))
+        if rc == 0:
+            return out
+        if rc == -1:
+            raise MemoryError("paged prefill attention: no memory for the work list")
     gqa = q.shape[1] != k_cache.shape[2]
 
     def attend(qs, k, v, ctx):
@@ -82,3 +99,23 @@ def paged_prefill_attention_cpu(
         return o[0]
 
     return prefill_by_sequence(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, attend)
+
+
+_PREFILL_FNS = {torch.float32: "paged_prefill_attention_f32", torch.bfloat16: "paged_prefill_attention_bf16"}
+_PREFILL_MAX_GROUP = 32  # query heads per KV head; PF_ROWS in paged_attention_cpu.c
+
+
+def _prefill_supported(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens) -> bool:
+    lib = native.library()
+    if lib is None or not lib.pdserve_linear_available():  # the AVX-512 build
+        return False
+    if q.dtype not in _PREFILL_FNS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or q.device.type != "cpu":
+        return False
+    heads, kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
+    return (q.dim() == 3 and k_cache.dim() == 4 and heads % kv_heads == 0 and heads // kv_heads <= _PREFILL_MAX_GROUP
+            and head_dim % 16 == 0 and head_dim <= lib.pdserve_limits(1)
+            and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+            and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+            and cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.is_contiguous()
+            and context_lens.dtype == torch.int32 and context_lens.is_contiguous()
+            and cu_seqlens_q.shape[0] == context_lens.shape[0] + 1)

@@ -65,3 +65,42 @@ def test_unsupported_dtype_falls_back_to_the_reference():
     lens = torch.tensor([20, 5], dtype=torch.int32)
     torch.testing.assert_close(paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 0.25),
                                paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.25))
+
+
+# ---- prefill --------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16),    # SmolLM2
+    (8, 8, 64, 8),     # no GQA, blocks smaller than a 16-key tile
+    (32, 4, 128, 16),  # Llama-style GQA, head_dim 128
+    (32, 1, 48, 32),   # 32 query heads per KV head: one query per 32-row block; D not a multiple of 32
+    (6, 2, 40, 16),    # D % 16 != 0: the gather + SDPA path
+])
+def test_prefill_matches_reference(dtype, atol, heads, kv_heads, head_dim, block_size):
+    from kernels.paged_attention import paged_prefill_attention_ref
+    from kernels.paged_attention_cpu import paged_prefill_attention_cpu
+
+    gen = torch.Generator().manual_seed(heads + head_dim + block_size)
+    spec = KVCacheSpec(2, kv_heads, head_dim, block_size, "float32" if dtype == torch.float32 else "bfloat16")
+    kv = allocate_kv_cache(spec, 160)
+    kv.copy_(torch.randn(kv.shape, generator=gen).to(dtype))
+    k_cache, v_cache = layer_view(kv, 1)
+    # (queries, context): whole prompts, chunks continuing a prefix (queries are the context's
+    # last tokens), one-token chunks, lengths around the 16-key tiles and the query blocks
+    shape = [(1, 1), (17, 17), (5, 40), (33, 100), (16, 16), (1, 77), (130, 300)]
+    q_lens = [a for a, _ in shape]
+    lens = torch.tensor([b for _, b in shape], dtype=torch.int32)
+    width = max(-(-int(n) // block_size) for n in lens) + 1
+    order = (torch.randperm(159, generator=gen) + 1).int()
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(lens.tolist()):
+        nb = -(-n // block_size)
+        tables[s, :nb] = order[used : used + nb]
+        used += nb
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    qkv = torch.randn(int(cu[-1]), heads * head_dim * 2, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(-1, heads, head_dim)  # non-contiguous rows, like the model's q
+    want = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, lens, 0.125)
+    got = paged_prefill_attention_cpu(q, k_cache, v_cache, tables, cu, lens, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
