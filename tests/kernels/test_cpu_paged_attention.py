@@ -31,6 +31,20 @@ def test_matches_reference_for_other_head_dims_and_block_sizes(dtype, atol, head
     check_against_reference(dtype, atol, 6, 2, block_size, head_dim)
 
 
+def ragged_block_tables(lens, block_size, num_blocks, gen):
+    """Each sequence's blocks drawn in random order from blocks 1..num_blocks-1, rows padded
+    with the null block past their end (and one spare column)."""
+    width = max(-(-int(n) // block_size) for n in lens) + 2
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).int()
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(lens.tolist()):
+        nb = -(-n // block_size)
+        tables[s, :nb] = order[used : used + nb]
+        used += nb
+    return tables
+
+
 def check_against_reference(dtype, atol, heads, kv_heads, block_size, head_dim):
     gen = torch.Generator().manual_seed(heads * 100 + block_size + head_dim)
     spec = KVCacheSpec(3, kv_heads, head_dim, block_size, "float32" if dtype == torch.float32 else "bfloat16")
@@ -40,14 +54,7 @@ def check_against_reference(dtype, atol, heads, kv_heads, block_size, head_dim):
     # 256 positions make one softmax tile: 256, 257 and 600 cross tile boundaries (600 crosses two);
     # ten sequences are enough for the kernel to hand each thread whole sequences
     lens = torch.tensor([1, block_size - 1, block_size, block_size + 1, 100, 33, 150, 256, 257, 600], dtype=torch.int32)
-    width = max(-(-int(n) // block_size) for n in lens) + 2  # padded with the null block
-    order = (torch.randperm(249, generator=gen) + 1).int()
-    tables = torch.zeros(len(lens), width, dtype=torch.int32)
-    used = 0
-    for s, n in enumerate(lens.tolist()):
-        nb = -(-n // block_size)
-        tables[s, :nb] = order[used : used + nb]
-        used += nb
+    tables = ragged_block_tables(lens, block_size, 250, gen)
     qkv = torch.randn(len(lens), heads * head_dim * 2, generator=gen).to(dtype)
     q = qkv[:, : heads * head_dim].view(len(lens), heads, head_dim)  # non-contiguous rows, like the model's q
     want = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125)
@@ -90,14 +97,7 @@ def test_prefill_matches_reference(dtype, atol, heads, kv_heads, head_dim, block
     shape = [(1, 1), (17, 17), (5, 40), (33, 100), (16, 16), (1, 77), (130, 300)]
     q_lens = [a for a, _ in shape]
     lens = torch.tensor([b for _, b in shape], dtype=torch.int32)
-    width = max(-(-int(n) // block_size) for n in lens) + 1
-    order = (torch.randperm(159, generator=gen) + 1).int()
-    tables = torch.zeros(len(lens), width, dtype=torch.int32)
-    used = 0
-    for s, n in enumerate(lens.tolist()):
-        nb = -(-n // block_size)
-        tables[s, :nb] = order[used : used + nb]
-        used += nb
+    tables = ragged_block_tables(lens, block_size, 160, gen)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     qkv = torch.randn(int(cu[-1]), heads * head_dim * 2, generator=gen).to(dtype)
     q = qkv[:, : heads * head_dim].view(-1, heads, head_dim)  # non-contiguous rows, like the model's q
