@@ -89,12 +89,12 @@ def _examples(args, stack: LocalStack) -> str:
         lines += [
             "  curl:",
             f"    curl -N {base}/chat/completions -H 'Content-Type: application/json'{auth} \\",
-            "      -d '{\"model\": \"SmolLM2-135M-Instruct\", \"stream\": true, "
+            f"      -d '{{\"model\": \"{model}\", \"stream\": true, \"temperature\": 0, \"max_tokens\": 64, "
             "\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'",
             "  Python (pip install openai):",
             "    from openai import OpenAI",
             f"    client = OpenAI(base_url=\"{base}\", api_key=\"{key}\")",
-            f"    for chunk in client.chat.completions.create(model=\"{model}\", stream=True,",
+            f"    for chunk in client.chat.completions.create(model=\"{model}\", stream=True, temperature=0, max_tokens=64,",
             "            messages=[{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]):",
             "        print(chunk.choices[0].delta.content or \"\", end=\"\", flush=True)",
         ]
