@@ -49,12 +49,33 @@ static inline __m512 load16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
-/* fp32 -> bf16, round to nearest even (as torch's cast; inputs here are never NaN) */
-static inline __m256i narrow16_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
+/* fp32 bits rounded to nearest even at bf16 precision (as torch's cast; inputs here are never
+ * NaN): the bf16 is the upper 16 bits */
+static inline __m512i round_bf16_bits(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+    return _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+}
+
+/* fp32 -> bf16, round to nearest even */
+static inline __m256i narrow16_bf16(__m512 v) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_bits(v), 16));
+}
+
+/* 32 bf16 (64 bytes) as two fp32 vectors: the even elements and the odd ones (a shift and an
+ * and, no shuffle). Kernels whose arithmetic does not care about element order keep this
+ * split and undo it only when they store (narrow32_bf16). */
+static inline void widen32_bf16(const void *p, __m512 *even, __m512 *odd) {
+    const __m512i v = _mm512_loadu_si512(p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* The inverse of widen32_bf16, rounding to nearest even: lane j = bf16(odd[j]) << 16 |
+ * bf16(even[j]), i.e. elements 2j and 2j + 1 in memory order. */
+static inline __m512i narrow32_bf16(__m512 even, __m512 odd) {
+    return _mm512_or_si512(_mm512_srli_epi32(round_bf16_bits(even), 16),
+                           _mm512_and_si512(round_bf16_bits(odd), _mm512_set1_epi32((int)0xffff0000u)));
 }
 #endif
 

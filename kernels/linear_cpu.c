@@ -118,25 +118,12 @@ static float *pack_rows(const void *x, int x_bf16, int64_t ldx, int M, int K) {
     return out;
 }
 
-/* 32 packed bf16 weights of one k as fp32: the even columns and the odd ones (a shift and
- * an and, no shuffle). Accumulators keep that split; stores put the columns back in order. */
-static inline __attribute__((always_inline)) void widen32(const uint16_t *w, __m512 *even, __m512 *odd) {
-    const __m512i v = _mm512_loadu_si512(w);
-    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
-}
-
 /* y[0:ncols] = (even, odd) columns + bias, ncols <= 32 */
 static inline __attribute__((always_inline)) void store32(void *y, int y_bf16, int64_t off, __m512 even, __m512 odd,
                                                           int ncols) {
-    if (y_bf16) { /* lane j = bf16(odd[j]) << 16 | bf16(even[j]): columns 2j, 2j+1 in memory order */
-        const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
-        __m512i a = _mm512_castps_si512(even), b = _mm512_castps_si512(odd);
-        a = _mm512_add_epi32(a, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(a, 16), one)));
-        b = _mm512_add_epi32(b, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(b, 16), one)));
-        const __m512i v = _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, _mm512_set1_epi32((int)0xffff0000u)));
+    if (y_bf16) {
         const __mmask32 m = ncols >= 32 ? 0xffffffffu : (__mmask32)((1u << ncols) - 1u);
-        _mm512_mask_storeu_epi16((uint16_t *)y + off, m, v);
+        _mm512_mask_storeu_epi16((uint16_t *)y + off, m, narrow32_bf16(even, odd));
     } else {
         const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
         const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
@@ -167,8 +154,8 @@ static inline __attribute__((always_inline)) void micro(
             _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
             _mm_prefetch((const char *)(w + PREFETCH + 32), _MM_HINT_T0);
             __m512 w0, w1, w2, w3;
-            widen32(w, &w0, &w1);
-            widen32(w + 32, &w2, &w3);
+            widen32_bf16(w, &w0, &w1);
+            widen32_bf16(w + 32, &w2, &w3);
 #pragma GCC unroll 4
             for (int r = 0; r < mr; r++) {
                 const __m512 a = _mm512_set1_ps(x[(int64_t)k * mr + r]);
@@ -193,7 +180,7 @@ static inline __attribute__((always_inline)) void micro(
             w0 = _mm512_load_ps((const float *)panel + (int64_t)k * 32);
             w1 = _mm512_load_ps((const float *)panel + (int64_t)k * 32 + 16);
         } else {
-            widen32((const uint16_t *)panel + (int64_t)k * 32, &w0, &w1);
+            widen32_bf16((const uint16_t *)panel + (int64_t)k * 32, &w0, &w1);
         }
 #pragma GCC unroll 12
         for (int r = 0; r < mr; r++) {
@@ -228,7 +215,7 @@ static void rows_times_panel(int mr, int wide, const float *x, const void *panel
 #undef CASE
 }
 
-/* fp32 copy of one panel (even/odd split, as widen32), reused by every MR-row block of a
+/* fp32 copy of one panel (even/odd split, as widen32_bf16), reused by every MR-row block of a
  * chunk: at WIDEN_MIN rows and more, widening once per panel instead of once per block
  * leaves the FMA ports to the FMAs; below it the copy costs more than it saves. */
 static __thread float *wbuf;
@@ -244,7 +231,7 @@ static const float *widen_panel(const uint16_t *panel, int K) {
     }
     for (int k = 0; k < K; k++) {
         __m512 e, o;
-        widen32(panel + (int64_t)k * 32, &e, &o);
+        widen32_bf16(panel + (int64_t)k * 32, &e, &o);
         _mm512_store_ps(wbuf + 32 * k, e);
         _mm512_store_ps(wbuf + 32 * k + 16, o);
     }

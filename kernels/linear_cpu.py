@@ -20,8 +20,8 @@ PANEL = 32  # output columns per packed panel; must match linear_cpu.c
 
 
 def kernel_available() -> bool:
-    lib = native.library()
-    return lib is not None and bool(lib.pdserve_linear_available())
+    lim = native.limits()
+    return lim is not None and lim.vector
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

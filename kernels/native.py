@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -68,6 +69,25 @@ def _build() -> Path:
         os.unlink(tmp)
         raise RuntimeError(f"compiling {' '.join(s.name for s in _SOURCES)} failed: {exc.stderr.strip()[:500]}") from None
     return target
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the compiled kernels take, asked once (callers check shapes on every step)."""
+
+    vector: bool  # built with AVX-512 (the tiled attention kernels, the projection kernel)
+    max_group: int  # query heads per KV head, decode attention
+    max_head_dim: int
+    max_block_size: int  # decode attention
+
+
+@lru_cache(maxsize=1)
+def limits() -> Limits | None:
+    lib = library()
+    if lib is None:
+        return None
+    return Limits(bool(lib.pdserve_linear_available()), lib.pdserve_limits(0), lib.pdserve_limits(1),
+                  lib.pdserve_limits(2))
 
 
 @lru_cache(maxsize=1)

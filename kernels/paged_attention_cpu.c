@@ -108,9 +108,7 @@ static void NAME(const T *q, int64_t q_ss, int64_t q_sh,                        
  * accumulators all use this order, so only the output store undoes it. */
 static inline __attribute__((always_inline)) void load32(const int bf16, const char *p, __m512 *lo, __m512 *hi) {
     if (bf16) {
-        const __m512i x = _mm512_loadu_si512(p);
-        *lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-        *hi = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+        widen32_bf16(p, lo, hi);
     } else {
         *lo = _mm512_loadu_ps((const float *)p);
         *hi = _mm512_loadu_ps((const float *)p + 16);
@@ -118,13 +116,8 @@ static inline __attribute__((always_inline)) void load32(const int bf16, const c
 }
 
 static inline __attribute__((always_inline)) void store32(const int bf16, char *p, __m512 lo, __m512 hi) {
-    if (bf16) { /* round each to nearest even; lane j = bf16(hi[j]) << 16 | bf16(lo[j]) */
-        const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
-        __m512i a = _mm512_castps_si512(lo), b = _mm512_castps_si512(hi);
-        a = _mm512_add_epi32(a, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(a, 16), one)));
-        b = _mm512_add_epi32(b, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(b, 16), one)));
-        _mm512_storeu_si512(p, _mm512_or_si512(_mm512_srli_epi32(a, 16),
-                                               _mm512_and_si512(b, _mm512_set1_epi32((int)0xffff0000u))));
+    if (bf16) {
+        _mm512_storeu_si512(p, narrow32_bf16(lo, hi));
     } else {
         _mm512_storeu_ps((float *)p, lo);
         _mm512_storeu_ps((float *)p + 16, hi);

@@ -25,15 +25,15 @@ _FNS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_deco
 
 
 def _supported(q, k_cache, v_cache, block_tables, context_lens) -> bool:
-    lib = native.library()
-    if lib is None or q.dtype not in _FNS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    lim = native.limits()
+    if lim is None or q.dtype not in _FNS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         return False
     if q.device.type != "cpu" or q.dim() != 3 or k_cache.dim() != 4:
         return False
     heads, kv_heads, head_dim, block_size = q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1]
     group = heads // kv_heads
-    return (heads % kv_heads == 0 and group <= lib.pdserve_limits(0) and head_dim <= lib.pdserve_limits(1)
-            and block_size <= lib.pdserve_limits(2) and q.stride(2) == 1 and k_cache.stride(3) == 1
+    return (heads % kv_heads == 0 and group <= lim.max_group and head_dim <= lim.max_head_dim
+            and block_size <= lim.max_block_size and q.stride(2) == 1 and k_cache.stride(3) == 1
             and v_cache.stride(3) == 1 and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
             and context_lens.dtype == torch.int32 and context_lens.is_contiguous())
 
@@ -106,14 +106,14 @@ _PREFILL_MAX_GROUP = 32  # query heads per KV head; PF_ROWS in paged_attention_c
 
 
 def _prefill_supported(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens) -> bool:
-    lib = native.library()
-    if lib is None or not lib.pdserve_linear_available():  # the AVX-512 build
+    lim = native.limits()
+    if lim is None or not lim.vector:
         return False
     if q.dtype not in _PREFILL_FNS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or q.device.type != "cpu":
         return False
     heads, kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
     return (q.dim() == 3 and k_cache.dim() == 4 and heads % kv_heads == 0 and heads // kv_heads <= _PREFILL_MAX_GROUP
-            and head_dim % 16 == 0 and head_dim <= lib.pdserve_limits(1)
+            and head_dim % 16 == 0 and head_dim <= lim.max_head_dim
             and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
             and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
             and cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.is_contiguous()

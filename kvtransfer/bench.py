@@ -79,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    from services.bench import results as result_files
+
     result = run(args)
+    result_files.save("kvtransfer", result, args)
     if args.json:
         print(json.dumps(result))
     else:

@@ -38,7 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     kvtransfer_bench.add_parser(bench_sub)
     gpu_bench.add_parser(bench_sub)
     routing_bench.add_parser(bench_sub)
+    from services.bench import results as result_files
+
     serve_bench.add_parser(bench_sub)
+    for bench_parser in bench_sub.choices.values():
+        result_files.add_save_argument(bench_parser)
     return parser
 
 

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from services.bench import results as result_files
 from services.config import EngineConfig
 from services.engine.sampling_params import SamplingParams
 
@@ -158,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
         _log("llama.cpp (sequential; no batching in its Python API)")
         lc = llama_cpp_columns(str(default_model_path()), workload, b1_prompt, args.decode_tokens)
         result.update({k: round(v, 1) for k, v in lc.items()})
+    result_files.save("engine", result, args)
     if args.json:
         print(json.dumps(result))
     else:

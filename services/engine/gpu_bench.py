@@ -52,6 +52,7 @@ import time
 
 import torch
 
+from services.bench import results as result_files
 from services.config import EngineConfig
 from services.engine.sampling_params import SamplingParams
 
@@ -388,6 +389,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"pdserve bench gpu needs a CUDA GPU, and torch {torch.__version__} sees none "
                          "(torch.cuda.is_available() is False)")
     result = collect(args, "cuda")
+    result_files.save("gpu", result, args)
     print(json.dumps(result) if args.json else render(result), flush=True)
     return 0
 

@@ -36,6 +36,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from services.bench import results as result_files
+from services.bench.stats import percentile as pct
+
 _WORDS = ("river stone light garden window paper engine market silver forest music winter harbor signal "
           "letter mountain yellow planet bridge candle orange theory coffee island rocket thunder velvet "
           "marble dragon pencil castle meadow falcon lantern puzzle canyon").split()
@@ -157,13 +160,6 @@ async def run_pairs(sends, prompt_list: list[str]) -> dict:
             "gateway_ttft_ms_p50": pct(ttft["gateway"], 50), "direct_ttft_ms_p50": pct(ttft["direct"], 50)}
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
-
-
 def summarize(samples: list[Sample], wall: float, slo_ttft: float, slo_itl: float) -> dict:
     ok = [s for s in samples if s.ok]
     gaps = [g for s in ok for g in s.gaps]
@@ -249,6 +245,7 @@ def run(args) -> int:
     _log("starting the stack (embedded Redis, 1 prefill, 1 decode, router, gateway)")
     with LocalStack(spec) as stack:
         result = asyncio.run(_bench(args, stack))
+    result_files.save("serve", result, args)
     if args.json:
         print(json.dumps(result))
     else:

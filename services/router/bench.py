@@ -66,6 +66,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from services.bench import results as result_files
+from services.bench.stats import percentile
 from services.launcher import LocalStack, StackError, StackSpec
 from services.router.policy import POLICY_NAMES
 
@@ -281,16 +283,6 @@ async def run_requests(address: str, prompts: list[list[int]], tag: str, cfg: Ro
 
 
 # ---- figures -----------------------------------------------------------------
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    v = sorted(values)
-    if not v:
-        return math.nan
-    k = (len(v) - 1) * q / 100
-    lo = math.floor(k)
-    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (k - lo)
-
-
 def summarize(results: list[Result], wall_s: float, names: dict[str, str]) -> dict:
     ok = [r for r in results if not r.error]
     ttft_ms = [r.ttft_s * 1e3 for r in ok]
@@ -547,6 +539,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+    result_files.save("routing", result, args)
     if args.json:
         print(json.dumps(result))
     else:

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from services.router.bench import compute_cpu, pin_threads
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 REQUESTS = 12
@@ -84,10 +86,8 @@ def test_policies_see_the_same_prompts_and_caches_report_hits(report):
     assert kv["cached_prompt_tokens"] + rr["cached_prompt_tokens"] > 0
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or len(os.sched_getaffinity(0)) < 2,
-                    reason="pinning threads needs Linux and two CPUs")
+@pytest.mark.skipif(compute_cpu() is None, reason="pinning threads needs Linux and two CPUs")
 def test_pin_threads_pins_every_thread_of_a_process():
-    from services.router.bench import pin_threads
 
     # a child with a second thread, both alive until its stdin closes
     child = subprocess.Popen([sys.executable, "-c", "import sys, threading; "
