@@ -30,13 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     from kvtransfer import bench as kvtransfer_bench
     from services.engine import bench as engine_bench
-    from services.engine import gpu_bench
+    from services.engine import gpu_bench, spec_bench
     from services.gateway import bench as serve_bench
     from services.router import bench as routing_bench
 
     engine_bench.add_parser(bench_sub)
     kvtransfer_bench.add_parser(bench_sub)
     gpu_bench.add_parser(bench_sub)
+    spec_bench.add_parser(bench_sub)
     routing_bench.add_parser(bench_sub)
     from services.bench import results as result_files
 

@@ -27,7 +27,15 @@ def spec_from_args(args) -> StackSpec:
                      transport=args.transport, threads=args.threads, kv_cache_gb=args.kv_cache_gb, host=args.host,
                      redis_url=args.redis_url, policy=args.policy, router_port=args.router_port,
                      gateway=not args.no_gateway, gateway_port=args.port, gateway_grpc_port=args.grpc_port,
-                     api_keys=args.api_keys, router_args=args.router_arg, gateway_args=args.gateway_arg)
+                     api_keys=args.api_keys, router_args=args.router_arg, gateway_args=args.gateway_arg,
+                     worker_args=_speculative_args(args))
+
+
+def _speculative_args(args) -> list[str]:
+    """Worker flags for speculative decoding (decode workers use them; prefill workers never decode)."""
+    if args.speculative == "off":
+        return []
+    return ["--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens)]
 
 
 def run(args) -> int:
@@ -123,6 +131,9 @@ def add_parser(sub) -> None:
     p.add_argument("--transport", default="ucx", choices=["ucx", "tcp"], help="KV transfer between workers")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache per worker")
+    p.add_argument("--speculative", default="off", choices=["off", "ngram"],
+                   help="speculative decoding on the decode workers (ngram: prompt lookup; see pdserve generate)")
+    p.add_argument("--num-speculative-tokens", type=int, default=5, help="draft tokens per step")
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for the router (repeatable), e.g. --router-arg=--temperature=0.5")
     p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
