@@ -9,11 +9,16 @@ block holding them is ever hashed into the prefix cache).
 
 Drafts are capped so a step never runs past the request's ``max_tokens`` or the context.
 
-Adaptive per request: a request whose drafts keep being rejected (open-ended text, where a
-copied continuation is seldom right) pays for verifying them every step. Over its last
-``window`` verifying steps, if fewer than ``min_acceptance`` of its draft tokens were accepted,
-it stops drafting for ``backoff`` output tokens, then probes again; each failed probe doubles
-the pause (up to ``MAX_BACKOFF``), a good window resets it.
+Adaptive per request, as a draft costs a row of compute whether or not it is accepted:
+
+- Draft length: a request starts at k; a wholly accepted draft lengthens its next one by 2,
+  any rejection shortens it by 1 (not below 1), the schedule HF transformers uses for its
+  assistant models. Copying text settles at k; open-ended text, at 1-token drafts.
+- Off-switch: a request whose drafts keep being rejected (open-ended text, where a copied
+  continuation is seldom right) still pays for one row a step. Over its last ``window``
+  verifying steps, if fewer than ``min_acceptance`` of its draft tokens were accepted, it
+  stops drafting for ``backoff`` output tokens, then probes again; each failed probe doubles
+  the pause (up to ``MAX_BACKOFF``), a good window resets it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ MAX_BACKOFF = 512
 @dataclass
 class _RequestState:
     index: NgramIndex
+    draft_len: int  # tokens to draft next (at most)
     recent: deque = field(default_factory=deque)  # (drafted, accepted) of the latest verifying steps
     paused_until: int = 0  # no drafts before this many output tokens
     backoff: int = FIRST_BACKOFF
@@ -60,9 +66,9 @@ class Speculator:
         if state is None:
             cfg = self.config
             state = self._states[req.request_id] = _RequestState(
-                NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
+                NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max), cfg.num_speculative_tokens)
         # verifying k drafts yields up to k + 1 tokens: stay within max_tokens and the context
-        k = min(self.config.num_speculative_tokens, self.max_model_len - req.num_tokens - 1)
+        k = min(state.draft_len, self.max_model_len - req.num_tokens - 1)
         if req.params.max_tokens is not None:
             k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
         if k < 1 or req.num_output_tokens < state.paused_until:
@@ -77,6 +83,10 @@ class Speculator:
         state = self._states.get(req.request_id)
         if state is None:
             return
+        if accepted == drafted:
+            state.draft_len = min(self.config.num_speculative_tokens, state.draft_len + 2)
+        else:
+            state.draft_len = max(1, state.draft_len - 1)
         state.recent.append((drafted, accepted))
         if len(state.recent) < self.config.window:
             return

@@ -91,20 +91,25 @@ def test_only_decoding_requests_draft_and_drafts_stop_at_max_tokens_and_the_cont
     assert prefilling.spec_token_ids == [] and last_token.spec_token_ids == []
 
 
-def test_low_acceptance_pauses_drafting_with_growing_backoff_and_good_windows_reset_it():
+def test_draft_length_and_pauses_follow_acceptance():
     cfg = SpeculativeConfig(num_speculative_tokens=4, min_acceptance=0.25, window=2)
     spec = Speculator(cfg, max_model_len=10_000)
     req = decoding("r", [1, 2, 3, 9] * 3, max_tokens=None)  # a 9 always has a draft after it
 
-    def step(accepted: int) -> None:  # one verifying step: 4 drafted, some accepted, +1 token
+    def step(accepted: int | None) -> int:
+        """One verifying step accepting ``accepted`` draft tokens (None: all); returns the draft length."""
         spec.propose([req])
-        assert len(req.spec_token_ids) == 4
-        for t in req.spec_token_ids[:accepted] + [9]:
+        drafted = len(req.spec_token_ids)
+        assert drafted > 0
+        kept = drafted if accepted is None else accepted
+        for t in req.spec_token_ids[:kept] + [9]:
             req.append_output(t)
         req.num_computed_tokens = req.num_tokens - 1
-        spec.record(req, 4, accepted)  # as the engine does: after the step's tokens are in
+        spec.record(req, drafted, kept)  # as the engine does: after the step's tokens are in
+        return drafted
 
-    def plain_steps() -> int:  # decode without drafts until drafting resumes
+    def plain_steps() -> int:
+        """Decode steps without a draft until drafting resumes."""
         n = 0
         while spec.propose([req]) or not req.spec_token_ids:
             req.append_output(9)
@@ -112,16 +117,15 @@ def test_low_acceptance_pauses_drafting_with_growing_backoff_and_good_windows_re
             n += 1
         return n
 
-    step(0)
-    step(1)  # 1 of 8 accepted < 25%: paused
-    assert spec.num_pauses == 1
+    assert [step(0), step(1)] == [4, 3]  # each rejection shortens the next draft by 1
+    assert spec.num_pauses == 1  # 1 of 7 accepted over the window (< 25%): paused
     assert plain_steps() == FIRST_BACKOFF
-    step(0)
-    step(0)
+    assert [step(0), step(0)] == [2, 1]  # never below 1
     assert plain_steps() == 2 * FIRST_BACKOFF  # a failed probe doubles the pause
-    step(4)
-    step(0)  # 4 of 8: good, the backoff resets
-    step(0)  # window (0 + 0) of 8: paused again, for the first backoff
+    assert [step(None), step(0)] == [1, 3]  # a whole accepted draft lengthens the next by 2
+    assert spec.num_pauses == 2  # 1 of 4: good, and the backoff is back to the first
+    assert [step(None), step(None), step(None)] == [2, 4, 4]  # up to k
+    assert step(0) == 4 and step(0) == 3  # 0 of 7 over the window: paused for the first backoff again
     assert plain_steps() == FIRST_BACKOFF
     assert spec.stats()["spec_pauses"] == 3
 

@@ -289,5 +289,5 @@ def test_real_model_bf16_greedy_output_is_unchanged(default_tokenizer):
     engine.speculator = speculator
     got = {rid: tokens(o) for rid, o in generate(engine, prompts, params).items()}
     assert_same_greedy(got, want, want_logits, {}, "bfloat16")
-    assert spec_stats(engine)[1] > 20  # the copy prompts were drafted and accepted
+    assert spec_stats(engine)[1] > 10  # the copy prompts were drafted and accepted
     assert_no_leaks(engine)
