@@ -24,7 +24,9 @@ def test_json_reports_both_workloads_with_and_without_speculation(tmp_path):
             assert case["requests"] == 2 and case["batch"] == batch
             assert case["base_tok_s"] > 0 and case["spec_tok_s"] > 0
             assert result[f"{name}_b{batch}_speedup"] == case["speedup"]
-            assert case["speedup"] == pytest.approx(case["spec_tok_s"] / case["base_tok_s"], abs=0.01)
+            # the ratio of the unrounded rates: within what rounding each rate to 0.1 allows
+            spec, base = case["spec_tok_s"], case["base_tok_s"]
+            assert (spec - 0.05) / (base + 0.05) - 0.001 <= case["speedup"] <= (spec + 0.05) / (base - 0.05) + 0.001
     assert result["grounded_b1_speedup"] and result["open_b1_speedup"]
     grounded = result["grounded_b1"]
     assert grounded["acceptance_rate"] > 0.3 and grounded["mean_accepted_length"] > 1.5  # copying pays
