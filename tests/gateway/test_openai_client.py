@@ -5,6 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+from services.gateway.openai_format import server_version
 from tests.gateway.fake_router import DEFAULT_PIECES, Plan
 
 EXPECTED = "".join(DEFAULT_PIECES)
@@ -27,6 +28,7 @@ def test_streamed_chat_completion_has_the_scripted_text_and_usage(client):
                                        extra_headers={"traceparent": TRACEPARENT})
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
+    assert {ch.system_fingerprint for ch in chunks} == {f"pdserve-{server_version()}"}
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == EXPECTED
     finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
@@ -74,6 +76,9 @@ def test_non_streamed_chat_and_completion(client):
                                                {"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
     assert chat.object == "chat.completion"
     assert chat.choices[0].message.content == EXPECTED and chat.choices[0].message.role == "assistant"
+    # OpenAI's schema requires the message's refusal (null here) and types system_fingerprint as a string
+    assert "refusal" in chat.choices[0].message.model_fields_set and chat.choices[0].message.refusal is None
+    assert chat.system_fingerprint == f"pdserve-{server_version()}"
     assert chat.choices[0].finish_reason == "stop"
     assert chat.usage.completion_tokens == len(DEFAULT_PIECES) and chat.usage.prompt_tokens > 0
     assert h.router.seen[0].sampling["max_tokens"] == 12
