@@ -105,8 +105,9 @@ class ResponseBuilder:
                "parallel_tool_calls": True, "previous_response_id": ctx.previous_response_id,
                "reasoning": None, "store": ctx.store, "temperature": ctx.temperature,
                "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [], "top_p": ctx.top_p,
-               "truncation": "disabled", "usage": self.usage(final) if final is not None else None,
-               "metadata": ctx.metadata}
+               "truncation": "disabled", "metadata": ctx.metadata}
+        if final is not None:  # OpenAI's schema has no null usage: absent until known
+            out["usage"] = self.usage(final)
         if status == "completed":
             out["completed_at"] = int(time.time())
         if status == "incomplete":
