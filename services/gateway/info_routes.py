@@ -7,6 +7,8 @@
                                            tools (guidellm, aiperf) probe before they start
     GET  /health/live, /health/ready       liveness (always) and readiness with the reason
     GET  /version                          {"version": pdserve's version}
+    GET  /openapi.json, /docs              pdserve's own OpenAPI document (openapi_doc.py), Swagger UI
+                                           (its script and style come from a CDN, as FastAPI's do)
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Request, Response
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse
 
 from services.errors import ModelNotFoundError, NoWorkerError
 from services.gateway.http_errors import error_response, retry_headers
 from services.gateway.openai_format import server_version
+from services.gateway.openapi_doc import openapi_document
 
 
 def model_object(core, created: int) -> dict:
@@ -35,11 +39,11 @@ def info_router(core) -> APIRouter:
         return {"object": "list",
                 "data": [{**model_object(core, started_at), "max_model_len": await core.max_model_len()}]}
 
-    @router.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, request: Request):
+    @router.get("/v1/models/{model:path}")  # a path: Hugging Face names have a slash (org/name)
+    async def model(model: str, request: Request):
         core.authenticate(request.headers.get("authorization"))
-        if model_id != core.model.name:
-            raise ModelNotFoundError(f"the model {model_id[:200]!r} does not exist; this server serves "
+        if model != core.model.name:
+            raise ModelNotFoundError(f"the model {model[:200]!r} does not exist; this server serves "
                                      f"{core.model.name!r}", param="model")
         return {**model_object(core, started_at), "max_model_len": await core.max_model_len()}
 
@@ -69,5 +73,15 @@ def info_router(core) -> APIRouter:
     @router.get("/version")
     async def version():
         return {"version": server_version()}
+
+    document = openapi_document()
+
+    @router.get("/openapi.json")
+    async def openapi():
+        return document
+
+    @router.get("/docs")
+    async def docs():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="pdserve gateway")
 
     return router

@@ -35,10 +35,10 @@ _ROOT = "urn:openai-openapi"
 _COMPLETION_CHUNK = "PdserveCompletionStreamChunk"
 
 # gateway path (after /v1) -> the document's path template; None: pdserve's own (resume: by the chunk's object)
-_PATHS = [(re.compile(r"/v1/chat/completions"), "/chat/completions"), (re.compile(r"/v1/completions"), "/completions"),
-          (re.compile(r"/v1/models"), "/models"), (re.compile(r"/v1/models/[^/]+"), "/models/{model}"),
-          (re.compile(r"/v1/responses"), "/responses"), (re.compile(r"/v1/responses/[^/]+"), "/responses/{response_id}"),
-          (re.compile(r"/v1/requests/[^/]+/events"), None)]
+_PATHS = [(re.compile(p), template) for p, template in (
+    (r"/v1/chat/completions", "/chat/completions"), (r"/v1/completions", "/completions"), (r"/v1/models", "/models"),
+    (r"/v1/models/.+", "/models/{model}"), (r"/v1/responses", "/responses"),
+    (r"/v1/responses/[^/]+", "/responses/{response_id}"), (r"/v1/requests/[^/]+/events", None))]
 _BY_OBJECT = {"chat.completion.chunk": "/chat/completions", "text_completion": "/completions"}
 
 
@@ -118,6 +118,16 @@ class SpecCheck:
         reader = _Reader(self, matched[0], request.method.lower(), response.status_code, stream, where)
         response.stream = _Tee(response.stream, reader)
         return response
+
+    def check_body(self, method: str, path: str, status: int, content_type: str, body: bytes) -> None:
+        """A response read by another client (schemathesis' requests): the same checks as ``wrap``."""
+        matched = [template for pattern, template in _PATHS if pattern.fullmatch(path)]
+        if not matched or status == 499:
+            return
+        reader = _Reader(self, matched[0], method.lower(), status, content_type.startswith("text/event-stream"),
+                         f"{method} {path} -> {status}")
+        reader.feed(body)
+        reader.close()
 
     def check(self, instance, ref: str, where: str) -> None:
         self.checked += 1
