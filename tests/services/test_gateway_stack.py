@@ -143,3 +143,23 @@ def test_logprobs_cover_every_generated_token_the_first_included(stack):
     assert with_text and with_text[0].choices[0].logprobs.content  # the first streamed token has them too
     streamed = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert len(streamed) == stream[-1].usage.completion_tokens
+
+
+def test_responses_api_through_the_stack_equals_chat(stack, reference_text):
+    """responses.create and its stream, with the official client, give the chat path's greedy text; a
+    follow-up with previous_response_id sees the first turn."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://{stack.gateway_address}/v1", api_key="none", max_retries=0)
+    first = client.responses.create(model=MODEL, input=QUESTION[0]["content"], max_output_tokens=16, temperature=0)
+    assert first.status in ("completed", "incomplete") and first.output_text == reference_text(QUESTION, 16)
+    streamed = list(client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=16, temperature=0,
+                                            stream=True))
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == first.output_text
+    assert streamed[-1].response.output_text == first.output_text
+    follow = [{"role": "user", "content": "And of Italy?"}]
+    second = client.responses.create(model=MODEL, input=follow, previous_response_id=first.id,
+                                      max_output_tokens=12, temperature=0)
+    conversation = QUESTION + [{"role": "assistant", "content": first.output_text}] + follow
+    assert second.output_text == reference_text(conversation, 12)
+    assert client.responses.retrieve(second.id).output_text == second.output_text
