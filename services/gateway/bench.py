@@ -65,9 +65,10 @@ def prompts(seed: int, n: int, words: int) -> list[str]:
     return [f"Request {i}. " + " ".join(rng.choice(_WORDS) for _ in range(words)) + "\nSummary:" for i in range(n)]
 
 
-async def via_gateway(client, base: str, model: str, prompt: str, max_tokens: int) -> Sample:
+async def via_gateway(client, base: str, model: str, prompt: str, max_tokens: int,
+                      extra: dict | None = None) -> Sample:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(extra or {})}
     start = time.perf_counter()
     first = last = None
     gaps, tokens = [], 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from services.gateway.openai_format import server_version
@@ -10,14 +9,6 @@ from tests.gateway.fake_router import DEFAULT_PIECES, Plan
 
 EXPECTED = "".join(DEFAULT_PIECES)
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-
-
-@pytest.fixture
-def client(gateway):
-    h = gateway()
-    c = openai.OpenAI(base_url=f"{h.url}/v1", api_key="unused", max_retries=0, timeout=20)
-    yield h, c
-    c.close()
 
 
 def test_streamed_chat_completion_has_the_scripted_text_and_usage(client):

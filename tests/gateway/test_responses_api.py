@@ -13,14 +13,6 @@ from tests.gateway.fake_router import DEFAULT_PIECES, Plan
 EXPECTED = "".join(DEFAULT_PIECES)
 
 
-@pytest.fixture
-def client(gateway):
-    h = gateway()
-    c = openai.OpenAI(base_url=f"{h.url}/v1", api_key="unused", max_retries=0, timeout=20)
-    yield h, c
-    c.close()
-
-
 def test_create_with_a_string_input(client):
     h, c = client
     r = c.responses.create(model=h.model.name, input="Say hello", instructions="Be brief.", max_output_tokens=9,
