@@ -24,6 +24,7 @@ from tests.gateway.fake_router import DEFAULT_PIECES
 from tests.openai_spec.validator import SPEC_PATH
 
 EXAMPLES = 12  # per operation and mode: seconds in CI; raise locally with PDSERVE_FUZZ_EXAMPLES
+COVERAGE_STRIDE = 3  # of schemathesis' coverage cases (one per schema keyword and wrong type), send every 3rd
 CALL_TIMEOUT_S = 30
 
 
@@ -73,3 +74,32 @@ def test_fuzzed_requests_never_break_the_gateway(gateway, openai_contract, mode)
     with openai.OpenAI(base_url=f"{h.url}/v1", api_key="unused", max_retries=0) as client:
         assert client.responses.create(input="Hi").output_text == "".join(DEFAULT_PIECES)
     assert httpx.get(f"{h.url}/health", timeout=10).status_code == 200
+
+
+def test_coverage_cases_of_every_request_keyword_are_4xx(gateway, openai_contract):
+    """schemathesis' coverage phase: for each keyword of the request schemas, a value that breaks it
+    (a wrong type, a missing required field, a value out of range: a role that is an object, say).
+    Every one is refused with a 4xx naming a problem, or served; none is a 5xx or a reset."""
+    h = gateway(model_len=4096)
+    schema = _schema()
+    session = requests.Session()
+    sent = 0
+    for operation in (result.ok() for result in schema.get_all_operations()):
+        if operation.method != "post":
+            continue
+        config = schema.config.generation_for(operation=operation)
+        cases = schema.iter_coverage_cases(operation, generation_modes=[GenerationMode.NEGATIVE],
+                                           generation_config=config)
+        for i, case in enumerate(cases):
+            if i % COVERAGE_STRIDE:
+                continue
+            response = case.call(base_url=f"{h.url}/v1", session=session, timeout=CALL_TIMEOUT_S)
+            sent += 1
+            label = f"{operation.method.upper()} {operation.path} {case.body!r:.200}"
+            assert response.status_code < 500, f"{label}: {response.status_code} {response.text[:300]}"
+            content_type = (response.headers.get("content-type") or [""])[0]
+            openai_contract.check_body(case.method, f"/v1{case.formatted_path}", response.status_code,
+                                       content_type, response.content)
+    assert sent > 300
+    r = session.post(f"{h.url}/v1/completions", json={"prompt": "Hi"}, timeout=CALL_TIMEOUT_S)
+    assert r.status_code == 200
