@@ -2,9 +2,11 @@
 
 The standard load tools, run as a user would run them against ``pdserve up``
 (the commands are printed, and BENCHMARKS.md shows them), on the same load as
-``pdserve bench serve``'s generator: Poisson arrivals at ``--rate``, ``--requests``
-streaming ``/v1/completions`` per block, prompts of about ``--prompt-tokens``,
-exactly ``--output-tokens`` (``ignore_eos``). Blocks run in the order
+``pdserve bench serve``'s generator: arrivals at ``--rate`` (``--arrivals
+constant``, the default, spaces them evenly, so every tool sends the same
+schedule; ``poisson`` draws each tool's own), ``--requests`` streaming
+``/v1/completions`` per block, prompts of about ``--prompt-tokens``, exactly
+``--output-tokens`` (``ignore_eos``). Blocks run in the order
 pdserve, guidellm, aiperf, aiperf, guidellm, pdserve, so a machine whose speed
 drifts slows every tool alike; each tool's two blocks are pooled. It prints each
 tool's TTFT p50, inter-token latency p50 and output throughput, and their ratios
@@ -89,7 +91,8 @@ def offline_env(cache: Path) -> dict[str, str]:
 def guidellm_command(url: str, model: str, tokenizer: str, args, out: Path) -> list[str]:
     return [str(tool_bin("guidellm")), "run",
             "--backend", f"kind=openai_http,target={url},model={model},request_format=/v1/completions",
-            "--profile", f"kind=poisson,rate={args.rate}", "--constraint", f"kind=max_requests,count={args.requests}",
+            "--profile", f"kind={args.arrivals},rate={args.rate}",
+            "--constraint", f"kind=max_requests,count={args.requests}",
             "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
             "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
             "--output", f"kind=json,path={out}", "--disable-console-interactive"]
@@ -100,7 +103,8 @@ def aiperf_command(url: str, model: str, tokenizer: str, args, out: Path, seed: 
             "--streaming", "--tokenizer", tokenizer, "--use-server-token-count",
             "--synthetic-input-tokens-mean", str(args.prompt_tokens), "--synthetic-input-tokens-stddev", "0",
             "--output-tokens-mean", str(args.output_tokens), "--output-tokens-stddev", "0",
-            "--extra-inputs", "ignore_eos:true", "--request-rate", str(args.rate), "--arrival-pattern", "poisson",
+            "--extra-inputs", "ignore_eos:true", "--request-rate", str(args.rate),
+            "--arrival-pattern", args.arrivals,
             "--request-count", str(args.requests), "--num-dataset-entries", str(args.requests),
             "--workers-max", "1", "--record-processors", "1", "--random-seed", str(seed),
             "--artifact-dir", str(out), "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry"]
@@ -135,7 +139,8 @@ async def pdserve_block(url: str, model: str, args, seed: int) -> dict:
     async with httpx.AsyncClient(limits=limits) as client:
         samples, wall = await run_path(lambda p: via_gateway(client, url, model, p, args.output_tokens,
                                                              extra={"ignore_eos": True}),
-                                       prompts(seed, args.requests, words), args.rate, seed)
+                                       prompts(seed, args.requests, words), args.rate, seed,
+                                       poisson=args.arrivals == "poisson")
     ok = [s for s in samples if s.ok]
     return {"requests": len(samples), "failed": len(samples) - len(ok),
             "ttft_ms": pct([s.ttft for s in ok], 50) * 1e3, "itl_ms": pct([g for s in ok for g in s.gaps], 50) * 1e3,
@@ -184,7 +189,8 @@ def measure(stack_url: str, model: str, args) -> dict:
         "guidellm": " ".join(guidellm_command("http://127.0.0.1:8000", model, tokenizer, args, Path("out.json"))),
         "aiperf": " ".join(aiperf_command("http://127.0.0.1:8000", model, tokenizer, args, Path("aiperf-out"),
                                           args.seed))},
-        "config": {"rate": args.rate, "requests_per_block": args.requests, "prompt_tokens": args.prompt_tokens,
+        "config": {"rate": args.rate, "arrivals": args.arrivals, "requests_per_block": args.requests,
+                   "prompt_tokens": args.prompt_tokens,
                    "output_tokens": args.output_tokens, "order": list(_ORDER), "dtype": args.dtype,
                    "versions": dict(TOOLS)}}
 
@@ -228,7 +234,9 @@ def _log(msg: str) -> None:
 def add_parser(sub) -> None:
     p = sub.add_parser("loadtools", help="guidellm and aiperf against the stack beside pdserve's own load",
                        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--rate", type=float, default=1.0, help="Poisson arrival rate, requests/s")
+    p.add_argument("--rate", type=float, default=1.0, help="arrival rate, requests/s")
+    p.add_argument("--arrivals", default="constant", choices=["constant", "poisson"],
+                   help="constant: evenly spaced, the same schedule for every tool")
     p.add_argument("--requests", type=int, default=20, help="requests per block (each tool runs two blocks)")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=32)

@@ -29,7 +29,8 @@ def stack(redis_url):
 
 @pytest.mark.parametrize("tool", ["pdserve", "guidellm", "aiperf"])
 def test_each_tool_runs_offline_and_reports_the_metrics(stack, tool):
-    args = argparse.Namespace(rate=4.0, requests=3, prompt_tokens=32, output_tokens=6, tool_timeout=600, seed=0)
+    args = argparse.Namespace(rate=4.0, arrivals="constant", requests=3, prompt_tokens=32, output_tokens=6,
+                              tool_timeout=600, seed=0)
     cache, tokenizer = loadtools.tokenizer_cache(None)
     url = f"http://{stack.gateway_address}"
     got = loadtools.run_block(tool, url, "SmolLM2-135M-Instruct", tokenizer, cache, args, seed=0)
