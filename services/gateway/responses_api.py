@@ -157,13 +157,16 @@ def responses_router(core: GatewayCore, store: ResponseStore) -> APIRouter:
                 turn = [{"role": "assistant", "content": builder.output_text()}] if builder.text else []
                 await store.save(a.tenant.name, builder.response, conversation + turn)
 
+        fresh = not a.admission.attached  # a retry (Idempotency-Key) must not overwrite what is stored
         if r.stream:
             events = ResponseEvents(ctx)
-            await keep(events)  # fetchable while it runs
+            if fresh:
+                await keep(events)  # fetchable while it runs
             return sse_stream(_stored_after(core, sse_events(core, record, sse.resume_point(sse.START), events, API,
                                                              a.measure), events, keep), a.headers)
         aggregate = ResponseAggregate(ctx)
-        await keep(aggregate)
+        if fresh:
+            await keep(aggregate)
         answer = await json_response(core, request, record, API, a.headers, a.started, aggregate)
         if answer.status_code == 499:  # the client left: its request is cancelled
             aggregate.snapshot("cancelled")

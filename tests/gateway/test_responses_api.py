@@ -157,3 +157,13 @@ def test_resume_endpoint_points_a_responses_request_to_its_own_api(gateway):
         with http.stream("GET", f"/v1/requests/{rid}/events") as s:
             s.read()
             assert s.status_code == 400 and f"resp_{rid}" in s.json()["error"]["message"]
+
+
+def test_an_idempotent_retry_returns_the_same_response(client):
+    h, c = client
+    key = {"Idempotency-Key": "resp-1"}
+    first = c.responses.create(model=h.model.name, input="Hi", extra_headers=key)
+    again = c.responses.create(model=h.model.name, input="Hi", extra_headers=key)
+    assert again.id == first.id and again.output_text == first.output_text
+    assert c.responses.retrieve(first.id).status == "completed"
+    assert len(h.router.seen) == 1
