@@ -47,10 +47,6 @@ class ResponseContext:
         return f"msg_{self.record.request_id}"
 
 
-def response_id_of(request_id: str) -> str:
-    return f"resp_{request_id}"
-
-
 def _part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
