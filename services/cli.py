@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks that run pdserve and a baseline side by side")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     from kvtransfer import bench as kvtransfer_bench
+    from services.bench import loadtools as loadtools_bench
     from services.engine import bench as engine_bench
     from services.engine import gpu_bench
     from services.gateway import bench as serve_bench
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     from services.bench import results as result_files
 
     serve_bench.add_parser(bench_sub)
+    loadtools_bench.add_parser(bench_sub)
     for bench_parser in bench_sub.choices.values():
         result_files.add_save_argument(bench_parser)
     return parser

@@ -65,9 +65,10 @@ def prompts(seed: int, n: int, words: int) -> list[str]:
     return [f"Request {i}. " + " ".join(rng.choice(_WORDS) for _ in range(words)) + "\nSummary:" for i in range(n)]
 
 
-async def via_gateway(client, base: str, model: str, prompt: str, max_tokens: int) -> Sample:
+async def via_gateway(client, base: str, model: str, prompt: str, max_tokens: int,
+                      extra: dict | None = None) -> Sample:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(extra or {})}
     start = time.perf_counter()
     first = last = None
     gaps, tokens = [], 0
@@ -122,8 +123,9 @@ async def via_router(stub, prompt: str, max_tokens: int) -> Sample:
     return Sample(True, (first or end) - start, end - start, gaps, tokens)
 
 
-async def run_path(send, prompt_list: list[str], rate: float, seed: int) -> tuple[list[Sample], float]:
-    """Poisson arrivals at ``rate`` requests/s; returns the samples and the wall time."""
+async def run_path(send, prompt_list: list[str], rate: float, seed: int,
+                   poisson: bool = True) -> tuple[list[Sample], float]:
+    """Poisson (else evenly spaced) arrivals at ``rate`` requests/s; returns the samples and the wall time."""
     rng = random.Random(seed)
     start = time.perf_counter()
     tasks = []
@@ -133,7 +135,7 @@ async def run_path(send, prompt_list: list[str], rate: float, seed: int) -> tupl
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(send(p)))
-        at += rng.expovariate(rate)
+        at += rng.expovariate(rate) if poisson else 1 / rate
     samples = await asyncio.gather(*tasks)
     return samples, time.perf_counter() - start
 

@@ -33,6 +33,8 @@ class GatewayConfig:
     # how long an Idempotency-Key and a request's record (what a resume needs) are kept
     idempotency_ttl_s: int = 3600
     record_ttl_s: int = 3600
+    # how long a Responses API response (store: true) is kept for GET and previous_response_id
+    response_ttl_s: int = 7 * 24 * 3600
     # the context length when no decode worker says (None: the model's own config)
     max_model_len: int | None = None
     # priority tiers, highest first (the queue's); tenant of an unauthenticated gateway gets default_tier
@@ -44,7 +46,7 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         self.tiers = tuple(self.tiers)
         for name in ("max_body_bytes", "max_queued_requests", "max_queued_tokens", "idempotency_ttl_s",
-                     "record_ttl_s"):
+                     "record_ttl_s", "response_ttl_s"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be an int >= 1; got {value!r}")

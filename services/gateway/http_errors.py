@@ -97,6 +97,34 @@ def install_handlers(app: FastAPI) -> None:
         return JSONResponse(openai_error(str(exc.detail), type_, None, None), status_code=exc.status_code,
                             headers=dict(exc.headers or {}))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_request: Request, exc: Exception):
-        return error_response(exc)
+
+
+class ErrorBoundaryMiddleware:
+    """An unexpected exception becomes a 500 with an OpenAI error body, and the connection stays usable.
+
+    Starlette's own last-resort handler (``exception_handler(Exception)``) answers and then
+    re-raises, and uvicorn closes a connection whose app raised: the client's next request on
+    that keep-alive connection met a reset. Here the exception ends with the answer.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:  # noqa: BLE001 - the boundary: everything becomes an answer
+            if started:  # half a response is out: nothing to say that the client could parse
+                log.error("the response failed after it started", exc_info=exc)
+                raise
+            response = error_response(exc)
+            await response(scope, receive, send)

@@ -26,7 +26,8 @@ def build_config(args) -> GatewayConfig:
                          max_queued_tokens=args.max_queued_tokens, retry_after_s=args.retry_after,
                          default_timeout_s=args.default_timeout, max_timeout_s=args.max_timeout,
                          disconnect_grace_s=args.disconnect_grace, sse_heartbeat_s=args.sse_heartbeat,
-                         max_model_len=args.max_model_len, require_ready_worker=not args.allow_no_worker)
+                         max_model_len=args.max_model_len, require_ready_worker=not args.allow_no_worker,
+                         response_ttl_s=args.response_ttl)
 
 
 async def serve(args) -> None:
@@ -109,6 +110,9 @@ def add_parser(sub) -> None:
                    help="seconds a disconnected client has to resume before its request is cancelled")
     p.add_argument("--sse-heartbeat", type=float, default=d.sse_heartbeat_s,
                    help="send an SSE comment after this many seconds without an event")
+    p.add_argument("--response-ttl", type=int, default=d.response_ttl_s,
+                   help="seconds a Responses API response (store: true) is kept for GET /v1/responses/{id} "
+                        "and previous_response_id")
     p.add_argument("--allow-no-worker", action="store_true",
                    help="queue requests even while no decode worker is ready (default: 503)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open streams get on shutdown")
