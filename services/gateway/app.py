@@ -27,6 +27,7 @@ from services.gateway import metrics, prompts, protocol, sse
 from services.gateway.body_limit import BodyLimitMiddleware
 from services.gateway.core import GatewayCore
 from services.gateway.http_errors import install_handlers, retry_headers
+from services.gateway.http_metrics import HttpMetricsMiddleware
 from services.gateway.request_record import CHAT, COMPLETION
 from services.gateway.responses import json_response, stream_response
 
@@ -36,6 +37,7 @@ def create_app(core: GatewayCore) -> FastAPI:
     app.state.core = core
     install_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=core.config.max_body_bytes)
+    app.add_middleware(HttpMetricsMiddleware)  # added last: outermost, counts the others' answers too
     started_at = int(time.time())
 
     @app.post("/v1/chat/completions")
