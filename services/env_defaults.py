@@ -5,8 +5,9 @@ a Kubernetes ConfigMap), so each flag of each subcommand may also be given as a
 variable: ``--redis-url`` is ``PDSERVE_REDIS_URL``, ``--max-num-seqs`` is
 ``PDSERVE_MAX_NUM_SEQS``. A flag on the command line beats the variable, which
 beats the built-in default. On/off flags take ``1/true/yes/on`` or
-``0/false/no/off``; ``--no-queue`` is ``PDSERVE_NO_QUEUE=1``. A value the flag
-would refuse is an error naming the variable, at start-up.
+``0/false/no/off``; ``--no-queue`` is ``PDSERVE_NO_QUEUE=1``. An empty variable is
+unset (compose passes ``${VAR:-}`` that way). A value the flag would refuse is an
+error naming the variable when its subcommand starts.
 
 Listening addresses are per process: ``pdserve up`` (``LocalStack``) gives each
 child its own and removes ``PER_PROCESS`` from the children's environment, so
@@ -57,6 +58,8 @@ def apply(parser: argparse.ArgumentParser, environ: Mapping[str, str] = os.envir
         if name is None or name not in environ:
             continue
         raw = environ[name]
+        if raw == "":  # compose's ${VAR:-} passes unset variables as empty: keep the built-in default
+            continue
         try:
             action.default = _convert(action, raw)
         except ValueError as exc:

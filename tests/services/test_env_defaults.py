@@ -27,6 +27,7 @@ def test_a_variable_is_the_default_and_a_flag_beats_it():
     assert (args.redis_url, args.port, args.max_queued_requests) == ("redis://redis:6379/0", 8100, 7)
     assert _parse(["gateway", "--port", "9000"], env).port == 9000
     assert _parse(["gateway"], {}).port == 8000
+    assert _parse(["gateway"], {"PDSERVE_PORT": ""}).port == 8000  # compose's ${VAR:-} of an unset variable
 
 
 def test_on_off_flags_and_store_false():
