@@ -81,3 +81,13 @@ def test_observability_profile_mounts_the_shared_dashboard_rules_and_collector_c
     for path in ("./deploy/prometheus", "./deploy/grafana/dashboards", "./deploy/grafana/provisioning",
                  "./deploy/otel/collector.yaml"):
         assert path in mounts and (ROOT / path).exists(), path
+
+
+def test_healthchecks_probe_each_services_own_health_endpoint(compose):
+    services = compose["services"]
+    for name in ("prefill", "decode", "router", "prefill-gpu", "decode-gpu"):
+        port = services[name]["environment"]["PDSERVE_PORT"]
+        assert services[name]["healthcheck"]["test"][1:5] == ["pdserve", "probe", "grpc", f"127.0.0.1:{port}"], name
+    gateway = services["gateway"]
+    assert gateway["healthcheck"]["test"][1:5] == \
+        ["pdserve", "probe", "http", f"http://127.0.0.1:{gateway['environment']['PDSERVE_PORT']}/health/ready"]
