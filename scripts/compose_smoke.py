@@ -2,7 +2,7 @@
 
 1. the gateway is ready; one streaming chat completion through it with the official openai client;
 2. decode scaled to 2 (`up --scale decode=2`): both register themselves with their container address;
-3. while STREAMS requests stream, one decode container's worker is SIGKILLed (a crash, not a stop):
+3. while STREAMS requests stream, the decode container running most of them is SIGKILLed (a crash, not a stop):
    every request must still end, with its tokens or a clear error; none may hang or vanish;
 4. the killed container comes back (restart: unless-stopped) and registers again.
 
@@ -64,6 +64,20 @@ def wait_for(what: str, check, timeout_s: float):
     raise TimeoutError(f"{what}: not after {timeout_s:.0f} s")
 
 
+_RUNNING = ("import urllib.request; print(sum(float(l.split()[-1]) for l in urllib.request.urlopen("
+            "'http://127.0.0.1:9400/metrics').read().decode().splitlines() if l.startswith('pdserve_num_running')))")
+
+
+def busiest(containers: list[str]) -> tuple[str, float] | None:
+    """The decode container running the most requests (from its own /metrics), once one runs any."""
+    counts = []
+    for c in containers:
+        out = subprocess.run(["docker", "exec", c, "python", "-c", _RUNNING], capture_output=True, text=True)
+        counts.append((float(out.stdout.strip() or 0), c))
+    running, container = max(counts)
+    return (container, running) if running >= 1 else None
+
+
 def chat(client, prompt: str, max_tokens: int) -> tuple[str, str]:
     """(text, finish_reason) of one streamed chat completion."""
     text, finish = [], None
@@ -108,14 +122,14 @@ def main(compose_args: list[str]) -> int:
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(STREAMS)]
     for t in threads:
         t.start()
-    time.sleep(4)  # the requests are spread over both workers and streaming
-    victim = decoders[0]
+    victim, running = wait_for("a decode worker running the requests", lambda: busiest(decoders), 120)
     pid = subprocess.run(["docker", "inspect", "-f", "{{.State.Pid}}", victim], capture_output=True, text=True,
                          check=True).stdout.strip()
     # SIGKILL the container's init from the host: the container dies as in a crash (an OOM kill), which
     # the restart policy answers; `docker kill` would count as an operator's stop
     subprocess.run(["kill", "-9", pid], check=True)
-    log(f"SIGKILLed decode container {victim[:12]} (pid {pid}) with {STREAMS} requests streaming")
+    log(f"SIGKILLed decode container {victim[:12]} (pid {pid}) while it ran {running:.0f} of the {STREAMS} "
+        "streaming requests")
     for t in threads:
         t.join(300)
     hung = [i for i, t in enumerate(threads) if t.is_alive()]
