@@ -92,10 +92,9 @@ def _build() -> Path:
 # library per x86-64 level, built by `python -m kernels.native --prebuild DIR` at image
 # build time; with PDSERVE_PREBUILT_KERNELS=DIR, library() loads the first level whose
 # CPU flags (/proc/cpuinfo names) this CPU has. The kernels' vector paths need AVX-512F
-# (x86-64-v4); the AMX level is there for kernels that test __AMX_BF16__.
+# (x86-64-v4); kernels that test other features (__AMX_BF16__, __AVX512BF16__) need a level of their
+# own, first in the list, with its -m flags and the cpuinfo flags they mean.
 PREBUILT_LEVELS: tuple[tuple[str, list[str], frozenset[str]], ...] = (
-    ("x86-64-v4-amx", ["-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
-     frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx512_bf16", "amx_tile", "amx_bf16"})),
     ("x86-64-v4", ["-march=x86-64-v4"], frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"})),
     ("x86-64-v2", ["-march=x86-64-v2"], frozenset({"sse4_2", "popcnt", "ssse3"})),
 )
