@@ -68,8 +68,9 @@ compose down -v --remove-orphans >/dev/null 2>&1 || true  # a previous run's lef
 
 # ---- 2. base and Redis images, without a registry ----------------------------------------------
 if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
-  mirror=$(grep -rhoE '^(URIs:|deb) +https?://[^ ]+/debian/?' /etc/apt/sources.list /etc/apt/sources.list.d/ 2>/dev/null \
-           | grep -v security | head -1 | awk '{print $2}')
+  # the Debian mirror apt itself uses (sources.list may not exist: grep's status 2 must not end the script)
+  mirror=$({ grep -rhoE '^(URIs:|deb) +https?://[^ ]+/debian/?' /etc/apt/sources.list /etc/apt/sources.list.d/ 2>/dev/null \
+           || true; } | grep -v security | head -1 | awk '{print $2}')
   mirror=${mirror:-http://deb.debian.org/debian}
   step "debootstrap bookworm from $mirror (once; cached as $BASE_IMAGE)"
   debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
@@ -93,7 +94,10 @@ done
 ls deploy/docker/wheels/torch-*.whl >/dev/null 2>&1 || step "no local torch wheel: the build downloads torch from PyTorch's CPU index"
 [ -f /etc/ssl/certs/ca-certificates.crt ] && cp /etc/ssl/certs/ca-certificates.crt deploy/docker/ca/host-bundle.crt
 step "building $IMAGE on $BASE_IMAGE"
-docker build -f deploy/docker/Dockerfile --build-arg BASE_IMAGE="$BASE_IMAGE" -t "$IMAGE" . >"$WORK/build.log" 2>&1 \
+# PDSERVE_SMOKE_BUILD_ARGS: extra `docker build` arguments, e.g. "--cpu-shares 2" to build only on idle CPU
+# shellcheck disable=SC2086
+docker build ${PDSERVE_SMOKE_BUILD_ARGS:-} -f deploy/docker/Dockerfile --build-arg BASE_IMAGE="$BASE_IMAGE" -t "$IMAGE" . \
+  >"$WORK/build.log" 2>&1 \
   || { tail -40 "$WORK/build.log"; exit 1; }
 docker image inspect "$IMAGE" --format '[compose-smoke] image {{.Id}}: {{.Size}} bytes, user {{.Config.User}}'
 # the final stage has no compiler, yet the C kernels are there for this CPU
