@@ -10,7 +10,8 @@
 # `pdserve bench kvtransfer --serve-peer` runs in one container, `--peer` in another, on one docker
 # network; the configurations take turns, ROUNDS times, so drift hits them alike. Results (the bench's
 # --save JSON) go to benchmarks/results/, one file per run, named after its configuration.
-# Usage: scripts/container-kvtransfer.sh [IMAGE] [ROUNDS]   (run it under flock /tmp/pdserve-bench.lock)
+# Usage: [CONFIGS="ipc+pid one"] scripts/container-kvtransfer.sh [IMAGE] [ROUNDS]
+# (run it under flock /tmp/pdserve-bench.lock)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 IMAGE=${1:-pdserve:cpu}
@@ -21,23 +22,31 @@ NET=pdserve-kvbench
 OUT=$(mktemp -d /tmp/pdserve-kvbench.XXXXXX)
 chmod 777 "$OUT"  # the image runs as uid 10001
 mkdir -p benchmarks/results
-cleanup() { docker rm -f kvrx >/dev/null 2>&1 || true; docker network rm "$NET" >/dev/null 2>&1 || true; rm -rf "$OUT"; }
+cleanup() {
+  docker rm -f kvrx kvns >/dev/null 2>&1 || true
+  docker network rm "$NET" >/dev/null 2>&1 || true
+  rm -rf "$OUT"
+}
 trap cleanup EXIT
 docker network create "$NET" >/dev/null 2>&1 || true
+docker rm -f kvns >/dev/null 2>&1 || true
+docker run -d --name kvns --network "$NET" --ipc shareable --shm-size 1g --entrypoint sleep "$IMAGE" infinity >/dev/null
 bench=(bench kvtransfer --tokens "$TOKENS" --repeats "$REPEATS" --json --save /out)
 
 run() {  # run CONFIG: one measurement, its JSON moved to benchmarks/results/kvtransfer-container-CONFIG-*.json
   local config=$1 share=()
+  # Shared namespaces belong to a third container (as compose's would): had the receiver owned the PID
+  # namespace, its exit would SIGKILL the sender before it saved its result.
   case $config in
     separate) ;;
-    ipc) share=(--ipc container:kvrx) ;;
-    ipc+pid) share=(--ipc container:kvrx --pid container:kvrx) ;;
+    ipc) share=(--ipc container:kvns) ;;
+    ipc+pid) share=(--ipc container:kvns --pid container:kvns) ;;
   esac
   if [ "$config" = one ]; then
     docker run --rm --network "$NET" --shm-size 1g -v "$OUT:/out" "$IMAGE" "${bench[@]}" >/dev/null
   else
     docker rm -f kvrx >/dev/null 2>&1 || true
-    docker run -d --name kvrx --network "$NET" --ipc shareable --shm-size 1g "$IMAGE" \
+    docker run -d --name kvrx --network "$NET" "${share[@]}" "$IMAGE" \
       bench kvtransfer --serve-peer 0.0.0.0:47000 >/dev/null
     local ip
     ip=$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' kvrx)
@@ -61,7 +70,7 @@ EOF
 
 echo "[container-kvtransfer] $IMAGE, tokens $TOKENS, $REPEATS repeats, $ROUNDS rounds; load: $(cut -d' ' -f1-3 /proc/loadavg)"
 for round in $(seq "$ROUNDS"); do
-  for config in separate ipc ipc+pid one; do
+  for config in ${CONFIGS:-separate ipc ipc+pid one}; do
     run "$config"
   done
 done

@@ -133,6 +133,10 @@ def test_gpu_overlay_requests_gpus_on_gpu_nodes_with_the_cuda_image():
     assert deployments["gateway"]["spec"]["template"]["spec"]["containers"][0]["image"] == "pdserve:cuda"
     assert _by_kind(rendered("cpu"), "Deployment")["decode"]["spec"]["template"]["spec"]["containers"][0]["image"] \
         == "pdserve:cpu"
+    # pods share no namespaces: TCP (measured 2x UCX between containers); on GPUs UCX moves CUDA memory itself
+    transport = {o: next(cm for cm in rendered(o) if cm["kind"] == "ConfigMap" and cm["metadata"]["name"]
+                         .startswith("pdserve-config-"))["data"]["PDSERVE_TRANSPORT"] for o in ("cpu", "gpu")}
+    assert transport == {"cpu": "tcp", "gpu": "ucx"}
 
 
 def test_dashboard_and_rules_configmaps_are_the_compose_files():
