@@ -173,6 +173,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         tok = self.rt.engine.tokenizer
         token_text = (lambda t: tok.decode([t], skip_special_tokens=False)) if tok else None
         first_at = last_at = None
+        tokens = telemetry.GENERATION_TOKENS.labels("decode", self.rt.worker_id)
         if results_to:
             self.results.track(rid, results_to)  # before the request's first step: see start_decode
         try:
@@ -181,6 +182,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     if out.error:
                         raise RuntimeError(out.error)
                     if out.new_token_ids or out.new_text:
+                        tokens.inc(len(out.new_token_ids))
                         now = time.perf_counter()
                         if first_at is None:
                             first_at = now
