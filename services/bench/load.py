@@ -39,6 +39,7 @@ class OpenAIRequest:
     max_tokens: int
     stream: bool = True
     priority: str | None = None  # x-pdserve-priority
+    timeout_s: float | None = None  # x-pdserve-timeout: how long the client is willing to wait
     extra: dict = field(default_factory=dict)  # more body fields (temperature, ...)
 
 
@@ -90,6 +91,8 @@ class OpenAIClient:
     async def send(self, item: OpenAIRequest) -> Sample:
         path, body = self.body(item)
         headers = {"x-pdserve-priority": item.priority} if item.priority else {}
+        if item.timeout_s:
+            headers["x-pdserve-timeout"] = f"{item.timeout_s:g}"
         start = time.perf_counter()
         state = _StreamState(item.api, start, self.record_chunks)
 

@@ -11,12 +11,15 @@ load generator (services/bench/load.py):
    else: an error, a stream without its final event, a dropped connection).
    Meanwhile a watch (process_watch.py) samples every process's Redis
    connections (CLIENT LIST) and the gateway's memory and CPU, keeping the peaks.
-2. **Added latency per chunk** at ``--latency-streams`` open streams: every
-   chunk's SSE ``id:`` (its entry id in the request's result stream) is matched
-   with the moment a separate process reading the result streams straight from
-   Redis (result_tap.py) got the same entry; the difference is what the gateway
-   adds (delivery stream, fan-out, formatting, HTTP). Both clocks are this
-   machine's.
+2. **Added latency per chunk** at ``--latency-streams`` open streams: that
+   many streaming clients in a closed loop (each opens its next stream when its
+   last one ends), so that many streams stay open. Every chunk's SSE ``id:`` (its
+   entry id in the request's result stream) is matched with the moment a
+   separate process reading the result streams straight from Redis
+   (result_tap.py) got the same entry; the difference is what the gateway adds
+   (delivery stream, fan-out, formatting, HTTP). The figures count the chunks
+   written once every client had its first stream open (the ramp is reported
+   apart). Both clocks are this machine's.
 
 Goals on this machine: ``other`` = 0 at N = 10,000, the gateway on at most 32
 Redis connections, and an added p99 per chunk of at most 20 ms at 1,000 open
@@ -35,7 +38,7 @@ import time
 
 from services.bench import results as result_files
 from services.bench.http_client import Connection
-from services.bench.load import OpenAIClient, OpenAIRequest, open_loop, outcomes
+from services.bench.load import OpenAIClient, OpenAIRequest, closed_loop, open_loop, outcomes
 from services.bench.stats import percentile as pct
 from services.queue.config import DEFAULT_TIERS
 
@@ -43,12 +46,14 @@ _WORDS = ("river stone light garden window paper engine market silver forest mus
           "letter mountain yellow planet bridge candle orange theory coffee island rocket").split()
 
 
-def workload(n: int, max_tokens: int, seed: int, stream_share: float = 0.5) -> list[OpenAIRequest]:
+def workload(n: int, max_tokens: int, seed: int, stream_share: float = 0.5,
+             timeout_s: float | None = None) -> list[OpenAIRequest]:
     """Short distinct chat prompts; every other request streams; priorities cycle through the tiers."""
     rng = random.Random(seed)
     every = max(1, round(1 / stream_share)) if stream_share > 0 else 0
     return [OpenAIRequest("chat", f"Request {i}: name a {rng.choice(_WORDS)} and a {rng.choice(_WORDS)}.",
-                          max_tokens, stream=bool(every) and i % every == 0, priority=DEFAULT_TIERS[i % 3])
+                          max_tokens, stream=bool(every) and i % every == 0, priority=DEFAULT_TIERS[i % 3],
+                          timeout_s=timeout_s)
             for i in range(n)]
 
 
@@ -56,8 +61,8 @@ async def burst(args, stack, model: str, host: str, port: int) -> dict:
     from services.bench.process_watch import ProcessWatch
 
     pids = {name: p.proc.pid for name, p in stack.procs.items()}
-    client = OpenAIClient(host, port, model)
-    items = workload(args.clients, args.max_tokens, args.seed)
+    client = OpenAIClient(host, port, model, timeout_s=args.timeout + 60)
+    items = workload(args.clients, args.max_tokens, args.seed, timeout_s=args.timeout)
     watch = ProcessWatch(stack.redis_url, pids)
     idle_rss = watch.rss_mib("gateway")
     _log(f"burst: {args.clients} clients at once ({sum(i.stream for i in items)} streaming), "
@@ -90,35 +95,53 @@ async def burst(args, stack, model: str, host: str, port: int) -> dict:
 
 
 async def added_latency(args, stack, model: str, host: str, port: int) -> dict:
+    """A closed loop of ``latency_streams`` streaming clients (each opens its next stream when one ends), so
+    that many streams stay open; chunks written once every client had its first stream open are compared."""
     from services.bench.result_tap import ResultTap
 
     tap = ResultTap(stack.redis_url).start()
-    client = OpenAIClient(host, port, model, record_chunks=True, on_request_id=tap.follow)
-    items = workload(args.latency_streams, args.latency_max_tokens, args.seed + 1, stream_share=1.0)
-    _log(f"added latency: {args.latency_streams} streams at once, max_tokens {args.latency_max_tokens}, "
-         f"each chunk against a separate process reading the result streams")
+    admitted = {"n": 0, "all_open_at": math.inf}
+
+    def on_request_id(rid: str) -> None:
+        tap.follow(rid)
+        admitted["n"] += 1
+        if admitted["n"] == args.latency_streams:
+            admitted["all_open_at"] = time.time()
+
+    client = OpenAIClient(host, port, model, record_chunks=True, on_request_id=on_request_id,
+                          timeout_s=args.timeout + 60)
+    n_requests = args.latency_requests or 2 * args.latency_streams
+    items = workload(n_requests, args.latency_max_tokens, args.seed + 1, stream_share=1.0, timeout_s=args.timeout)
+    _log(f"added latency: {args.latency_streams} streaming clients in a closed loop ({n_requests} requests, "
+         f"max_tokens {args.latency_max_tokens}), each chunk against a separate process reading the result streams")
     await asyncio.sleep(1.0)  # the tap's process is up
-    samples, wall = await open_loop(client.send, items, rate=math.inf)
+    samples, wall = await closed_loop(client.send, items, clients=args.latency_streams)
     direct = await asyncio.to_thread(tap.stop)
-    added, via_gateway, via_redis = [], [], []
+    steady, every, via_gateway, via_redis = [], [], [], []
     for s in samples:
         for entry_id, read_at in s.chunks:
             tapped = direct.get((s.request_id, entry_id))
             if tapped is None:
                 continue
             written = int(entry_id.split("-")[0]) / 1e3  # the entry id is Redis's clock at the XADD, in ms
-            added.append((read_at - tapped) * 1e3)
-            via_gateway.append((read_at - written) * 1e3)
-            via_redis.append((tapped - written) * 1e3)
+            added = (read_at - tapped) * 1e3
+            every.append(added)
+            if written >= admitted["all_open_at"]:
+                steady.append(added)
+                via_gateway.append((read_at - written) * 1e3)
+                via_redis.append((tapped - written) * 1e3)
     counts = outcomes(samples)
     result = {
-        "streams": args.latency_streams, **counts, "peak_open_streams": client.peak_open, "wall_s": round(wall, 2),
-        "chunks_compared": len(added),
-        "added_ms_p50": pct(added, 50), "added_ms_p90": pct(added, 90), "added_ms_p99": pct(added, 99),
+        "streams": args.latency_streams, "requests": n_requests, **counts, "peak_open_streams": client.peak_open,
+        "wall_s": round(wall, 2), "chunks_compared": len(steady),
+        "added_ms_p50": pct(steady, 50), "added_ms_p90": pct(steady, 90), "added_ms_p99": pct(steady, 99),
         "gateway_since_write_ms_p50": pct(via_gateway, 50), "gateway_since_write_ms_p99": pct(via_gateway, 99),
         "direct_since_write_ms_p50": pct(via_redis, 50), "direct_since_write_ms_p99": pct(via_redis, 99),
+        "chunks_compared_incl_ramp": len(every), "added_ms_p50_incl_ramp": pct(every, 50),
+        "added_ms_p99_incl_ramp": pct(every, 99),
     }
-    _log(f"  {len(added)} chunks: added p50 {result['added_ms_p50']:.1f} ms, p99 {result['added_ms_p99']:.1f} ms")
+    _log(f"  {len(steady)} chunks with every client's stream open: added p50 {result['added_ms_p50']:.1f} ms, "
+         f"p99 {result['added_ms_p99']:.1f} ms (incl. the ramp: p99 {result['added_ms_p99_incl_ramp']:.1f} ms)")
     return result
 
 
@@ -142,7 +165,9 @@ async def _bench(args, stack) -> dict:
         else lat["added_ms_p99"] <= 20.0,
     }
     out["config"] = {"clients": args.clients, "max_tokens": args.max_tokens, "ramp_rate": args.ramp_rate,
-                     "latency_streams": args.latency_streams, "latency_max_tokens": args.latency_max_tokens,
+                     "client_timeout_s": args.timeout,
+                     "latency_streams": args.latency_streams, "latency_requests": args.latency_requests,
+                     "latency_max_tokens": args.latency_max_tokens,
                      "model": args.model, "dtype": args.dtype, "threads_per_worker": args.threads,
                      "seed": args.seed, "stack": "pdserve up defaults: 1 prefill, 1 decode, router, gateway"}
     return out
@@ -153,6 +178,8 @@ def run(args) -> int:
 
     if args.clients < 1 or args.max_tokens < 1 or args.latency_streams < 0 or args.latency_max_tokens < 1:
         raise ValueError("clients and max-tokens must be >= 1, latency-streams >= 0")
+    if args.latency_requests and args.latency_requests < args.latency_streams:
+        raise ValueError("latency-requests must be at least latency-streams (every client sends one)")
     spec = StackSpec(prefill=1, decode=1, model=args.model, dtype=args.dtype, threads=args.threads,
                      transport=args.transport, gateway=True)
     _log("starting the stack (pdserve up defaults: embedded Redis, 1 prefill, 1 decode, router, gateway)")
@@ -203,8 +230,13 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=8, help="output tokens per burst request")
     p.add_argument("--ramp-rate", type=float, default=0.0,
                    help="clients started per second (0: all at once)")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="x-pdserve-timeout of every request: how long its client will wait (the gateway's "
+                        "default deadline, 600 s, is shorter than a 10,000-request burst takes on a small CPU)")
     p.add_argument("--latency-streams", type=int, default=1000,
                    help="open streams while the added latency per chunk is measured (0: skip that phase)")
+    p.add_argument("--latency-requests", type=int, default=0,
+                   help="requests in the added-latency phase (0: twice --latency-streams)")
     p.add_argument("--latency-max-tokens", type=int, default=16)
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
