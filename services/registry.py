@@ -51,9 +51,15 @@ async def connect_redis(url: str, *, max_connections: int = REDIS_MAX_CONNECTION
         raise ValueError(f"max_connections must be an int >= 2; got {max_connections!r}")
     if not pool_timeout_s > 0:
         raise ValueError(f"pool_timeout_s must be > 0; got {pool_timeout_s!r}")
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialBackoff
+
     extra = {"client_name": f"{name}-{os.getpid()}"} if name else {}
+    # a pooled connection that Redis closed (a restart, a failover, CLIENT KILL) fails its next command:
+    # reconnect and send it again, twice at most (the queue's writes are idempotent on the request id)
+    retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), 2)
     pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=pool_timeout_s,
-                                                    **extra)
+                                                    retry=retry, **extra)
     client = aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes it
     try:
         await asyncio.wait_for(client.ping(), REDIS_CONNECT_TIMEOUT_S)

