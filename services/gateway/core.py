@@ -248,8 +248,9 @@ class GatewayCore:
                 if wait <= 0:
                     raise DeadlineExceededError(f"request {rid} got no result before its deadline")
                 events = await sub.next(wait)
+                exists, status = True, None
                 if not events:  # quiet for a while: anything the delivery stream missed, and is it still there?
-                    await self.delivery.catch_up([sub])
+                    exists, status = await self.delivery.quiet_check(sub)
                     events = await sub.next(0)
                 for entry_id, kind, data in events:
                     yield entry_id, kind, data
@@ -257,10 +258,8 @@ class GatewayCore:
                         return
                 if events:
                     continue
-                if not await self.redis.exists(result_stream(rid)):
-                    state = await self.queue.state(rid)
-                    if state is None or state.get("status") != "queued":
-                        raise NotFoundError(f"the results of request {rid} expired (or it was never queued)")
+                if not exists and status != "queued":
+                    raise NotFoundError(f"the results of request {rid} expired (or it was never queued)")
                 yield "", HEARTBEAT, None
 
     async def text_before(self, request_id: str, last_id: str) -> int:

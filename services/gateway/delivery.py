@@ -19,7 +19,8 @@ merges the two by entry id, so no event is lost or repeated whichever came
 first. The same catch-up runs again when the reader reconnects after a Redis
 error (whatever was written while it was away is in the streams; a Redis that
 restarted empty has neither) and when a subscription heard nothing for a while
-(core.follow, before each heartbeat). A request another gateway queued (a client
+(``quiet_check``, before each heartbeat, batched with every other subscription's).
+A request another gateway queued (a client
 resuming here after that gateway went away, or through another replica) is not
 in this inbox: its subscription is caught up by polling its stream every
 ``foreign_poll_s``, all such requests in one pipelined round trip.
@@ -37,7 +38,7 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from services.queue.keys import delivery_tag, inbox_stream, result_stream
+from services.queue.keys import delivery_tag, inbox_stream, result_stream, state_key
 from services.queue.message import text
 from services.queue.results import decode_event
 
@@ -115,6 +116,8 @@ class ResultDelivery:
         self._foreign: set[Subscription] = set()
         self._tasks: list[asyncio.Task] = []
         self._foreign_wake = asyncio.Event()
+        self._checks: list[tuple[Subscription, asyncio.Future]] = []
+        self._flushes: set[asyncio.Task] = set()
         self._stopping = False
         self.reader_errors = 0  # times the reader lost Redis (a test and the logs read it)
 
@@ -181,6 +184,44 @@ class ResultDelivery:
         finally:
             for sub, entries in zip(subs, replies or [[]] * len(subs)):
                 sub.release([(text(entry_id), *decode_event(fields)) for entry_id, fields in entries])
+
+    async def quiet_check(self, sub: Subscription) -> tuple[bool, str | None]:
+        """For a subscription that heard nothing for a while: catch it up, and say whether its result stream
+        exists and the request's queue status (None: unknown). Every check asked for in the same moment
+        goes in one pipelined round trip: ten thousand queued requests' heartbeats cost Redis a few
+        pipelines, not thirty thousand round trips."""
+        future = asyncio.get_running_loop().create_future()
+        self._checks.append((sub, future))
+        if len(self._checks) == 1:  # the first of a batch flushes it, on the loop's next turn
+            task = asyncio.get_running_loop().create_task(self._flush_checks())
+            self._flushes.add(task)
+            task.add_done_callback(self._flushes.discard)
+        return await future
+
+    async def _flush_checks(self) -> None:
+        batch, self._checks = self._checks, []
+        for sub, _ in batch:
+            sub.hold()
+        replies: list = []
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for sub, _ in batch:
+                    key = result_stream(sub.request_id)
+                    pipe.xrange(key, f"({sub.last_id}", "+")
+                    pipe.exists(key)
+                    pipe.hget(state_key(sub.request_id), "status")
+                replies = await pipe.execute()
+        except Exception as exc:  # each follower decides what Redis trouble means for its client
+            for sub, future in batch:
+                sub.release([])
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for i, (sub, future) in enumerate(batch):
+            entries, exists, status = replies[3 * i:3 * i + 3]
+            sub.release([(text(entry_id), *decode_event(fields)) for entry_id, fields in entries])
+            if not future.done():
+                future.set_result((bool(exists), None if status is None else text(status)))
 
     # -- the reader ---------------------------------------------------------------------------
 

@@ -229,3 +229,21 @@ def test_a_redis_restart_ends_open_streams_with_an_error_event_then_service_resu
     finally:
         h.stop()
         server.stop()
+
+
+def test_a_stream_whose_request_vanished_from_redis_ends_with_an_error_not_heartbeats_forever(gateway, sync_redis):
+    # what a follower sees when Redis lost the request (expired, or restarted without persistence):
+    # its quiet check finds neither a result stream nor a queued state
+    from services.queue.keys import state_key
+
+    h = gateway(sse_heartbeat_s=0.2)
+    h.router.pause()
+    with httpx.Client(base_url=h.url, timeout=10) as http:
+        with http.stream("POST", "/v1/chat/completions", json=CHAT) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line == ": keep-alive":  # queued, and known to be
+                    break
+            sync_redis.delete(state_key(r.headers["x-request-id"]))
+            rest = events(lines)
+    assert rest[-1].done and rest[-2].json["error"]["type"] == "not_found"
