@@ -133,6 +133,7 @@ async def added_latency(args, stack, model: str, host: str, port: int) -> dict:
     counts = outcomes(samples)
     result = {
         "streams": args.latency_streams, "requests": n_requests, **counts, "peak_open_streams": client.peak_open,
+        "errors": sorted({s.error for s in samples if s.outcome == "other"})[:5],
         "wall_s": round(wall, 2), "chunks_compared": len(steady),
         "added_ms_p50": pct(steady, 50), "added_ms_p90": pct(steady, 90), "added_ms_p99": pct(steady, 99),
         "gateway_since_write_ms_p50": pct(via_gateway, 50), "gateway_since_write_ms_p99": pct(via_gateway, 99),
