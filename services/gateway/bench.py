@@ -145,9 +145,10 @@ async def _bench(args, stack) -> dict:
     return _report(args, rows, sequential)
 
 
-async def _paired_blocks(args, send_by_path: dict, level: int, run_block) -> dict:
+async def _paired_blocks(args, send_by_path: dict, level: int, run_block, requests: int | None = None) -> dict:
     """One level (a rate, or a number of clients): each path's requests in blocks G D D G, summarized."""
-    blocks = [(args.requests + 1) // 2, args.requests // 2]  # requests per block of each path
+    requests = requests or args.requests
+    blocks = [(requests + 1) // 2, requests // 2]  # requests per block of each path
     samples: dict[str, list] = {"gateway": [], "direct": []}
     walls = {"gateway": 0.0, "direct": 0.0}
     for n, (path, block) in enumerate(_ORDER):
@@ -176,9 +177,11 @@ async def _closed_levels(args, send_by_path: dict) -> list[dict]:
     """Closed loop at rising numbers of clients, until neither path's throughput rises by --saturation-gain."""
     rows, best, flat = [], {"gateway": 0.0, "direct": 0.0}, 0
     for i, clients in enumerate(args.clients):
-        _log(f"{clients} concurrent clients: {args.requests} requests per path (blocks G, D, D, G)")
-        row = {"clients": clients, **await _paired_blocks(
-            args, send_by_path, i, lambda send, plist, _block: closed_loop(send, plist, clients))}
+        # every block has at least one request per client, or fewer clients than asked would run
+        requests = max(args.requests, 2 * clients)
+        _log(f"{clients} concurrent clients: {requests} requests per path (blocks G, D, D, G)")
+        row = {"clients": clients, "requests_per_path": requests, **await _paired_blocks(
+            args, send_by_path, i, lambda send, plist, _block: closed_loop(send, plist, clients), requests)}
         _log_row(row)
         rows.append(row)
         rising = [path for path in best if row[path]["output_tok_s"] > best[path] * (1 + args.saturation_gain)]
@@ -296,7 +299,8 @@ def add_parser(sub) -> None:
                    help="closed loop: numbers of concurrent clients, rising, comma-separated")
     p.add_argument("--saturation-gain", type=float, default=0.05,
                    help="closed loop: stop after two levels that raise neither path's throughput by this fraction")
-    p.add_argument("--requests", type=int, default=40, help="requests per level (rate or clients) and path")
+    p.add_argument("--requests", type=int, default=40,
+                   help="requests per level (rate or clients) and path; closed loop: at least twice the clients")
     p.add_argument("--pairs", type=int, default=30,
                    help="first, this many pairs of single requests (one per path, one at a time; 0: skip)")
     p.add_argument("--prompt-words", type=int, default=60, help="words per prompt (~1.3 tokens each)")
