@@ -13,7 +13,6 @@ import threading
 import time
 
 import redis
-import redis.asyncio as aioredis
 
 from services.gateway.api_keys import ApiKeys
 from services.gateway.config import GatewayConfig
