@@ -144,7 +144,8 @@ class WorkerRuntime:
 
         registrar = None
         try:
-            self.redis = await connect_redis(cfg.redis_url)  # before the model: no Redis fails in seconds
+            # before the model: no Redis fails in seconds
+            self.redis = await connect_redis(cfg.redis_url, name=f"pdserve-{cfg.role}")
             self.engine = await asyncio.to_thread(Engine, self.engine_config)
             self.aengine = AsyncEngine(self.engine)
             if self._stop.is_set():  # stopped while the model loaded: never register

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -60,7 +61,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.receiver = Receiver(engine.kv_cache, engine.kv_spec, engine.namespace, self.owner, self.rt.transfer)
         await self.receiver.start()
         tok = engine.tokenizer
-        self.results = StepResultWriter(aioredis.Redis.from_url(self.rt.config.redis_url),
+        results_redis = aioredis.Redis.from_url(self.rt.config.redis_url, client_name=f"pdserve-decode-{os.getpid()}")
+        self.results = StepResultWriter(results_redis,
                                         (lambda t: tok.decode([t], skip_special_tokens=False)) if tok else None)
         self.results.start()
         self.rt.aengine.on_step = self._on_step

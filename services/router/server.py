@@ -107,7 +107,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 async def serve(args) -> None:
     telemetry.setup_tracing("pdserve-router")
     tokenizer, model_name = load_tokenizer(args.model)
-    redis = await connect_redis(args.redis_url)
+    redis = await connect_redis(args.redis_url, name="pdserve-router")
     index = PrefixIndex()
     pool = WorkerPool(redis, refresh_s=0.25, on_removed=index.drop_worker)
     follower = KVEventFollower(redis, index)
