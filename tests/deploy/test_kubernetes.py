@@ -10,7 +10,6 @@ import copy
 import json
 
 import pytest
-import yaml
 
 from tests.deploy.deploy_files import DASHBOARDS, DEPLOY, OVERLAYS, rendered
 

@@ -28,7 +28,9 @@ def test_a_burst_streaming_and_not_is_counted_completed_with_tokens_and_chunk_id
     assert all(s.tokens == len(DEFAULT_PIECES) and s.request_id for s in samples)
     streamed = samples[0::2]
     assert all(len(s.gaps) == len(DEFAULT_PIECES) - 1 and 0 < s.ttft <= s.e2e for s in streamed)
-    assert all(len(s.chunks) == len(DEFAULT_PIECES) + 1 for s in streamed)  # every chunk and the final event
+    # each with its SSE id: the opening chunk, every piece, then the final event's two chunks (the finish
+    # reason, then usage: the generator asks for include_usage)
+    assert all(len(s.chunks) == len(DEFAULT_PIECES) + 3 for s in streamed)
     assert client.peak_open > 100 and client.open == 0  # they really were in flight together
     assert sorted(h.router.tiers_seen) == sorted(["standard", "batch"] * 100)
 
