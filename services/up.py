@@ -32,10 +32,14 @@ def spec_from_args(args) -> StackSpec:
 
 
 def _speculative_args(args) -> list[str]:
-    """Worker flags for speculative decoding (decode workers use them; prefill workers never decode)."""
-    if args.speculative == "off":
+    """Worker flags for speculative decoding (decode workers use them; prefill workers never decode).
+    Checked here, so a bad value fails before any process starts (ValueError: a usage error)."""
+    from services.generate import speculative_from_args
+
+    if speculative_from_args(args) is None:
         return []
-    return ["--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens)]
+    return ["--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens),
+            "--prompt-lookup-max", str(args.prompt_lookup_max), "--prompt-lookup-min", str(args.prompt_lookup_min)]
 
 
 def run(args) -> int:
@@ -134,6 +138,8 @@ def add_parser(sub) -> None:
     p.add_argument("--speculative", default="off", choices=["off", "ngram"],
                    help="speculative decoding on the decode workers (ngram: prompt lookup; see pdserve generate)")
     p.add_argument("--num-speculative-tokens", type=int, default=5, help="draft tokens per step")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram matched (tried first)")
+    p.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram matched")
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for the router (repeatable), e.g. --router-arg=--temperature=0.5")
     p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
