@@ -39,8 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     gpu_bench.add_parser(bench_sub)
     routing_bench.add_parser(bench_sub)
     from services.bench import results as result_files
+    from services.bench import startup as startup_bench
 
     serve_bench.add_parser(bench_sub)
+    startup_bench.add_parser(bench_sub)
     for bench_parser in bench_sub.choices.values():
         result_files.add_save_argument(bench_parser)
     return parser

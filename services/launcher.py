@@ -46,10 +46,10 @@ class Process:
         self.metrics: str | None = None
         self.trouble: list[str] = []  # WARNING / ERROR / Traceback lines seen
 
-    def start(self, env: dict | None = None) -> None:
+    def start(self, env: dict | None = None, cwd: str | os.PathLike | None = None) -> None:
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=dict(env or os.environ, PYTHONUNBUFFERED="1"), bufsize=1,
-                                     start_new_session=True)
+                                     start_new_session=True, cwd=cwd)
         threading.Thread(target=self._pump, daemon=True, name=f"out-{self.name}").start()
 
     def _pump(self) -> None:
