@@ -24,12 +24,11 @@ import grpc
 from kvtransfer import PendingTransfer, Receiver
 from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import telemetry
-from services.engine.handoff import EngineBlockOwner, decode_after_transfer, reserve_for_transfer
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError
-from services.grpc_codec import abort_with, check_deadline, chunk_from_output, sampling_from_proto
+from services.grpc_codec import abort_with, check_deadline, chunk_from_output, load_message, sampling_from_proto
 from services.decode.step_results import StepResultWriter
-from services.prefill.server import load_message
+from services.handoff import EngineBlockOwner, decode_after_transfer, reserve_for_transfer
 from services.worker import WorkerRuntime, add_worker_args, configs_from_args, run_worker
 
 _CLAIM_GRACE_S = 10.0
@@ -219,7 +218,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.AbortResponse(aborted=known)
 
     async def GetLoad(self, request, context):
-        return load_message(self.rt)
+        return load_message(self.rt.load())
 
 
 def run(args) -> int:

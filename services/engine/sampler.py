@@ -14,14 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.outputs import TokenLogprobs
 from services.engine.request import Request
-
-
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the top-n (token id, logprob), best first
 
 
 @dataclass

@@ -21,9 +21,9 @@ import grpc
 from kvtransfer import Sender, TransferDescriptor
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services import telemetry
-from services.engine.handoff import prefill_and_send
+from services.handoff import prefill_and_send
 from services.errors import InvalidRequestError
-from services.grpc_codec import abort_with, check_deadline, sampling_from_proto
+from services.grpc_codec import abort_with, check_deadline, load_message, sampling_from_proto
 from services.worker import WorkerRuntime, add_worker_args, configs_from_args, run_worker
 
 
@@ -80,7 +80,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.AbortResponse(aborted=known)
 
     async def GetLoad(self, request, context):
-        return load_message(self.rt)
+        return load_message(self.rt.load())
 
 
 def _descriptor(data: bytes, request_id: str) -> TransferDescriptor:
@@ -100,17 +100,6 @@ async def _next_descriptor(messages, request_id: str) -> TransferDescriptor:
         raise InvalidRequestError("the Prefill call ended without a descriptor (send it in the first or "
                                   "second message)", param="descriptor")
     return _descriptor(message.descriptor, request_id)
-
-
-def load_message(rt: WorkerRuntime) -> worker_pb2.WorkerLoad:
-    s = rt.load()
-    return worker_pb2.WorkerLoad(
-        num_running=int(s.get("num_running", 0)), num_waiting=int(s.get("num_waiting", 0)),
-        queued_prefill_tokens=int(s.get("queued_prefill_tokens", 0)),
-        kv_blocks_total=int(s.get("kv_blocks_total", 0)), kv_blocks_used=int(s.get("kv_blocks_used", 0)),
-        prefix_cache_queries=int(s.get("prefix_cache_queries", 0)),
-        prefix_cache_hits=int(s.get("prefix_cache_hits", 0)),
-        num_preemptions=int(s.get("num_preemptions", 0)), draining=bool(s.get("draining")))
 
 
 def run(args) -> int:

@@ -132,7 +132,7 @@ def _text_tokens(tokenizer, rng: random.Random, head: str, n: int) -> list[int]:
     words = [head]
     while True:
         words += [rng.choice(_WORDS) + ("." if rng.random() < 0.1 else "") for _ in range(n)]
-        ids = tokenizer.hf.encode(" ".join(words), add_special_tokens=False)
+        ids = tokenizer.encode(" ".join(words), add_special_tokens=False)
         if len(ids) >= n:
             return ids[:n]
 
@@ -180,7 +180,7 @@ def prefill_cache_blocks(cfg: RoutingBenchConfig, block_size: int) -> int:
 def kv_block_bytes(model: str | None, dtype: str, block_size: int) -> int:
     from services.config import EngineConfig
     from services.engine.kv_cache import KVCacheSpec
-    from services.engine.loader import resolve_model
+    from services.engine.model_source import resolve_model
 
     m = resolve_model(model).config
     return KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, block_size, EngineConfig(dtype=dtype).dtype).block_bytes

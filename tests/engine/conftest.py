@@ -89,7 +89,7 @@ def default_model(request, default_engine: Engine) -> Engine:
 @pytest.fixture(scope="session")
 def default_tokenizer():
     """The default model's tokenizer alone (no weights loaded)."""
-    from services.engine.loader import resolve_model
+    from services.engine.model_source import model_card
     from services.engine.tokenizer import Tokenizer
 
-    return Tokenizer(resolve_model(None).tokenizer_dir)
+    return Tokenizer(model_card(None).tokenizer_dir)

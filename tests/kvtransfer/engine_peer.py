@@ -19,7 +19,7 @@ from kvtransfer import Receiver, Sender, TransferConfig, TransferDescriptor
 from services.config import EngineConfig
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import Engine
-from services.engine.handoff import EngineBlockOwner, decode_after_transfer, prefill_and_send, reserve_for_transfer
+from services.handoff import EngineBlockOwner, decode_after_transfer, prefill_and_send, reserve_for_transfer
 from services.engine.sampling_params import SamplingParams
 
 

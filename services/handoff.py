@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from kvtransfer import Completion, PendingTransfer, Receiver, Sender, TransferDescriptor
 from services.engine.async_engine import AsyncEngine
-from services.engine.engine import RequestOutput
+from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.errors import TransferError
 
