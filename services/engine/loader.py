@@ -13,7 +13,7 @@ import torch
 from kernels.linear_cpu import kernel_available as linear_kernel_available
 from kernels.ops import Ops
 from services.engine.model import LlamaForCausalLM
-from services.engine.model_source import ModelSource, resolve_model  # noqa: F401 (the gateway's import, until it moves)
+from services.engine.model_source import ModelSource
 from services.engine.rope import build_cos_sin_cache
 from services.errors import ModelLoadError
 
