@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from services.errors import PdserveError
+from services.errors import is_described
 
 # command -> the module whose add_parser(sub) defines it. A command's module is imported only when
 # that command runs (or when the full help is asked for): `pdserve router` and `pdserve gateway`
@@ -24,7 +24,7 @@ COMMANDS = {
 }
 BENCHES = {
     "engine": "services.engine.bench",
-    "kvtransfer": "kvtransfer.bench",
+    "kvtransfer": "services.bench.transfer",
     "gpu": "services.engine.gpu_bench",
     "routing": "services.router.bench",
     "serve": "services.gateway.bench",
@@ -60,14 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args)
-    except PdserveError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        return 2 if exc.http_status < 500 else 1
-    except ValueError as exc:  # invalid configuration
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if is_described(exc):  # a pdserve error, or kvtransfer's TransferError
+            print(f"error: {exc.message}", file=sys.stderr)
+            return 2 if exc.http_status < 500 else 1
+        if isinstance(exc, ValueError):  # invalid configuration
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import grpc
 from proto.pdserve.v1 import common_pb2, worker_pb2
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
-from services.errors import DeadlineExceededError, InvalidRequestError, PdserveError
+from services.errors import DeadlineExceededError, InvalidRequestError, PdserveError, is_described
 
 _OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
@@ -89,8 +89,12 @@ def append_chunk(merged: common_pb2.TokenChunk, chunk: common_pb2.TokenChunk) ->
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status an error is answered with (unknown errors are INTERNAL, with their message)."""
-    if isinstance(exc, PdserveError):
+    """The gRPC status an error is answered with (unknown errors are INTERNAL, with their message).
+
+    A pdserve error, or one raised below ``services`` that names its status the same way
+    (``kvtransfer.TransferError``: kvtransfer imports nothing from services).
+    """
+    if is_described(exc):
         return getattr(grpc.StatusCode, exc.grpc_status), exc.message
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)

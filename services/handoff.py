@@ -3,7 +3,7 @@
 Decode side::
 
     owner = EngineBlockOwner(async_engine)
-    receiver = Receiver(engine.kv_cache, engine.kv_spec, engine.namespace, owner)
+    receiver = Receiver(engine.kv_cache, engine.namespace, owner)
     pending = await reserve_for_transfer(async_engine, owner, receiver, rid, prompt, params, timeout_s)
     ...give pending.descriptor.to_bytes() to the prefill side...
     async for out in decode_after_transfer(async_engine, rid, await pending): ...

@@ -24,7 +24,7 @@ from services import telemetry
 from services.handoff import prefill_and_send
 from services.errors import InvalidRequestError
 from services.grpc_codec import abort_with, check_deadline, load_message, sampling_from_proto
-from services.worker import WorkerRuntime, add_worker_args, configs_from_args, run_worker
+from services.worker import WorkerRuntime, add_worker_parser, run_worker
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -34,7 +34,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def setup(self) -> None:
         engine = self.rt.engine
-        self.sender = Sender(engine.kv_cache, engine.kv_spec, engine.namespace, self.rt.transfer)
+        self.sender = Sender(engine.kv_cache, engine.namespace, self.rt.transfer)
         self.rt.aengine.on_step = lambda outputs: telemetry.BATCH_SIZE.labels(role="prefill").observe(len(outputs))
 
     async def teardown(self) -> None:
@@ -103,19 +103,10 @@ async def _next_descriptor(messages, request_id: str) -> TransferDescriptor:
 
 
 def run(args) -> int:
-    worker, engine, transfer = configs_from_args(args, "prefill")
-    rt = WorkerRuntime(worker, engine, transfer)
-    servicer = PrefillServicer(rt)
-
-    def add(server: grpc.aio.Server) -> list[str]:
-        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
-        return ["pdserve.v1.PrefillWorker"]
-
-    return run_worker(rt, add, servicer.setup, servicer.teardown)
+    return run_worker(args, "prefill", PrefillServicer, worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
+                      "pdserve.v1.PrefillWorker")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("prefill", help="run one prefill worker (gRPC; registers in Redis)",
-                       description="Run one prefill worker: computes prompts' KV and sends it to decode workers.")
-    add_worker_args(p, "prefill")
-    p.set_defaults(func=run)
+    add_worker_parser(sub, "prefill", "run one prefill worker (gRPC; registers in Redis)",
+                      "Run one prefill worker: computes prompts' KV and sends it to decode workers.", run)
