@@ -21,7 +21,6 @@ Goal for the front processes (issue 17): under 1.5 s and 150 MB each, with no to
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -134,10 +133,12 @@ def run(args: argparse.Namespace) -> int:
             r: {"start_s_p50": ratio(summary["this"][r]["start_s_p50"], summary["baseline"][r]["start_s_p50"]),
                 "rss_mb_p50": ratio(summary["this"][r]["rss_mb_p50"], summary["baseline"][r]["rss_mb_p50"])}
             for r in ROLES}
-    result_files.save("startup", result, args)
-    if args.json:
-        print(json.dumps(result, indent=1))
-        return 0
+    result_files.report("startup", result, args, print_table)
+    return 0
+
+
+def print_table(result: dict) -> None:
+    summary = result["summary"]
     print(f"{'tree':9s} {'role':8s} {'start p50':>9s} {'max':>6s} {'RSS p50':>8s} {'max':>6s}  loads")
     for tree, roles in summary.items():
         for role, s in roles.items():
@@ -146,7 +147,6 @@ def run(args: argparse.Namespace) -> int:
                   f"{s['rss_mb_max']:4.0f}MB  {','.join(s['loads']) or '-'}{'' if ok else '  (misses the goal)'}")
     for role, r in result.get("ratio_this_over_baseline", {}).items():
         print(f"this/baseline {role}: start x{r['start_s_p50']}, RSS x{r['rss_mb_p50']}")
-    return 0
 
 
 def add_parser(sub) -> None:

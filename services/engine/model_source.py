@@ -144,24 +144,32 @@ def _hf_tokenizer_dir(directory: Path) -> Path | None:
     return None  # a checkpoint without tokenizer files still serves token-id prompts
 
 
-def _gguf_name(path: Path) -> str:
-    return DEFAULT_MODEL if path.name == _DEFAULT_GGUF else path.stem
+def model_name(spec: str | None) -> str:
+    """The name ``spec`` is served under (what /v1/models lists), from the spec alone: no file is read."""
+    if spec is None or spec in ("", "default", DEFAULT_MODEL):
+        return DEFAULT_MODEL
+    if spec.startswith("dummy:"):
+        return spec
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        return DEFAULT_MODEL if path.name == _DEFAULT_GGUF else path.stem
+    return path.name
 
 
 def model_card(spec: str | None) -> ModelCard:
     """Name, tokenizer and context length of ``spec``; never loads weights or torch."""
-    where = _locate(spec)
+    where, name = _locate(spec), model_name(spec)
     if isinstance(where, str):
         cfg = _preset(where)
-        return ModelCard(where, None, cfg.max_position_embeddings, cfg.vocab_size)
+        return ModelCard(name, None, cfg.max_position_embeddings, cfg.vocab_size)
     if where.is_file():
         from services.engine.gguf_tokenizer import gguf_card
 
         tokenizer_dir, max_pos, vocab = gguf_card(where, cache_dir() / "tokenizers" / f"{where.stem}-"
                                                   f"{file_digest(where)}")
-        return ModelCard(_gguf_name(where), tokenizer_dir, max_pos, vocab)
+        return ModelCard(name, tokenizer_dir, max_pos, vocab)
     cfg = _hf_config(where)
-    return ModelCard(where.name, _hf_tokenizer_dir(where), cfg.max_position_embeddings, cfg.vocab_size)
+    return ModelCard(name, _hf_tokenizer_dir(where), cfg.max_position_embeddings, cfg.vocab_size)
 
 
 def convert_gguf(path: Path) -> Path:

@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import os
 import random
@@ -539,11 +538,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-    result_files.save("routing", result, args)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print_table(result)
+    result_files.report("routing", result, args, print_table)
     return 0
 
 
