@@ -60,6 +60,27 @@ class Sample:
     error: str = ""
 
 
+class _Timing:
+    """One request's clock: its start and the arrival of each chunk that carries text."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.first = self.last = None
+        self.gaps: list[float] = []
+
+    def chunk(self) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        else:
+            self.gaps.append(now - self.last)
+        self.last = now
+
+    def sample(self, tokens: int) -> Sample:
+        end = time.perf_counter()
+        return Sample(True, (self.first or end) - self.start, end - self.start, self.gaps, tokens)
+
+
 def prompts(seed: int, n: int, words: int) -> list[str]:
     rng = random.Random(seed)
     return [f"Request {i}. " + " ".join(rng.choice(_WORDS) for _ in range(words)) + "\nSummary:" for i in range(n)]
@@ -68,9 +89,7 @@ def prompts(seed: int, n: int, words: int) -> list[str]:
 async def via_gateway(client, base: str, model: str, prompt: str, max_tokens: int) -> Sample:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    first = last = None
-    gaps, tokens = [], 0
+    timing, tokens = _Timing(), 0
     try:
         async with client.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as resp:
             if resp.status_code != 200:
@@ -84,16 +103,10 @@ async def via_gateway(client, base: str, model: str, prompt: str, max_tokens: in
                 if event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
                 if event.get("choices") and event["choices"][0].get("text"):
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now
-                    else:
-                        gaps.append(now - last)
-                    last = now
+                    timing.chunk()
     except Exception as exc:  # a dropped connection counts as a failed request
         return Sample(False, error=f"{type(exc).__name__}: {exc}")
-    end = time.perf_counter()
-    return Sample(True, (first or end) - start, end - start, gaps, tokens)
+    return timing.sample(tokens)
 
 
 async def via_router(stub, prompt: str, max_tokens: int) -> Sample:
@@ -101,25 +114,17 @@ async def via_router(stub, prompt: str, max_tokens: int) -> Sample:
 
     req = generate_pb2.GenerateRequest(text=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens,
                                                                                         temperature=0))
-    start = time.perf_counter()
-    first = last = None
-    gaps, tokens = [], 0
+    timing, tokens = _Timing(), 0
     try:
         async for msg in stub.Generate(req, timeout=600):
             if msg.HasField("chunk"):
                 if msg.chunk.text:
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now
-                    else:
-                        gaps.append(now - last)
-                    last = now
+                    timing.chunk()
             else:
                 tokens = msg.finish.usage.completion_tokens
     except Exception as exc:
         return Sample(False, error=f"{type(exc).__name__}: {exc}")
-    end = time.perf_counter()
-    return Sample(True, (first or end) - start, end - start, gaps, tokens)
+    return timing.sample(tokens)
 
 
 async def run_path(send, prompt_list: list[str], rate: float, seed: int) -> tuple[list[Sample], float]:
@@ -245,11 +250,7 @@ def run(args) -> int:
     _log("starting the stack (embedded Redis, 1 prefill, 1 decode, router, gateway)")
     with LocalStack(spec) as stack:
         result = asyncio.run(_bench(args, stack))
-    result_files.save("serve", result, args)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print_table(result)
+    result_files.report("serve", result, args, print_table)
     return 0
 
 
