@@ -157,8 +157,11 @@ class Stack:
     def generate(self, req: generate_pb2.GenerateRequest, timeout_s: float = 120):
         return asyncio.run(self.agenerate(req, timeout_s))
 
+    async def aload(self, name: str) -> worker_pb2.WorkerLoad:
+        return await worker_load(name, self.procs[name].address)
+
     def load(self, name: str) -> worker_pb2.WorkerLoad:
-        return asyncio.run(worker_load(name, self.procs[name].address))
+        return asyncio.run(self.aload(name))
 
     def wait_idle(self, names: list[str], timeout_s: float = 30) -> dict[str, int]:
         """Blocks still in use per worker once nothing runs (0 everywhere = no leak)."""
