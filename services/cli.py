@@ -6,6 +6,7 @@ import argparse
 import importlib
 import sys
 
+from services import env_defaults
 from services.errors import is_described
 
 # command -> the module whose add_parser(sub) defines it. A command's module is imported only when
@@ -20,6 +21,7 @@ COMMANDS = {
     "gateway": "services.gateway.server",
     "client": "services.client",
     "deadletters": "services.deadletters_cli",
+    "probe": "services.probe",
     "bench": None,  # add_bench_parser below
 }
 BENCHES = {
@@ -28,6 +30,8 @@ BENCHES = {
     "gpu": "services.engine.gpu_bench",
     "routing": "services.router.bench",
     "serve": "services.gateway.bench",
+    "loadtools": "services.bench.loadtools",
+    "frontdoor": "services.gateway.frontdoor_bench",
     "startup": "services.bench.startup",
 }
 
@@ -57,7 +61,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    if argv[:1] == ["probe"]:
+        # Health checks run every few seconds in every container: skip argparse's set-up entirely.
+        from services import probe
+
+        return probe.main(argv[1:])
+    parser = build_parser(argv)
+    env_defaults.apply(parser)  # PDSERVE_<FLAG> variables are the flags' defaults
+    args = parser.parse_args(argv)
+    env_defaults.check(parser, args)
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -1,4 +1,4 @@
-"""The background loops of a component (the router's worker pool, KV-event follower, queue worker).
+"""The background loops of a component (the router's worker pool, KV-event follower, queue worker, queue-lag monitor).
 
 Each loop runs ``while not loops.stopping:`` around a Redis call. Stopping takes more than
 one cancel: redis-py can swallow a cancellation that lands as a reply arrives (redis-py

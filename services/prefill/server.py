@@ -2,7 +2,7 @@
 
 Prefill(request[, descriptor]) runs the prompt prefill-only (prefix-cache hits
 skip work) and writes its KV into the decode worker's reserved blocks as chunks
-finish (services.engine.handoff.prefill_and_send), then answers the first token.
+finish (services.handoff.prefill_and_send), then answers the first token.
 The call is a client stream: computing starts on its first message, and where
 that carries no descriptor the second one does (the router reserves decode
 blocks meanwhile); KV waits for it. The request's blocks here are released when
@@ -70,6 +70,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     with contextlib.suppress(BaseException):
                         await target
             telemetry.TTFT_SECONDS.labels(role="prefill").observe(elapsed)
+            telemetry.PROMPT_TOKENS.labels("prefill", self.rt.worker_id).inc(
+                max(0, len(req.token_ids) - result.num_cached_tokens))
             return worker_pb2.PrefillResponse(first_token_id=result.first_token,
                                               cached_tokens=result.num_cached_tokens, prefill_ms=elapsed * 1e3)
 
