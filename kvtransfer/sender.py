@@ -39,6 +39,7 @@ import torch
 from kvtransfer.block_runs import BlockBytes, coalesce
 from kvtransfer.config import TransferConfig
 from kvtransfer.descriptor import PeerInfo, TransferDescriptor
+from kvtransfer.faults import TransferFaults
 from kvtransfer.protocol import ABORT, BLOCKS, DONE, FAILED, FINISH, HELLO, REFUSED, WELCOME
 from kvtransfer.stats import TransferStats
 from kvtransfer.transport import Connection, Transport, make_transport
@@ -82,6 +83,7 @@ class Sender:
         self.config = config or TransferConfig()
         self.transport = transport or make_transport(self.config)
         self.stats = stats or TransferStats()
+        self.faults = TransferFaults.from_env()  # off unless PDSERVE_KV_FAULTS is set (tests, bench chaos)
         self.peer = PeerInfo(namespace, spec)
         self._blocks = BlockBytes(kv_cache, spec)
         self._links: dict[str, _Link] = {}
@@ -135,6 +137,7 @@ class Sender:
         ack = asyncio.get_running_loop().create_future()
         link.acks[tid] = ack
         try:
+            await self.faults.before_finish(tid)
             end = {"first_token": int(first_token), "meta": meta or {}}
             if src:
                 await self._send_blocks(link, desc, src, dst_offset, end)

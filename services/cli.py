@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve_bench.add_parser(bench_sub)
     loadtools_bench.add_parser(bench_sub)
     frontdoor_bench.add_parser(bench_sub)
+    from services.bench import chaos as chaos_bench
+
+    chaos_bench.add_parser(bench_sub)
     for bench_parser in bench_sub.choices.values():
         result_files.add_save_argument(bench_parser)
     return parser
