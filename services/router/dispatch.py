@@ -372,7 +372,8 @@ class Dispatcher:
 
     def _abort_quietly(self, stub, request_id: str, metadata) -> None:
         """Free a reservation nobody will claim (best effort: unclaimed ones also expire)."""
-        task = asyncio.create_task(stub.Abort(worker_pb2.AbortRequest(request_id=request_id), metadata=metadata))
+        # a grpc.aio call is awaitable but not a coroutine: create_task would raise TypeError
+        task = asyncio.ensure_future(stub.Abort(worker_pb2.AbortRequest(request_id=request_id), metadata=metadata))
         self._background.add(task)
         task.add_done_callback(lambda t: self._background.discard(t) or t.cancelled() or t.exception())
 
