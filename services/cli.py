@@ -47,8 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     loadtools_bench.add_parser(bench_sub)
     frontdoor_bench.add_parser(bench_sub)
     from services.bench import chaos as chaos_bench
+    from services.bench import soak as soak_bench
 
     chaos_bench.add_parser(bench_sub)
+    soak_bench.add_parser(bench_sub)
     for bench_parser in bench_sub.choices.values():
         result_files.add_save_argument(bench_parser)
     return parser
