@@ -31,7 +31,7 @@ class TransferFaults:
         self.injected = 0
 
     @classmethod
-    def from_env(cls, environ=os.environ) -> "TransferFaults":
+    def from_env(cls, environ=os.environ) -> TransferFaults:
         spec = environ.get(ENV, "").strip()
         timeouts = set()
         for part in filter(None, (p.strip() for p in spec.split(","))):

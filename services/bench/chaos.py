@@ -85,7 +85,13 @@ def tally(outcomes, ctx, leaked: dict[str, int], idle_s: float, wall_s: float) -
 
 
 async def _scenario(name: str, n: int, args, stack, client, capacity: float, seed: int) -> dict:
-    from services.bench.chaos_faults import FAULTS, FaultContext, arm_transfer_faults, wait_healthy, wait_idle
+    from services.bench.chaos_faults import (
+        FAULTS,
+        FaultContext,
+        arm_transfer_faults,
+        wait_healthy,
+        wait_idle,
+    )
     from services.bench.load import open_loop
 
     if name == "transfer-fault":

@@ -126,7 +126,7 @@ class ChaosClient:
         out = Outcome(LOST, time.monotonic())
         try:
             await asyncio.wait_for(self._send(item, out), self.deadline_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             out.kind, out.detail = LOST, f"no answer in {self.deadline_s:g} s"
         except openai.APIStatusError as exc:
             out.status = exc.status_code
@@ -142,10 +142,10 @@ class ChaosClient:
         return out
 
     async def _send(self, item: ChaosRequest, out: Outcome) -> None:
-        kwargs = dict(model=self.model, max_tokens=item.max_tokens, temperature=0, logprobs=True,
-                      messages=[{"role": "user", "content": item.prompt}],
-                      extra_headers={"x-pdserve-priority": item.priority,
-                                     "x-pdserve-timeout": f"{self.deadline_s - 10:g}"})
+        kwargs = {"model": self.model, "max_tokens": item.max_tokens, "temperature": 0, "logprobs": True,
+                  "messages": [{"role": "user", "content": item.prompt}],
+                  "extra_headers": {"x-pdserve-priority": item.priority,
+                                    "x-pdserve-timeout": f"{self.deadline_s - 10:g}"}}
         if not item.stream:
             answer = await self.openai.chat.completions.create(**kwargs)
             out.tokens_seen = len(answer.choices[0].logprobs.content or []) if answer.choices[0].logprobs else 0

@@ -38,7 +38,13 @@ async def _soak(args, stack) -> dict:
 
     from services.bench.chaos import workload
     from services.bench.chaos_faults import wait_idle
-    from services.bench.load import COMPLETED, OpenAIClient, OpenAIRequest, closed_loop, open_loop
+    from services.bench.load import (
+        COMPLETED,
+        OpenAIClient,
+        OpenAIRequest,
+        closed_loop,
+        open_loop,
+    )
     from services.bench.stats import percentile
 
     host, port = stack.gateway_address.rsplit(":", 1)

@@ -3,19 +3,18 @@ and the streams it held finish on the other one, with nothing lost."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.services.test_up import _free_port
+from tests.services.test_up import _free_port, start_up
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +32,6 @@ def _stream(port: int, prompt: str, max_tokens: int) -> tuple[str, bool, str]:
             elif line.startswith("data: ") and '"error"' in line:
                 error = line
             elif line.startswith("data: "):
-                import json
-
                 choices = json.loads(line[6:]).get("choices") or [{}]
                 text += choices[0].get("delta", {}).get("content") or ""
     return text, done, error
@@ -42,32 +39,19 @@ def _stream(port: int, prompt: str, max_tokens: int) -> tuple[str, bool, str]:
 
 def test_a_decode_worker_killed_under_up_is_restarted_and_its_streams_finish():
     http_port, router_port = _free_port(), _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--threads", "1", "--kv-cache-gb", "0.25", "--decode", "2",
-         "--policy", "least-load", "--port", str(http_port), "--grpc-port", "-1", "--router-port", str(router_port),
-         "--max-restart-backoff", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        start_new_session=True)
-    lines: list[str] = []
-    up = threading.Event()
-
-    def pump():
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if "stop:     Ctrl-C" in line:
-                up.set()
+    proc, lines, up = start_up("--decode", "2", "--policy", "least-load", "--port", str(http_port),
+                               "--grpc-port", "-1", "--router-port", str(router_port), "--max-restart-backoff", "2")
 
     def wait_for(pattern: str, timeout_s: float) -> re.Match:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            m = re.search(pattern, "\n".join(lines), re.M)
+            m = re.search(pattern, "\n".join(lines), re.MULTILINE)
             if m:
                 return m
             assert proc.poll() is None, "\n".join(lines[-40:])
             time.sleep(0.2)
         raise AssertionError(f"no {pattern!r} in:\n" + "\n".join(lines[-40:]))
 
-    threading.Thread(target=pump, daemon=True).start()
     try:
         assert up.wait(240), "\n".join(lines[-40:])
         victim = int(wait_for(r"^  decode-0\s+\S+\s+pid (\d+)", 1)[1])
