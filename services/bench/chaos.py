@@ -129,6 +129,7 @@ async def _scenario(name: str, n: int, args, stack, client, capacity: float, see
 
 
 async def _bench(args, stack) -> dict:
+    from services.bench.chaos_faults import TRANSFER_TIMEOUT_S
     from services.bench.chaos_client import COMPLETED, ChaosClient
     from services.bench.chaos_faults import wait_idle
     from services.bench.load import closed_loop
@@ -158,7 +159,8 @@ async def _bench(args, stack) -> dict:
             "scenarios": scenarios,
             "config": {k: getattr(args, k) for k in ("requests", "load_share", "overload_factor", "overload_s",
                                                      "stall_s", "deadline", "kv_cache_gb", "threads", "seed")}
-            | {"stack": "embedded valkey (AOF everysec), 2 prefill, 2 decode, router, gateway, supervised"}}
+            | {"stack": "embedded valkey (AOF everysec), 2 prefill, 2 decode, router (disaggregation always, "
+                       f"transfer timeout {TRANSFER_TIMEOUT_S:g} s), gateway, supervised"}}
 
 
 def run(args) -> int:
@@ -174,7 +176,9 @@ def run(args) -> int:
         raise ValueError("--requests must be at least one per scenario")
     spec = StackSpec(prefill=2, decode=2, model=args.model, threads=args.threads, kv_cache_gb=args.kv_cache_gb,
                      transport=args.transport, redis_aof=True, policy="kv-aware",
-                     router_args=["--transfer-timeout", f"{TRANSFER_TIMEOUT_S:g}"],
+                     # every request takes the prefill -> KV transfer -> decode path the faults aim at
+                     # (auto prefills short prompts on an idle decode worker itself)
+                     router_args=["--transfer-timeout", f"{TRANSFER_TIMEOUT_S:g}", "--disaggregation", "always"],
                      gateway_args=["--max-queued-requests", str(args.max_queued)])
     _log("starting the stack: embedded Redis with AOF, 2 prefill, 2 decode, router, gateway")
     stack = LocalStack(spec)

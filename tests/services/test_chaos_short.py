@@ -34,5 +34,6 @@ def test_every_chaos_scenario_loses_nothing_and_leaks_nothing():
             assert s[goal] == 0, (name, goal, s)
     assert result["scenarios"]["client-disconnect"]["resumed_streams"] > 0
     assert result["scenarios"]["bad-input"]["bad_input_requests"] > 0
+    assert result["scenarios"]["transfer-fault"]["faults_injected"] > 0
     assert result["restarts"] >= 3  # decode, prefill and router each killed and started again
     assert result["goals_met"] and proc.returncode == 0, proc.stderr[-4000:]
