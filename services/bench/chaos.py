@@ -95,8 +95,11 @@ async def _scenario(name: str, n: int, args, stack, client, capacity: float, see
     from services.bench.load import open_loop
 
     if name == "transfer-fault":
-        _log(f"transfer-fault: restarting {', '.join(arm_transfer_faults(stack))} with PDSERVE_KV_FAULTS set")
-        await asyncio.sleep(1.0)
+        old = {n: stack.procs[n].proc.pid for n in arm_transfer_faults(stack)}
+        _log(f"transfer-fault: restarting {', '.join(old)} with PDSERVE_KV_FAULTS set")
+        deadline = time.monotonic() + args.recover_timeout
+        while any(stack.procs[n].proc.pid == pid for n, pid in old.items()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)  # draining, then started again by the supervisor
         await wait_healthy(stack, args.recover_timeout)
     rate = max(0.2, capacity * args.load_share)
     ctx = FaultContext(stack, client.base_url, client.model, load_s=n / rate, stall_s=args.stall_s)
