@@ -57,9 +57,14 @@ run() {  # run CONFIG: one measurement, its JSON moved to benchmarks/results/kvt
   local file
   file=$(ls -t "$OUT"/kvtransfer-*.json | head -1)
   mv "$file" "benchmarks/results/kvtransfer-container-${config/+/-}-$(basename "$file" .json | cut -d- -f2-).json"
-  python3 - "benchmarks/results/kvtransfer-container-${config/+/-}-$(basename "$file" .json | cut -d- -f2-).json" "$config" <<'EOF'
-import json, sys
+  python3 - "benchmarks/results/kvtransfer-container-${config/+/-}-$(basename "$file" .json | cut -d- -f2-).json" "$config" "$IMAGE" <<'EOF'
+import json, subprocess, sys
 doc = json.load(open(sys.argv[1]))
+if not doc.get("commit"):  # the image holds no git checkout: name the host tree it was run from, and the image
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
+    doc["commit"] = head or None
+    doc["image"] = sys.argv[3]
+    json.dump(doc, open(sys.argv[1], "w"), indent=1)
 sizes = doc["result"]["sizes"]
 cells = "  ".join(f"{k}: ucx {v.get('ucx_gbps', float('nan')):.2f} tcp {v.get('tcp_gbps', float('nan')):.2f} "
                   f"raw {v.get('raw_gbps', float('nan')):.2f}" for k, v in sizes.items())
