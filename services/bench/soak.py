@@ -5,8 +5,9 @@ The stack is ``pdserve up``'s (services/launcher.py: embedded Redis, 1 prefill,
 requests per second with 8 clients); then the shared load generator
 (services/bench/load.py) sends Poisson arrivals at ``--load-share`` of it for
 ``--minutes``. Per window (``--window-s``): requests sent and completed,
-throughput, p50/p99 TTFT, and every process's RSS. At the end: each process's
-RSS slope (MiB per hour, least squares over the windows after the first, which
+throughput, p50/p99 TTFT, and every process's RSS and private memory (USS + swap:
+RSS alone falls when a busy machine swaps). At the end: each process's private
+memory slope (MiB per hour, least squares over the windows after the first, which
 holds warm-up), outcomes, and the KV blocks still in use on every worker once idle
 (leaks). Not in CI: it runs for as long as asked.
 """
@@ -70,18 +71,25 @@ async def _soak(args, stack) -> dict:
         sent.append((at, sample))
         return sample
 
-    rss: list[tuple[float, dict[str, float]]] = []
+    rss: list[tuple[float, dict[str, float]]] = []  # resident set, as `ps` shows it
+    private: list[tuple[float, dict[str, float]]] = []  # USS + swap: what the process owns, even swapped out
+
+    def measure() -> None:
+        now = time.monotonic() - start
+        full = {n: p.memory_full_info() for n, p in procs.items()}
+        rss.append((now, {n: round(m.rss / 2**20, 1) for n, m in full.items()}))
+        private.append((now, {n: round((m.uss + m.swap) / 2**20, 1) for n, m in full.items()}))
 
     async def watch():
         while True:
-            rss.append((time.monotonic() - start, {n: round(p.memory_info().rss / 2**20, 1) for n, p in procs.items()}))
+            measure()
             await asyncio.sleep(args.window_s)
 
     watcher = asyncio.create_task(watch())
     n = max(1, round(rate * args.minutes * 60))
     await open_loop(send, items(n, args.seed + 1), rate=rate, seed=args.seed)
     watcher.cancel()
-    rss.append((time.monotonic() - start, {n: round(p.memory_info().rss / 2**20, 1) for n, p in procs.items()}))
+    measure()
     windows = []
     for w in range(int(max(at for at, _ in sent) // args.window_s) + 1):
         batch = [s for at, s in sent if w * args.window_s <= at < (w + 1) * args.window_s]
@@ -90,7 +98,8 @@ async def _soak(args, stack) -> dict:
                         "output_tok_s": round(sum(s.tokens for s in ok) / args.window_s, 2),
                         "ttft_ms_p50": round(percentile([s.ttft for s in ok], 50) * 1e3, 1),
                         "ttft_ms_p99": round(percentile([s.ttft for s in ok], 99) * 1e3, 1)})
-    steady = [(t, r) for t, r in rss if t >= args.window_s] or rss
+    # RSS alone falls when a busy machine swaps pages out; the slope is of USS + swap
+    steady = [(t, r) for t, r in private if t >= args.window_s] or private
     leaked, idle_s = await wait_idle(stack, 90)
     all_samples = [s for _, s in sent]
     return {
@@ -102,10 +111,11 @@ async def _soak(args, stack) -> dict:
         "ttft_ms_p50": round(percentile([s.ttft for s in all_samples if s.ok], 50) * 1e3, 1),
         "ttft_ms_p99": round(percentile([s.ttft for s in all_samples if s.ok], 99) * 1e3, 1),
         "rss_mib_start": rss[0][1], "rss_mib_end": rss[-1][1],
-        "rss_mib_per_hour": {name: None if (v := slope_per_hour([(t, r[name]) for t, r in steady])) is None
-                             else round(v, 1) for name in procs},
+        "private_mib_start": private[0][1], "private_mib_end": private[-1][1],
+        "private_mib_per_hour": {name: None if (v := slope_per_hour([(t, r[name]) for t, r in steady])) is None
+                                 else round(v, 1) for name in procs},
         "leaked_blocks": sum(max(0, v) for v in leaked.values()), "blocks_in_use_when_idle": leaked,
-        "idle_after_s": round(idle_s, 1), "windows": windows, "rss_mib": rss,
+        "idle_after_s": round(idle_s, 1), "windows": windows, "rss_mib": rss, "private_mib": private,
     }
 
 
@@ -129,7 +139,7 @@ def run(args) -> int:
         for w in result["windows"]:
             print(f"t={w['t_s']:>6.0f}s sent {w['sent']:>4} completed {w['completed']:>4} "
                   f"{w['output_tok_s']:>7.1f} tok/s TTFT p50 {w['ttft_ms_p50']:.0f} p99 {w['ttft_ms_p99']:.0f} ms")
-        print(f"RSS MiB per hour: {result['rss_mib_per_hour']}; leaked blocks {result['leaked_blocks']}; "
+        print(f"USS + swap, MiB per hour: {result['private_mib_per_hour']}; leaked blocks {result['leaked_blocks']}; "
               f"completed {result['completed']}/{result['requests']}, other {result['other']}")
     return 0
 
