@@ -44,6 +44,16 @@ def start_up(*args: str) -> tuple[subprocess.Popen, list[str], threading.Event]:
     return proc, lines, up
 
 
+def ctrl_c(proc: subprocess.Popen) -> int:
+    """Stop `pdserve up` as a user does (SIGINT to its process group); its exit status."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        return proc.wait(90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
 def test_up_serves_grpc_and_http_then_stops_on_ctrl_c():
     http_port, grpc_port, router_port = _free_port(), _free_port(), _free_port()
     proc, lines, up = start_up("--port", str(http_port), "--grpc-port", str(grpc_port),
@@ -83,12 +93,7 @@ def test_up_serves_grpc_and_http_then_stops_on_ctrl_c():
                     text += choices[0].get("delta", {}).get("content") or ""
         assert done and "Paris" in text
     finally:
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
-        try:
-            rc = proc.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+        rc = ctrl_c(proc)
     assert rc == 0, "\n".join(lines[-40:])
     assert "[pdserve] stopped" in "\n".join(lines)
     # every child is gone with it

@@ -7,14 +7,13 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.services.test_up import _free_port, start_up
+from tests.services.test_up import _free_port, ctrl_c, start_up
 
 pytestmark = pytest.mark.slow
 
@@ -71,10 +70,5 @@ def test_a_decode_worker_killed_under_up_is_restarted_and_its_streams_finish():
         text, done, error = _stream(http_port, "What is the capital of France?", 12)
         assert done and not error and "Paris" in text
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            rc = proc.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+        rc = ctrl_c(proc)
     assert rc == 0, "\n".join(lines[-40:])
