@@ -43,6 +43,7 @@ class Process:
         self.echo = echo  # (name, line) for every output line; None keeps them quiet
         self.env = env  # extra environment (a fault-injection setting, ...)
         self.started_at = 0.0  # time.monotonic() of the last start
+        self.cwd: str | os.PathLike | None = None
         self.proc: subprocess.Popen | None = None
         self.lines: list[str] = []  # the last 200 lines
         self.ready = threading.Event()
@@ -51,14 +52,15 @@ class Process:
         self.metrics: str | None = None
         self.trouble: list[str] = []  # WARNING / ERROR / Traceback lines seen
 
-    def start(self, env: dict | None = None) -> None:
+    def start(self, env: dict | None = None, cwd: str | os.PathLike | None = None) -> None:
         # Every address is given as a flag; a PDSERVE_PORT meant for `pdserve up` must not reach them all.
         env = env_defaults.without_per_process(env or os.environ)
         self.ready.clear()
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=dict(env, **(self.env or {}), PYTHONUNBUFFERED="1"), bufsize=1,
-                                     start_new_session=True)
+                                     start_new_session=True, cwd=cwd)
+        self.cwd = cwd
         threading.Thread(target=self._pump, args=(self.proc,), daemon=True, name=f"out-{self.name}").start()
 
     def restart(self) -> None:
@@ -68,7 +70,7 @@ class Process:
         if self.address and "--port" in self.argv and not self.name.startswith(("prefill", "decode")):
             i = self.argv.index("--port")
             self.argv = [*self.argv[:i + 1], self.address.rsplit(":", 1)[1], *self.argv[i + 2:]]
-        self.start()
+        self.start(cwd=self.cwd)
 
     def _pump(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
