@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from kvtransfer.faults import TransferFaults
-from services.errors import TransferError
+from kvtransfer.errors import TransferError
 from tests.kvtransfer.test_kvtransfer_loopback import _pair
 
 pytestmark = pytest.mark.timeout(30)
