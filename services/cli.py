@@ -34,6 +34,8 @@ BENCHES = {
     "loadtools": "services.bench.loadtools",
     "frontdoor": "services.gateway.frontdoor_bench",
     "startup": "services.bench.startup",
+    "chaos": "services.bench.chaos",
+    "soak": "services.bench.soak",
 }
 
 

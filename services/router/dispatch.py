@@ -59,6 +59,9 @@ class DispatchConfig:
     # No decode worker has room for the prompt's KV right now: wait (backing off) this long for
     # running requests to finish before answering RESOURCE_EXHAUSTED. Waiting is not an attempt.
     capacity_wait_s: float = 30.0
+    # No decode worker is ready (one restarting, heartbeats missed under load): wait this long for one
+    # to come back before answering UNAVAILABLE (capped by capacity_wait_s).
+    no_worker_wait_s: float = 10.0
     disaggregation: str = "auto"  # auto (conditional) | always | never
 
     def __post_init__(self) -> None:
@@ -83,16 +86,17 @@ class _Served:
 class _AttemptFailed(Exception):
     """``blame`` is the worker to avoid next time (None: nobody in particular)."""
 
-    def __init__(self, error: PdserveError, blame: WorkerInfo | None, retryable: bool = True):
+    def __init__(self, error: PdserveError, blame: WorkerInfo | None, retryable: bool = True, wait: bool = False):
         super().__init__(error.message)
         self.error = error
         self.blame = blame
         self.retryable = retryable
+        self.wait = wait  # a moment without decode workers (restarting, missed heartbeats): wait like no room
 
     @property
     def no_room(self) -> bool:
-        """Every decode worker is full for now: wait, it is nobody's fault."""
-        return isinstance(self.error, CapacityError) and self.retryable
+        """Every decode worker is full (or gone) for now: wait, it is nobody's fault."""
+        return (self.wait or isinstance(self.error, CapacityError)) and self.retryable
 
 
 class _PrefillFailed(Exception):
@@ -158,6 +162,7 @@ class Dispatcher:
         outcome = "error"
         attempt = 0
         waited_until = time.monotonic() + self.config.capacity_wait_s
+        no_worker_until = time.monotonic() + min(self.config.no_worker_wait_s, self.config.capacity_wait_s)
         backoff = 0.02
         try:
             while attempt < self.config.max_attempts:
@@ -209,7 +214,8 @@ class Dispatcher:
                     raise _AttemptFailed(NoWorkerError("the decode worker ended its stream without a finish"),
                                          None)
                 except _AttemptFailed as failed:
-                    if failed.no_room and time.monotonic() + backoff < waited_until:
+                    if failed.no_room and time.monotonic() + backoff < (no_worker_until if failed.wait
+                                                                         else waited_until):
                         attempt -= 1  # same attempt number: its worker request id was never used
                         await asyncio.sleep(backoff)
                         backoff = min(backoff * 2, 0.5)
@@ -233,7 +239,7 @@ class Dispatcher:
                        avoid_prefill: set[str], avoid_decode: set[str], results_to: str = ""):
         decode_workers = self.pool.decode_workers()
         if not decode_workers:
-            raise _AttemptFailed(NoWorkerError("no decode worker is ready"), None, retryable=False)
+            raise _AttemptFailed(NoWorkerError("no decode worker is ready"), None, wait=True)
         sample = decode_workers[0]
         block_size, namespace = sample.block_size, sample.namespace
         if len(prompt) >= sample.max_model_len:
@@ -372,7 +378,8 @@ class Dispatcher:
 
     def _abort_quietly(self, stub, request_id: str, metadata) -> None:
         """Free a reservation nobody will claim (best effort: unclaimed ones also expire)."""
-        task = asyncio.create_task(stub.Abort(worker_pb2.AbortRequest(request_id=request_id), metadata=metadata))
+        # a grpc.aio call is awaitable but not a coroutine: create_task would raise TypeError
+        task = asyncio.ensure_future(stub.Abort(worker_pb2.AbortRequest(request_id=request_id), metadata=metadata))
         self._background.add(task)
         task.add_done_callback(lambda t: self._background.discard(t) or t.cancelled() or t.exception())
 
