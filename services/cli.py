@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     from services.engine import gpu_bench
     from services.gateway import bench as serve_bench
     from services.router import bench as routing_bench
+    from services.sim import bench as sim_bench
 
     engine_bench.add_parser(bench_sub)
     kvtransfer_bench.add_parser(bench_sub)
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_bench.add_parser(bench_sub)
     loadtools_bench.add_parser(bench_sub)
+    sim_bench.add_parser(bench_sub)
     for bench_parser in bench_sub.choices.values():
         result_files.add_save_argument(bench_parser)
     return parser
