@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     gateway_server.add_parser(sub)
     client.add_parser(sub)
     deadletters_cli.add_parser(sub)
+    from services.planner import cli as planner_cli
+
+    planner_cli.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks that run pdserve and a baseline side by side")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     from kvtransfer import bench as kvtransfer_bench

@@ -97,11 +97,11 @@ class Planner:
     config: PlannerConfig
     capacity: Capacity
     _below_since: dict = field(default_factory=dict)
-    _last_traffic: float = 0.0
+    _last_traffic: float | None = None  # idle is counted from the first decision
 
     def decide(self, s: Signals) -> Decision:
         c, cap = self.config, self.capacity
-        if s.requests_in_window or s.queued_prefill_tokens or s.running_seqs:
+        if self._last_traffic is None or s.requests_in_window or s.queued_prefill_tokens or s.running_seqs:
             self._last_traffic = s.now
         if s.now - self._last_traffic >= c.idle_to_zero_s:
             self._below_since.clear()

@@ -86,3 +86,11 @@ def test_bad_planner_config_is_refused():
         PlannerConfig(boost=0.5)
     with pytest.raises(ValueError):
         Capacity(0, 1, 1)
+
+
+def test_idle_time_counts_from_the_first_decision():
+    """A live planner's clock is the host's (large at start): no traffic yet is not idle yet."""
+    p = planner(idle_to_zero_s=600)
+    assert p.decide(signals(50_000, reqs=0)).decode >= 1
+    assert p.decide(signals(50_599, reqs=0)).decode >= 1
+    assert p.decide(signals(50_600, reqs=0)).decode == 0
