@@ -129,18 +129,18 @@ def read_aiperf(out: Path) -> dict:
 
 
 async def pdserve_block(url: str, model: str, args, seed: int) -> dict:
-    """pdserve's own generator (``pdserve bench serve``'s) on the same load."""
-    import httpx
+    """pdserve's own generator (the one every serving bench shares) on the same load."""
+    from urllib.parse import urlsplit
 
-    from services.gateway.bench import prompts, run_path, via_gateway
+    from services.bench.load import OpenAIClient, OpenAIRequest, open_loop
+    from services.gateway.bench import prompts
 
     words = max(1, round(args.prompt_tokens / 1.3))  # bench serve's prompts run ~1.3 tokens a word
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
-    async with httpx.AsyncClient(limits=limits) as client:
-        samples, wall = await run_path(lambda p: via_gateway(client, url, model, p, args.output_tokens,
-                                                             extra={"ignore_eos": True}),
-                                       prompts(seed, args.requests, words), args.rate, seed,
-                                       poisson=args.arrivals == "poisson")
+    where = urlsplit(url)
+    client = OpenAIClient(where.hostname, where.port, model)
+    items = [OpenAIRequest("completion", p, args.output_tokens, extra={"ignore_eos": True})
+             for p in prompts(seed, args.requests, words)]
+    samples, wall = await open_loop(client.send, items, args.rate, seed, poisson=args.arrivals == "poisson")
     ok = [s for s in samples if s.ok]
     return {"requests": len(samples), "failed": len(samples) - len(ok),
             "ttft_ms": pct([s.ttft for s in ok], 50) * 1e3, "itl_ms": pct([g for s in ok for g in s.gaps], 50) * 1e3,

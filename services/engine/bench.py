@@ -89,10 +89,10 @@ def hf_decode_b1(model, prompt: list[int], n: int, pad_id: int) -> float:
 
 
 # ---- llama.cpp (optional) --------------------------------------------------
-def llama_cpp_columns(gguf_path: str, workload, prompt: list[int], n: int) -> dict[str, float]:
+def llama_cpp_columns(gguf_path: str, workload, prompt: list[int], n: int, threads: int) -> dict[str, float]:
     from llama_cpp import Llama
 
-    llm = Llama(model_path=gguf_path, n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
+    llm = Llama(model_path=gguf_path, n_ctx=1024, n_threads=threads, verbose=False)
 
     def gen(p, k):
         llm.reset()
@@ -112,6 +112,24 @@ def llama_cpp_columns(gguf_path: str, workload, prompt: list[int], n: int) -> di
     for p, o in workload:
         gen(p, o)
     return {"llama_cpp_tok_s": sum(o for _, o in workload) / (time.perf_counter() - t), "llama_cpp_decode_b1_tok_s": b1}
+
+
+def isolated_llama_cpp_columns(gguf_path: str, workload, prompt: list[int], n: int) -> dict:
+    """llama.cpp's columns from a child process: a llama-cpp-python build that crashes (one
+    compiled on this machine segfaulted in llama_decode) costs its column, not the whole run."""
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    import multiprocessing
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(llama_cpp_columns, gguf_path, workload, prompt, n, torch.get_num_threads()).result()
+        except BrokenProcessPool:
+            why = "its process died (a crash inside llama-cpp-python)"
+        except Exception as e:  # noqa: BLE001 - an optional baseline's failure is reported, not raised
+            why = f"{type(e).__name__}: {e}"
+    _log(f"llama.cpp column left out: {why}")
+    return {"llama_cpp_error": why}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,8 +175,8 @@ def run(args: argparse.Namespace) -> int:
     }
     if importlib.util.find_spec("llama_cpp") is not None and args.model is None:
         _log("llama.cpp (sequential; no batching in its Python API)")
-        lc = llama_cpp_columns(str(default_model_path()), workload, b1_prompt, args.decode_tokens)
-        result.update({k: round(v, 1) for k, v in lc.items()})
+        lc = isolated_llama_cpp_columns(str(default_model_path()), workload, b1_prompt, args.decode_tokens)
+        result.update({k: round(v, 1) if isinstance(v, float) else v for k, v in lc.items()})
     result_files.save("engine", result, args)
     if args.json:
         print(json.dumps(result))

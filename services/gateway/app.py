@@ -24,6 +24,7 @@ from services.gateway.body_limit import BodyLimitMiddleware
 from services.gateway.core import GatewayCore
 from services.gateway.http_admission import admit
 from services.gateway.http_errors import ErrorBoundaryMiddleware, install_handlers
+from services.gateway.http_metrics import HttpMetricsMiddleware
 from services.gateway.info_routes import info_router
 from services.gateway.protocol import GenerationRequest
 from services.gateway.request_record import CHAT, COMPLETION
@@ -39,6 +40,7 @@ def create_app(core: GatewayCore) -> FastAPI:
     install_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=core.config.max_body_bytes)
     app.add_middleware(ErrorBoundaryMiddleware)
+    app.add_middleware(HttpMetricsMiddleware)  # added last: outermost, counts the others' answers too
     app.include_router(info_router(core))
     app.include_router(responses_router(core, ResponseStore(core.redis, core.config.response_ttl_s)))
 

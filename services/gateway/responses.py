@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from services.errors import PdserveError, RequestAbortedError
 from services.gateway import metrics, sse
 from services.gateway.core import HEARTBEAT, GatewayCore
-from services.gateway.http_errors import error_body, error_response, event_error
+from services.gateway.http_errors import as_pdserve, error_body, error_response, event_error
 from services.gateway.openai_format import ResponseAggregate, StreamFormatter
 from services.gateway.request_record import COMPLETION, RequestRecord
 from services.queue.results import CHUNK, ERROR, FINAL
@@ -119,6 +119,7 @@ async def sse_events(core: GatewayCore, record: RequestRecord, resume: sse.Resum
             yield sse.done(position)
     except Exception as exc:  # the status line is gone: the error becomes an event
         outcome = metrics.outcome_of(exc)
+        exc = as_pdserve(exc)  # Redis trouble is a 503 event, not a traceback per stream
         if not isinstance(exc, PdserveError):
             log.exception("request %s: stream failed", rid)
         for payload in fmt.failure(error_body(exc)):

@@ -188,13 +188,18 @@ def responses_router(core: GatewayCore, store: ResponseStore) -> APIRouter:
 
 
 async def _stored_after(core: GatewayCore, body, builder: ResponseEvents, keep):
-    """The stream, then the response as it ended kept (on its own task: a client gone mid-stream
-    cancels this generator, and its request is cancelled too)."""
+    """The stream, with the response kept as it ended before the event that ends it is sent (a client that
+    retrieves it right after the stream sees the final state); when the stream stops early, kept on its own
+    task (a client gone mid-stream cancels this generator, and its request is cancelled too)."""
+    kept = False
     try:
         async for chunk in body:
+            if not kept and builder.response["status"] != "in_progress":
+                await keep(builder)
+                kept = True
             yield chunk
     finally:
-        if builder.response["status"] == "in_progress":
-            builder.snapshot("cancelled")
-        core.spawn(keep(builder))
-
+        if not kept:
+            if builder.response["status"] == "in_progress":
+                builder.snapshot("cancelled")
+            core.spawn(keep(builder))
