@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         policies = experiments.run_policies(profile, requests, prefill, args.workers - prefill, slo)
         result["policies"] = policies
         result["wall_s"] = policies["kv-aware"]["wall_s"]
+        result["cpu_s"] = policies["kv-aware"]["cpu_s"]
         result["hit_rate_ratio_kv_vs_rr"] = ratio(policies["kv-aware"]["hit_rate"], policies["round-robin"]["hit_rate"])
         result["goodput_ratio_kv_vs_rr"] = ratio(policies["kv-aware"]["goodput_rps"],
                                                  policies["round-robin"]["goodput_rps"])
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-HEADLINE = ("workers", "requests", "wall_s", "hit_rate_ratio_kv_vs_rr", "goodput_ratio_kv_vs_rr",
+HEADLINE = ("workers", "requests", "wall_s", "cpu_s", "hit_rate_ratio_kv_vs_rr", "goodput_ratio_kv_vs_rr",
             "autoscale_slo_attainment", "autoscale_worker_hours_vs_static", "validation")
 
 

@@ -33,10 +33,14 @@ def _log(msg: str) -> None:
 def scale_workload(seed: int, profile: WorkerProfile, workers: int, requests: int, per_worker_rate: float):
     """``requests`` requests from the four-pattern mix at a load proportional to ``workers``."""
     rate = per_worker_rate * workers
-    # ~2.4 requests per session with the default mix; a little longer than needed, then cut
+    # ~2.4 requests per session with the default mix; a little longer than needed, then cut (a small
+    # run's session count varies more: lengthen until there are enough)
     duration = requests / (rate * 2.4) * 1.15
-    reqs = WorkloadGenerator(seed, profile.block_size).sessions(ArrivalShape(rate=rate, duration_s=duration))
-    return reqs[:requests]
+    while True:
+        reqs = WorkloadGenerator(seed, profile.block_size).sessions(ArrivalShape(rate=rate, duration_s=duration))
+        if len(reqs) >= requests:
+            return reqs[:requests]
+        duration *= 1.25 * requests / max(len(reqs), 1)
 
 
 def run_policies(profile: WorkerProfile, requests, prefill: int, decode: int, slo: SLO,
@@ -45,15 +49,18 @@ def run_policies(profile: WorkerProfile, requests, prefill: int, decode: int, sl
     for name in policies:
         policy, options = POLICY_VARIANTS[name]
         reqs = copy.deepcopy(requests)
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         sim = ClusterSim(ClusterConfig(profile, prefill, decode, policy=policy, policy_options=options,
                                        disaggregation=disaggregation, **config), reqs).run()
         wall = time.perf_counter() - started
         summary = summarize(sim, slo)
         summary["wall_s"] = round(wall, 2)
+        # CPU seconds this process got: on a machine shared with other jobs, wall time overstates the cost
+        summary["cpu_s"] = round(time.process_time() - cpu, 2)
         summary["series"] = sim.series
         out[name] = summary
-        _log(f"{name}: {len(reqs)} requests on {prefill}+{decode} workers in {wall:.1f} s wall: "
+        _log(f"{name}: {len(reqs)} requests on {prefill}+{decode} workers in {wall:.1f} s wall "
+             f"({summary['cpu_s']:.1f} s CPU): "
              f"hit rate {summary['hit_rate']}, p99 TTFT {summary['ttft_s']['p99']} s, "
              f"goodput {summary['goodput_rps']} req/s")
     return out

@@ -122,3 +122,38 @@ def test_bad_configuration_is_a_clear_error():
         load_profile("tpu")
     with pytest.raises(ValueError):
         ArrivalShape(rate=0, duration_s=10)
+
+
+def test_bench_sim_command_prints_the_headline_and_writes_plots_and_results(tmp_path):
+    """``pdserve bench sim --json`` end to end at a small size: the acceptance keys, PNGs, the result file."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "bench", "sim", "--workers", "8", "--requests", "300",
+         "--parts", "policies,validation,autoscale", "--period-s", "300", "--autoscale-rate", "0.2",
+         "--static-sizes", "2,4", "--planner-targets", "0.6", "--threshold-targets", "0.7", "--json",
+         "--plots", str(tmp_path / "plots"), "--save", str(tmp_path / "results")],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    for key in ("workers", "requests", "wall_s", "hit_rate_ratio_kv_vs_rr", "goodput_ratio_kv_vs_rr",
+                "autoscale_slo_attainment", "autoscale_worker_hours_vs_static", "validation"):
+        assert key in out, key
+    assert (out["workers"], out["requests"]) == (8, 300)
+    assert set(out["policies"]) == {"round-robin", "least-load", "kv-aware", "kv-aware-lb"}
+    assert set(out["validation"]["real"]) == set(out["validation"]["sim"])
+    pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert pngs and all((tmp_path / "plots" / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
+    saved = list((tmp_path / "results").glob("sim-*.json"))
+    assert len(saved) == 1
+
+
+def test_bench_sim_rejects_an_unknown_part():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "bench", "sim", "--parts", "policies,nope"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "unknown parts ['nope']" in proc.stderr
