@@ -41,6 +41,10 @@ def run(args: argparse.Namespace) -> int:
     unknown = parts - set(PARTS)
     if unknown:
         raise ValueError(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    unknown = set(args.policies) - set(experiments.POLICY_VARIANTS)
+    if unknown or not {"kv-aware", "round-robin"} <= set(args.policies):
+        raise ValueError(f"--policies must include kv-aware and round-robin (the headline ratios) and name only "
+                         f"{', '.join(experiments.POLICY_VARIANTS)}")
     if args.workers < 2 or args.requests < 1:
         raise ValueError("--workers must be >= 2 and --requests >= 1")
     profile = load_profile(args.profile, args.calibration)
@@ -53,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         result["requests"] = len(requests)
     if "policies" in parts:
         prefill = max(1, round(args.workers * args.prefill_share))
-        policies = experiments.run_policies(profile, requests, prefill, args.workers - prefill, slo)
+        policies = experiments.run_policies(profile, requests, prefill, args.workers - prefill, slo,
+                                            policies=args.policies)
         result["policies"] = policies
         result["wall_s"] = policies["kv-aware"]["wall_s"]
         result["cpu_s"] = policies["kv-aware"]["cpu_s"]
@@ -155,6 +160,9 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated parts to run ({', '.join(PARTS)})")
     p.add_argument("--workers", type=int, default=1000, help="workers in the policy comparison")
+    p.add_argument("--policies", type=lambda text: [x for x in text.split(",") if x],
+                   default=list(experiments.POLICY_VARIANTS),
+                   help=f"policies compared ({', '.join(experiments.POLICY_VARIANTS)})")
     p.add_argument("--prefill-share", type=float, default=0.25, help="share of the workers that prefill")
     p.add_argument("--requests", type=int, default=100_000)
     p.add_argument("--rate-per-worker", type=float, default=0.3, help="session starts per second per worker")

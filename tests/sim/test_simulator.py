@@ -150,10 +150,13 @@ def test_bench_sim_command_prints_the_headline_and_writes_plots_and_results(tmp_
     assert len(saved) == 1
 
 
-def test_bench_sim_rejects_an_unknown_part():
+def test_bench_sim_rejects_an_unknown_part_or_policy_set():
     import subprocess
     import sys
 
     proc = subprocess.run([sys.executable, "-m", "services.cli", "bench", "sim", "--parts", "policies,nope"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "unknown parts ['nope']" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "bench", "sim", "--policies", "kv-aware"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--policies must include kv-aware and round-robin" in proc.stderr
