@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
 
     from services.engine.engine import Engine
     from services.engine.kv_cache import dtype_from_name
-    from services.engine.loader import default_model_path
+    from services.engine.model_source import default_model_path
 
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=args.max_num_batched_tokens))
