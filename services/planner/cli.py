@@ -26,6 +26,7 @@ def _capacity(args) -> Capacity:
 async def _main(args) -> int:
     config = PlannerConfig(target_utilisation=args.target_utilisation, kv_target=args.kv_target,
                            lag_target_s=args.lag_target_s, slo_target=args.slo_target,
+                           slo_min_requests=args.slo_min_requests,
                            down_after_s=args.down_after_s, warm_fraction=args.warm_fraction,
                            idle_to_zero_s=args.idle_to_zero_s, min_prefill=args.min_prefill,
                            min_decode=args.min_decode, max_workers=args.max_workers)
@@ -94,6 +95,8 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-target", type=float, default=0.7)
     p.add_argument("--lag-target-s", type=float, default=1.0)
     p.add_argument("--slo-target", type=float, default=0.99)
+    p.add_argument("--slo-min-requests", type=int, default=20,
+                   help="judge a window's SLO attainment only with at least this many requests in it")
     p.add_argument("--down-after-s", type=float, default=300.0, help="hysteresis before scaling down")
     p.add_argument("--warm-fraction", type=float, default=0.1)
     p.add_argument("--idle-to-zero-s", type=float, default=900.0)

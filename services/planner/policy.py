@@ -72,6 +72,7 @@ class PlannerConfig:
     kv_target: float = 0.7
     lag_target_s: float = 1.0
     slo_target: float = 0.99
+    slo_min_requests: int = 20  # fewer in a window: its attainment is noise (one slow request of 5 is 80%)
     boost: float = 1.25
     down_after_s: float = 300.0
     down_step: float = 0.1
@@ -114,10 +115,11 @@ class Planner:
             reasons.append(f"queue lag {lag_s:.1f} s")
         decode = max(math.ceil(s.kv_blocks_used / (cap.kv_blocks * c.kv_target)),
                      math.ceil(s.running_seqs / (cap.max_num_seqs * c.target_utilisation)))
-        if s.ttft_attainment is not None and s.ttft_attainment < c.slo_target:
+        judged = s.requests_in_window >= c.slo_min_requests
+        if judged and s.ttft_attainment is not None and s.ttft_attainment < c.slo_target:
             prefill = max(prefill, math.ceil(s.prefill_workers * c.boost))
             reasons.append(f"TTFT attainment {s.ttft_attainment:.3f}")
-        if s.itl_attainment is not None and s.itl_attainment < c.slo_target:
+        if judged and s.itl_attainment is not None and s.itl_attainment < c.slo_target:
             decode = max(decode, math.ceil(s.decode_workers * c.boost))
             reasons.append(f"ITL attainment {s.itl_attainment:.3f}")
         prefill = self._hysteresis("prefill", s.now, s.prefill_workers, max(prefill, c.min_prefill))

@@ -24,11 +24,12 @@ import asyncio
 import json
 import logging
 import signal
+import subprocess
 import sys
 import time
 
 from services.launcher import Process, _cli
-from services.planner.policy import Capacity, Decision, Planner, PlannerConfig
+from services.planner.policy import Decision, Planner
 from services.planner.signals import SignalReader, Snapshot
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class LocalActuator(EmitActuator):
                 if p.proc is not None:
                     try:
                         p.proc.wait(30)
-                    except Exception:
+                    except subprocess.TimeoutExpired:
                         p.signal(signal.SIGKILL)
 
 
@@ -126,6 +127,6 @@ async def run_loop(reader: SignalReader, planner: Planner, actuator, interval_s:
             break
         try:
             await asyncio.wait_for(stopping.wait(), interval_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
     return records

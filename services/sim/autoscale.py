@@ -12,7 +12,13 @@ every worker that holds a machine: starting, serving, draining and warm standby.
 
 from __future__ import annotations
 
-from services.planner.policy import Capacity, Planner, PlannerConfig, Signals, ThresholdRule
+from services.planner.policy import (
+    Capacity,
+    Planner,
+    PlannerConfig,
+    Signals,
+    ThresholdRule,
+)
 from services.sim.metrics import SLO, itl, ttft
 from services.sim.profiles import WorkerProfile
 

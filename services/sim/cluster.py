@@ -124,7 +124,7 @@ class ClusterSim:
         self.index.apply(worker_id, runs)
 
     # ---- requests -----------------------------------------------------------------------
-    def run(self, until: float = float("inf")) -> "ClusterSim":
+    def run(self, until: float = float("inf")) -> ClusterSim:
         if self.config.closed_loop:
             for _ in range(min(self.config.closed_loop, len(self.requests))):
                 self._issue()

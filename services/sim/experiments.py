@@ -14,7 +14,11 @@ from services.sim.autoscale import SimAutoscaler
 from services.sim.cluster import ClusterConfig, ClusterSim
 from services.sim.metrics import SLO, summarize
 from services.sim.profiles import WorkerProfile
-from services.sim.workloads import ArrivalShape, WorkloadGenerator, routing_bench_workload
+from services.sim.workloads import (
+    ArrivalShape,
+    WorkloadGenerator,
+    routing_bench_workload,
+)
 
 # The comparison's policies: name -> (router policy, its options). "kv-aware-lb" is kv-aware that
 # weighs queued work as much as computed work and samples near-ties (several routers' setting).

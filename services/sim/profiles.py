@@ -70,7 +70,7 @@ class WorkerProfile:
         last = min(tokens, self.transfer_chunk_tokens)
         return self.transfer_latency_s + last * self.kv_bytes_per_token / self.transfer_bytes_per_s
 
-    def with_kv_blocks(self, kv_blocks: int) -> "WorkerProfile":
+    def with_kv_blocks(self, kv_blocks: int) -> WorkerProfile:
         fields = {k: v for k, v in self.__dict__.items()}
         fields["kv_blocks"] = kv_blocks
         return WorkerProfile(**fields)

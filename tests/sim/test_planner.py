@@ -2,7 +2,13 @@
 
 import pytest
 
-from services.planner.policy import Capacity, Planner, PlannerConfig, Signals, ThresholdRule
+from services.planner.policy import (
+    Capacity,
+    Planner,
+    PlannerConfig,
+    Signals,
+    ThresholdRule,
+)
 
 CAP = Capacity(prefill_tokens_per_s=10_000, kv_blocks=1000, max_num_seqs=100)
 
@@ -30,9 +36,16 @@ def test_queue_lag_adds_prefill_workers_at_once():
 
 
 def test_missed_slos_add_headroom():
-    d = planner(boost=1.5).decide(signals(0, prefill=4, decode=4, tokens_per_s=1000, ttft=0.9, itl=0.95))
+    d = planner(boost=1.5).decide(signals(0, prefill=4, decode=4, tokens_per_s=1000, ttft=0.9, itl=0.95, reqs=50))
     assert (d.prefill, d.decode) == (6, 6)
     assert "TTFT" in d.reason and "ITL" in d.reason
+
+
+def test_a_window_of_few_requests_is_not_judged_on_its_slos():
+    # 10 requests, one slow: 90% is noise, not a reason to add workers
+    d = planner(boost=1.5, slo_min_requests=20).decide(signals(0, prefill=4, decode=4, tokens_per_s=1000,
+                                                               ttft=0.9, itl=0.9, reqs=10))
+    assert (d.prefill, d.decode) == (4, 4) and "attainment" not in d.reason
 
 
 def test_scale_down_waits_then_steps():

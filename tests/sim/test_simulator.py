@@ -10,7 +10,12 @@ from services.sim.admission import SimAdmission
 from services.sim.cluster import ClusterConfig, ClusterSim
 from services.sim.metrics import SLO, summarize
 from services.sim.profiles import load_profile
-from services.sim.workloads import ArrivalShape, SimRequest, WorkloadGenerator, routing_bench_workload
+from services.sim.workloads import (
+    ArrivalShape,
+    SimRequest,
+    WorkloadGenerator,
+    routing_bench_workload,
+)
 
 SLO_ = SLO(2.0, 0.05)
 
