@@ -24,6 +24,7 @@ import time
 import torch
 
 from services.bench import results as result_files
+from services.bench.args import at_least_one
 from services.config import EngineConfig
 from services.engine.sampling_params import SamplingParams
 
@@ -192,27 +193,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_parser(sub) -> None:
     p = sub.add_parser("engine", help="engine throughput and batch-1 decode vs HF transformers",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--requests", type=_at_least_one, default=64)
+    p.add_argument("--requests", type=at_least_one, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hf-batch-size", type=_at_least_one, default=64,
+    p.add_argument("--hf-batch-size", type=at_least_one, default=64,
                    help="requests per HF generate call (default 64: HF's fastest here)")
-    p.add_argument("--decode-tokens", type=_at_least_one, default=128)
-    p.add_argument("--max-num-seqs", type=_at_least_one, default=128)
-    p.add_argument("--max-num-batched-tokens", type=_at_least_one, default=1024)
+    p.add_argument("--decode-tokens", type=at_least_one, default=128)
+    p.add_argument("--max-num-seqs", type=at_least_one, default=128)
+    p.add_argument("--max-num-batched-tokens", type=at_least_one, default=1024)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)

@@ -38,6 +38,7 @@ import time
 import torch
 
 from services.bench import results as result_files
+from services.bench.args import at_least_one
 from services.bench.stats import percentile, ratio
 from services.config import EngineConfig, SpeculativeConfig
 from services.engine.sampling_params import SamplingParams
@@ -242,30 +243,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_parser(sub) -> None:
     p = sub.add_parser("spec", help="n-gram speculative decoding on vs off (grounded and open-ended prompts)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--prompts", type=_positive, default=8, help="prompts per workload (at most 8)")
-    p.add_argument("--batches", type=_positive, nargs="+", default=[1, 8], help="batch sizes (default: 1 8)")
-    p.add_argument("--max-tokens", type=_positive, default=256, help="output tokens per request at most")
-    p.add_argument("--num-speculative-tokens", type=_positive, default=5)
-    p.add_argument("--prompt-lookup-max", type=_positive, default=4)
-    p.add_argument("--prompt-lookup-min", type=_positive, default=1)
-    p.add_argument("--cost-steps", type=_positive, default=16,
+    p.add_argument("--prompts", type=at_least_one, default=8, help="prompts per workload (at most 8)")
+    p.add_argument("--batches", type=at_least_one, nargs="+", default=[1, 8], help="batch sizes (default: 1 8)")
+    p.add_argument("--max-tokens", type=at_least_one, default=256, help="output tokens per request at most")
+    p.add_argument("--num-speculative-tokens", type=at_least_one, default=5)
+    p.add_argument("--prompt-lookup-max", type=at_least_one, default=4)
+    p.add_argument("--prompt-lookup-min", type=at_least_one, default=1)
+    p.add_argument("--cost-steps", type=at_least_one, default=16,
                    help="steps timed per draft length in the step-cost probe")
     p.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV cache per engine")
-    p.add_argument("--threads", type=_positive, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=at_least_one, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
