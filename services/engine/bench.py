@@ -118,9 +118,9 @@ def llama_cpp_columns(gguf_path: str, workload, prompt: list[int], n: int, threa
 def isolated_llama_cpp_columns(gguf_path: str, workload, prompt: list[int], n: int) -> dict:
     """llama.cpp's columns from a child process: a llama-cpp-python build that crashes (one
     compiled on this machine segfaulted in llama_decode) costs its column, not the whole run."""
+    import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
-    import multiprocessing
 
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         try:
