@@ -24,6 +24,7 @@ when the call ends, on every path.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from kvtransfer import Completion, PendingTransfer, Receiver, Sender, TransferDe
 from services.engine.async_engine import AsyncEngine
 from services.engine.outputs import RequestOutput, TokenLogprobs
 from services.engine.sampling_params import SamplingParams
+from services import phases
 from services.errors import TransferError
 
 
@@ -103,6 +105,7 @@ async def prefill_and_send(async_engine: AsyncEngine, sender: Sender,
     block_size = engine.config.block_size
     sent = 0
     prefilled = False
+    waited = 0.0  # awaiting the decode side's descriptor and the KV sends (compute goes on meanwhile)
     try:
         async for out in async_engine.generate(prompt, params, request_id=rid, priority=priority,
                                                prefill_only=True):
@@ -114,7 +117,9 @@ async def prefill_and_send(async_engine: AsyncEngine, sender: Sender,
             if not out.finished and ready == sent:
                 continue
             if desc is None:
+                waited_from = time.perf_counter()
                 desc = await target
+                waited += time.perf_counter() - waited_from
                 if desc.transfer_id != rid:
                     raise TransferError(f"descriptor is for {desc.transfer_id!r}, not {rid!r}")
             if len(blocks) != desc.num_blocks and out.finished:
@@ -125,9 +130,13 @@ async def prefill_and_send(async_engine: AsyncEngine, sender: Sender,
                 # the first token's logprobs travel with it: the decode side reports that token
                 logprobs = out.logprobs[0] if out.logprobs else None
                 meta = {"first_logprobs": logprobs.to_json()} if logprobs is not None else None
+                waited_from = time.perf_counter()
                 await sender.finish(desc, first, meta, blocks=blocks[sent:ready], dst_offset=sent)
+                waited += time.perf_counter() - waited_from
                 return PrefillResult(first, out.num_cached_tokens)
+            waited_from = time.perf_counter()
             await sender.send_blocks(desc, blocks[sent:ready], dst_offset=sent)
+            waited += time.perf_counter() - waited_from
             sent = ready
         raise TransferError(f"prefill of {rid} produced no result")
     except BaseException as exc:
@@ -135,6 +144,8 @@ async def prefill_and_send(async_engine: AsyncEngine, sender: Sender,
             await asyncio.shield(sender.abort(desc, f"prefill side failed: {exc}"))
         raise
     finally:
+        # one observation per request: the time this call waited on the descriptor and the sends
+        phases.observe("kv_transfer_wait", waited, role=async_engine.role)
         # a finished prefill-only request holds its blocks until released; an unfinished
         # one was aborted (and freed) when its stream closed
         if prefilled:

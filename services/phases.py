@@ -1,6 +1,7 @@
 """Where the time goes, always on: ``phase(name)`` times a block into ``pdserve_phase_seconds``.
 
-One histogram, labelled by ``role`` (prefill, decode, gateway, router) and ``phase``::
+One histogram, labelled by ``role`` (prefill, decode, gateway; ``engine`` for an engine
+run in-process) and ``phase``::
 
     prefill / decode engine loop, one observation per phase per iteration
         schedule  forward_prefill | forward_decode | forward_mixed  sample
@@ -8,7 +9,8 @@ One histogram, labelled by ``role`` (prefill, decode, gateway, router) and ``pha
         commands (adds/aborts between steps)  idle (nothing to run)
     decode, per request        kv_transfer_wait (reservation to the last KV byte)
     prefill, per request       kv_transfer_wait (prefill done to the last KV byte sent)
-    gateway, per request       admission  queue_wait  first_chunk
+    gateway, per request       admission  queue_wait  first_chunk  streaming (they tile its time
+                               there: services/gateway/metrics.py observe_phases)
 
 ``pdserve_engine_loop_seconds`` is the whole engine-loop iteration those step phases
 tile, so ``sum(phase sums) / loop sum`` says what share of the engine thread's wall time
@@ -24,6 +26,7 @@ in ``sys.modules``, never imported here: the gateway and router stay torch-free.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 from prometheus_client import Histogram
@@ -42,25 +45,26 @@ ENGINE_LOOP_SECONDS = Histogram("pdserve_engine_loop_seconds",
 
 STEP_PHASES = ("schedule", "forward_prefill", "forward_decode", "forward_mixed", "sample", "postprocess",
                "publish", "commands", "idle")
-REQUEST_PHASES = {"gateway": ("admission", "queue_wait", "first_chunk"), "decode": ("kv_transfer_wait",),
+REQUEST_PHASES = {"gateway": ("admission", "queue_wait", "first_chunk", "streaming"), "decode": ("kv_transfer_wait",),
                   "prefill": ("kv_transfer_wait",)}
 
-_role = "decode"  # set by the process (set_role); a worker is prefill or decode
+# The role label is per thread: a worker's engine thread says prefill or decode (AsyncEngine
+# sets it), so two engines in one process (tests, in-process benches) keep their own series.
+_local = threading.local()
 _children: dict[tuple[str, str], object] = {}
 
 
 def set_role(role: str) -> None:
-    """The ``role`` label of this process's phases (one role per process)."""
-    global _role
-    _role = role
+    """The ``role`` label of the phases this thread records (``engine`` until set)."""
+    _local.role = role
 
 
 def role() -> str:
-    return _role
+    return getattr(_local, "role", "engine")
 
 
 def _child(name: str, role_: str | None):
-    key = (role_ or _role, name)
+    key = (role_ or role(), name)
     child = _children.get(key)
     if child is None:  # labels() costs a lock and a dict lookup: once per (role, phase)
         child = _children[key] = PHASE_SECONDS.labels(*key)

@@ -147,7 +147,7 @@ class WorkerRuntime:
             # before the model: no Redis fails in seconds
             self.redis = await connect_redis(cfg.redis_url, name=f"pdserve-{cfg.role}")
             self.engine = await asyncio.to_thread(Engine, self.engine_config)
-            self.aengine = AsyncEngine(self.engine)
+            self.aengine = AsyncEngine(self.engine, role=cfg.role)
             if self._stop.is_set():  # stopped while the model loaded: never register
                 return
             await setup()

@@ -24,7 +24,7 @@ import grpc
 
 from kvtransfer import PendingTransfer, Receiver
 from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services import telemetry
+from services import phases, telemetry
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError
 from services.grpc_codec import abort_with, check_deadline, chunk_from_output, load_message, sampling_from_proto
@@ -158,6 +158,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     self.receiver.cancel(rid, "the decode call was cancelled")
                     raise
                 telemetry.KV_TRANSFER_SECONDS.labels(role="decode").observe(completion.seconds)
+                phases.observe("kv_transfer_wait", completion.seconds, role="decode")
                 telemetry.KV_TRANSFER_BYTES.labels(role="decode").inc(completion.nbytes)
                 claimed = True
                 outputs = decode_after_transfer(self.rt.aengine, rid, completion)

@@ -22,12 +22,15 @@ import logging
 import queue
 import sys
 import threading
+import time
 from typing import AsyncIterator, Callable
 
 from services.engine.engine import Engine
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
+from services import phases
 from services.errors import InvalidRequestError
+from services.phases import ENGINE_LOOP_SECONDS, phase
 
 _ids = itertools.count()
 log = logging.getLogger(__name__)
@@ -35,8 +38,9 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, role: str = "engine"):
         self.engine = engine
+        self.role = role  # the role label of this engine thread's phase metrics (prefill, decode)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -56,34 +60,49 @@ class AsyncEngine:
 
     # ---- engine thread --------------------------------------------------
     def _loop(self) -> None:
+        # Each iteration is timed whole (pdserve_engine_loop_seconds) and by phase: commands,
+        # publish, idle here, and the step's own phases inside Engine.step; their sums tile it.
+        phases.set_role(self.role)
+        loop_seconds = ENGINE_LOOP_SECONDS.labels(self.role)
         while not self._stopped:
-            while True:
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                try:
-                    command()
-                except Exception:  # a fire-and-forget command (call() reports its own errors)
-                    log.exception("engine command failed")
+            started = time.perf_counter()
+            with phase("commands"):
+                self._run_commands()
             # Outputs made between steps (a decode that starts from a transferred first
             # token, an abort) go out now, not after the next forward pass: that token is
             # the request's time to first token.
             self._publish(self.engine.take_pending_outputs())
             if not self.engine.has_unfinished():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
+                with phase("idle"):
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+            else:
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # a bug or device failure: fail the in-flight requests, keep serving
+                    log.exception("engine step failed")
+                    outputs = self._fail_all(f"engine step failed: {exc}")
+                self._publish(outputs)
+            loop_seconds.observe(time.perf_counter() - started)
+
+    def _run_commands(self) -> None:
+        while True:
             try:
-                outputs = self.engine.step()
-            except Exception as exc:  # a bug or device failure: fail the in-flight requests, keep serving
-                log.exception("engine step failed")
-                outputs = self._fail_all(f"engine step failed: {exc}")
-            self._publish(outputs)
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                command()
+            except Exception:  # a fire-and-forget command (call() reports its own errors)
+                log.exception("engine command failed")
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         if not outputs:
             return
+        with phase("publish"):
+            self._publish_now(outputs)
+
+    def _publish_now(self, outputs: list[RequestOutput]) -> None:
         if self.on_step is not None:
             try:
                 self.on_step(outputs)

@@ -37,8 +37,18 @@ from services.engine.scheduler import Scheduler, SchedulerConfig
 from services.engine.speculator import Speculator
 from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.errors import CapacityError, InvalidRequestError
+from services.phases import phase
 
 _CPU_KV_BYTES = 2 << 30
+
+
+def _forward_kind(scheduled) -> str:
+    """The phase name of a forward pass: all single-token rows (decodes, draft verification),
+    all prompt chunks, or both in one batch."""
+    decodes = sum(1 for s in scheduled if s.num_new_tokens == 1 or s.spec_token_ids)
+    if decodes == len(scheduled):
+        return "forward_decode"
+    return "forward_prefill" if decodes == 0 else "forward_mixed"
 
 
 class Engine:
@@ -189,26 +199,37 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
-        sched = self.scheduler.schedule()
+        with phase("schedule"):
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler.running)
+            sched = self.scheduler.schedule()
         if not sched:
             return outputs
-        sampled, logits = self.runner.execute(sched)
-        drafts: dict[str, list[int]] = {}
-        for s in sched.scheduled:
-            if s.spec_token_ids:  # computed once verified: only the accepted drafts count
-                drafts[s.request.request_id] = s.spec_token_ids
-                continue
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_computed_blocks(s.request)
+        with phase(_forward_kind(sched.scheduled)):
+            sampled, logits = self.runner.execute(sched)
+        drafts = {s.request.request_id: s.spec_token_ids for s in sched.scheduled if s.spec_token_ids}
+        with phase("sample"):
+            result = self._sample(sampled, logits, drafts)
+        with phase("postprocess"):
+            self._postprocess(sched, sampled, result, drafts, outputs)
+        return outputs
+
+    def _sample(self, sampled: list[Request], logits, drafts: dict[str, list[int]]) -> VerifiedOutput | None:
+        """Sample the rows that sample; a request with drafts gets them verified."""
         if not sampled:
-            result = None
-        elif drafts:
-            result = self.sampler.verify(logits, sampled, [drafts.get(r.request_id, ()) for r in sampled])
-        else:
-            one = self.sampler(logits, sampled)
-            result = VerifiedOutput([[t] for t in one.token_ids], [[lp] for lp in one.logprobs])
+            return None
+        if drafts:
+            return self.sampler.verify(logits, sampled, [drafts.get(r.request_id, ()) for r in sampled])
+        one = self.sampler(logits, sampled)
+        return VerifiedOutput([[t] for t in one.token_ids], [[lp] for lp in one.logprobs])
+
+    def _postprocess(self, sched, sampled: list[Request], result: VerifiedOutput | None,
+                     drafts: dict[str, list[int]], outputs: list[RequestOutput]) -> None:
+        """Mark the step's tokens computed, append sampled ones, finish requests, build outputs (detokenizing)."""
+        for s in sched.scheduled:
+            if not s.spec_token_ids:  # a verifying request's count grows by its accepted drafts, below
+                s.request.num_computed_tokens += s.num_new_tokens
+                self.kv.cache_computed_blocks(s.request)
         sampled_ids = {r.request_id for r in sampled}
         for s in sched.scheduled:  # prefill-only progress, for transfers that overlap compute
             req = s.request
@@ -233,7 +254,6 @@ class Engine:
             outputs.append(self._append_tokens(req, tokens, logprobs))
             if draft is not None:
                 self.speculator.record(req, len(draft), len(tokens) - 1)
-        return outputs
 
     def _append_tokens(self, req: Request, tokens: list[int],
                        logprobs: list[TokenLogprobs | None]) -> RequestOutput:

@@ -94,5 +94,6 @@ async def _generate(core: GatewayCore, request: Request, kind: str) -> Response:
     a = await admit(core, request, kind, parse)
     if a.req.stream:
         return stream_response(core, a.admission.record, a.resume_from, a.req.include_usage, kind, a.headers,
-                               a.measure)
-    return await json_response(core, request, a.admission.record, kind, a.headers, a.started)
+                               a.measure, a.admitted)
+    return await json_response(core, request, a.admission.record, kind, a.headers, a.started,
+                               admitted=a.admitted if a.measure is not None else None)

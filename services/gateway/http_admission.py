@@ -33,6 +33,7 @@ class Admitted:
     resume_from: str  # a fresh request streams from the start; a retry (Idempotency-Key) may resume
     started: float  # perf_counter at arrival
     measure: float | None  # ``started`` for a fresh request (its TTFT is measured), else None
+    admitted: float = 0.0  # perf_counter once queued (the end of the gateway's admission phase)
 
 
 async def admit(core: GatewayCore, request: Request, api: str, parse: Parser) -> Admitted:
@@ -60,4 +61,4 @@ async def admit(core: GatewayCore, request: Request, api: str, parse: Parser) ->
            **(admission.rate.headers() if admission.rate else {})}
     attached = admission.attached
     return Admitted(req, admission, tenant, out, last_id if attached else sse.START, started,
-                    None if attached else started)
+                    None if attached else started, time.perf_counter())

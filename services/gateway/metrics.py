@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter
 
-from services import telemetry
+from services import phases, telemetry
 from services.errors import CapacityError, NoWorkerError, PdserveError, RequestAbortedError
 from services.errors import AuthenticationError, RateLimitError
 from services.gateway.http_errors import as_pdserve
@@ -54,3 +54,22 @@ def observe_ttft(seconds: float) -> None:
 
 def observe_e2e(seconds: float) -> None:
     telemetry.E2E_LATENCY_SECONDS.labels("gateway").observe(seconds)
+
+
+def observe_phases(started: float, admitted: float, first_at: float | None, finished_at: float,
+                   final: dict) -> None:
+    """A completed request's phases, which tile its time in the gateway (perf_counter times)::
+
+        arrival --admission--> queued --queue_wait--> a router took it --first_chunk--> first chunk
+        sent --streaming--> terminal event sent
+
+    queue_wait is the router's own measure (``timings.queue_ms`` of the final event);
+    first_chunk is the rest up to the first chunk: routing, prefill, KV transfer, the
+    first decode step and the result hop back through Redis.
+    """
+    first_at = finished_at if first_at is None else first_at
+    queue_s = min(max(0.0, float((final.get("timings") or {}).get("queue_ms", 0.0)) / 1e3), first_at - admitted)
+    phases.observe("admission", admitted - started, role="gateway")
+    phases.observe("queue_wait", queue_s, role="gateway")
+    phases.observe("first_chunk", max(0.0, first_at - admitted - queue_s), role="gateway")
+    phases.observe("streaming", finished_at - first_at, role="gateway")

@@ -54,9 +54,11 @@ class EventFormatter(Protocol):
 
 async def sse_events(core: GatewayCore, record: RequestRecord, resume: sse.ResumePoint, fmt: EventFormatter,
                      api: str, started: float | None = None,
-                     prepare: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[bytes]:
+                     prepare: Callable[[], Awaitable[None]] | None = None,
+                     admitted: float | None = None) -> AsyncIterator[bytes]:
     """The SSE body: ``started`` (perf_counter at arrival) is given for a fresh request, to measure TTFT;
-    ``prepare`` runs first (inside the stream, so its failure is an error event too).
+    ``prepare`` runs first (inside the stream, so its failure is an error event too); ``admitted``
+    (perf_counter once queued) with ``started`` records the request's phases (metrics.observe_phases).
 
     Event ids follow sse.py: the events made from one result entry carry ``<entry>.<k>`` but
     the last, which carries ``<entry>``; a resume point inside an entry skips what was sent.
@@ -91,6 +93,7 @@ async def sse_events(core: GatewayCore, record: RequestRecord, resume: sse.Resum
                 position = sse.OPENING_ID
                 yield encode(payload, position)
         first = True
+        first_at = final = None
         events = core.follow(record, resume.after)
         async with contextlib.aclosing(events):
             async for entry_id, kind, data in events:
@@ -100,11 +103,13 @@ async def sse_events(core: GatewayCore, record: RequestRecord, resume: sse.Resum
                 if kind == CHUNK:
                     payloads = fmt.chunk(data)
                     if payloads and first and started is not None:
-                        metrics.observe_ttft(time.perf_counter() - started)
+                        first_at = time.perf_counter()
+                        metrics.observe_ttft(first_at - started)
                     first = first and not payloads
                 elif kind == FINAL:
                     payloads = fmt.final(data)
                     outcome = _final_outcome(data)
+                    final = data
                 elif kind == ERROR:
                     payloads = fmt.failure(error_body(event_error(data)))
                     outcome = "error"
@@ -114,7 +119,10 @@ async def sse_events(core: GatewayCore, record: RequestRecord, resume: sse.Resum
                     yield event
         finished = True
         if started is not None and outcome == "ok":
-            metrics.observe_e2e(time.perf_counter() - started)
+            now = time.perf_counter()
+            metrics.observe_e2e(now - started)
+            if admitted is not None:
+                metrics.observe_phases(started, admitted, first_at, now, final)
         if fmt.done:
             yield sse.done(position)
     except Exception as exc:  # the status line is gone: the error becomes an event
@@ -132,7 +140,8 @@ async def sse_events(core: GatewayCore, record: RequestRecord, resume: sse.Resum
 
 
 def stream_response(core: GatewayCore, record: RequestRecord, last_id: str, include_usage: bool, api: str,
-                    headers: dict[str, str], started: float | None = None) -> StreamingResponse:
+                    headers: dict[str, str], started: float | None = None,
+                    admitted: float | None = None) -> StreamingResponse:
     resume = sse.resume_point(last_id)
     fmt = StreamFormatter(record, include_usage)
     prepare = None
@@ -143,7 +152,7 @@ def stream_response(core: GatewayCore, record: RequestRecord, last_id: str, incl
 
         prepare = count_offset
 
-    return sse_stream(sse_events(core, record, resume, fmt, api, started, prepare), headers)
+    return sse_stream(sse_events(core, record, resume, fmt, api, started, prepare, admitted), headers)
 
 
 def sse_stream(body: AsyncIterator[bytes], headers: dict[str, str]) -> StreamingResponse:
@@ -162,31 +171,37 @@ class Aggregate(Protocol):
     def body(self, final: dict) -> dict: ...
 
 
-async def _collect(core: GatewayCore, record: RequestRecord, started: float,
-                   aggregate: Aggregate) -> tuple[dict | PdserveError, str]:
+async def _collect(core: GatewayCore, record: RequestRecord, started: float, aggregate: Aggregate,
+                   admitted: float | None = None) -> tuple[dict | PdserveError, str]:
     """The response body and outcome, or the error event's error; raises when no terminal event came."""
     first = True
+    first_at = None
     events = core.follow(record, "0")
     async with contextlib.aclosing(events):
         async for _, kind, data in events:
             if kind == CHUNK:
                 if first:
-                    metrics.observe_ttft(time.perf_counter() - started)
+                    first_at = time.perf_counter()
+                    metrics.observe_ttft(first_at - started)
                     first = False
                 aggregate.add(data)
             elif kind == FINAL:
-                return aggregate.body(data), _final_outcome(data)
+                outcome = _final_outcome(data)
+                if admitted is not None and outcome == "ok":
+                    metrics.observe_phases(started, admitted, first_at, time.perf_counter(), data)
+                return aggregate.body(data), outcome
             elif kind == ERROR:
                 return event_error(data), "error"
     raise RequestAbortedError(f"the result stream of request {record.request_id} ended without a final event")
 
 
 async def json_response(core: GatewayCore, request: Request, record: RequestRecord, api: str,
-                        headers: dict[str, str], started: float, aggregate: Aggregate | None = None) -> Response:
+                        headers: dict[str, str], started: float, aggregate: Aggregate | None = None,
+                        admitted: float | None = None) -> Response:
     """Wait for the whole result; a client that leaves meanwhile is detached (and so cancelled)."""
     rid = record.request_id
     await core.attach(rid)
-    work = asyncio.ensure_future(_collect(core, record, started, aggregate or ResponseAggregate(record)))
+    work = asyncio.ensure_future(_collect(core, record, started, aggregate or ResponseAggregate(record), admitted))
     gone = asyncio.ensure_future(_wait_disconnect(request))
     finished = False
     try:

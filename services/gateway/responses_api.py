@@ -163,11 +163,13 @@ def responses_router(core: GatewayCore, store: ResponseStore) -> APIRouter:
             if fresh:
                 await keep(events)  # fetchable while it runs
             return sse_stream(_stored_after(core, sse_events(core, record, sse.resume_point(sse.START), events, API,
-                                                             a.measure), events, keep), a.headers)
+                                                             a.measure, admitted=a.admitted), events, keep),
+                              a.headers)
         aggregate = ResponseAggregate(ctx)
         if fresh:
             await keep(aggregate)
-        answer = await json_response(core, request, record, API, a.headers, a.started, aggregate)
+        answer = await json_response(core, request, record, API, a.headers, a.started, aggregate,
+                                     admitted=a.admitted if a.measure is not None else None)
         if answer.status_code == 499:  # the client left: its request is cancelled
             aggregate.snapshot("cancelled")
         elif answer.status_code >= 400:
