@@ -139,6 +139,29 @@ def test_the_series_the_autoscalers_and_panels_need_carry_samples_after_a_reques
     assert gateway["pdserve_http_requests_total"] >= 1 and gateway["pdserve_ttft_seconds_count"] >= 1
 
 
+def test_the_per_phase_breakdown_has_counts_after_a_request(stack, served):
+    """The phases the dashboard's breakdown row plots: each worker's engine-loop phases and KV transfer
+    wait, and the gateway's request phases, all with observations from the one request."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def phase_counts(address: str) -> dict[tuple[str, str], float]:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        return {(s.labels["role"], s.labels["phase"]): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples
+                if s.name == "pdserve_phase_seconds_count"}
+
+    prefill = phase_counts(stack.procs["prefill-0"].metrics)
+    decode = phase_counts(stack.procs["decode-0"].metrics)
+    gateway = phase_counts(stack.gateway_address)
+    for phase in ("schedule", "forward_prefill", "sample", "postprocess", "publish", "kv_transfer_wait"):
+        assert prefill.get(("prefill", phase), 0) >= 1, (phase, prefill)
+    for phase in ("schedule", "forward_decode", "sample", "postprocess", "publish", "idle", "kv_transfer_wait"):
+        assert decode.get(("decode", phase), 0) >= 1, (phase, decode)
+    for phase in ("admission", "queue_wait", "first_chunk", "streaming"):
+        assert gateway.get(("gateway", phase), 0) >= 1, (phase, gateway)
+
+
 def test_one_request_is_one_trace_across_every_hop(collector, served):
     receiver, _ = collector
     deadline = time.monotonic() + 30
