@@ -38,6 +38,7 @@ BENCHES = {
     "chaos": "services.bench.chaos",
     "soak": "services.bench.soak",
     "sim": "services.sim.bench",
+    "breakdown": "services.bench.breakdown",
 }
 
 
