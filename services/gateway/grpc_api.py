@@ -115,6 +115,8 @@ class GatewayGenerationServicer(generate_pb2_grpc.GenerationServicer):
                 admission = await core.submit(tenant, req, tier=tier, deadline=deadline,
                                               idempotency_key=request.request_id or None, traceparent=traceparent)
                 rid = admission.request_id
+                admitted = time.perf_counter()
+                first_at = None
                 reply_id = request.request_id or rid
                 await core.attach(rid)
                 counted = True
@@ -128,7 +130,8 @@ class GatewayGenerationServicer(generate_pb2_grpc.GenerationServicer):
                             continue
                         if kind == CHUNK:
                             if first and not admission.attached:
-                                metrics.observe_ttft(time.perf_counter() - started)
+                                first_at = time.perf_counter()
+                                metrics.observe_ttft(first_at - started)
                             first = False
                             chunk = token_chunk(data)
                             if stream:
@@ -141,6 +144,8 @@ class GatewayGenerationServicer(generate_pb2_grpc.GenerationServicer):
                             if not stream:
                                 yield generate_pb2.GenerateResponse(chunk=merged, request_id=reply_id)
                             yield generate_pb2.GenerateResponse(finish=finish_message(data), request_id=reply_id)
+                            if outcome == "ok" and not admission.attached:
+                                metrics.observe_phases(started, admitted, first_at, time.perf_counter(), data)
                         elif kind == ERROR:
                             finished = True
                             outcome = "error"
