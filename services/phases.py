@@ -16,6 +16,10 @@ run in-process) and ``phase``::
 tile, so ``sum(phase sums) / loop sum`` says what share of the engine thread's wall time
 the phases account for (``pdserve bench breakdown`` prints the rest as "unaccounted").
 
+On CUDA the forward phase is the time to launch its kernels (or replay its graph): the
+host waits for the GPU where it first reads a result, in ``sample``; put the two together
+there, or read the NVTX ranges in Nsight Systems for the device-side split.
+
 Cost: one ``time.perf_counter()`` pair and one histogram observe per phase; no objects
 per token. The same ranges show in profilers without code changes: a
 ``torch.profiler.record_function`` range while the torch profiler records, and an NVTX
