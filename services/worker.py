@@ -281,6 +281,10 @@ def add_worker_args(p, role: str) -> None:
     p.add_argument("--transport", default="ucx", choices=["ucx", "tcp"], help="KV transfer transport")
     p.add_argument("--allow-transport-fallback", action="store_true",
                    help="use TCP if UCX is unavailable instead of failing")
+    p.add_argument("--no-kv-checksum", action="store_true",
+                   help="send KV blocks without a checksum per run (a prefill worker's setting; decode workers "
+                        "check whatever arrives with one). The check reads each run once on each side, at "
+                        "memory speed: off only where that is measured to matter")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
     if role == "decode":
@@ -308,5 +312,5 @@ def configs_from_args(args, role: str) -> tuple[WorkerConfig, EngineConfig, Tran
                           drain_timeout_s=args.drain_timeout,
                           transfer_timeout_s=getattr(args, "transfer_timeout", 60.0))
     transfer = TransferConfig(transport=args.transport, allow_fallback=args.allow_transport_fallback,
-                              host=args.host, advertise_host=advertise)
+                              host=args.host, advertise_host=advertise, checksum=not args.no_kv_checksum)
     return worker, engine, transfer
