@@ -28,9 +28,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvtransfer import TransferConfig
 from services import kv_events, telemetry
+from services.advertise import advertised_host, host_port
 from services.config import EngineConfig
 from services.errors import NoWorkerError
-from services.advertise import advertised_host, host_port
+from services.grpc_decode import add_servicer
 from services.registry import ROLES, Registrar, WorkerInfo, connect_redis, new_worker_id
 
 log = logging.getLogger(__name__)
@@ -248,7 +249,7 @@ def run_worker(args, role: str, make_servicer, add_to_server, service: str) -> i
     servicer = make_servicer(runtime)
 
     def add(server: grpc.aio.Server) -> list[str]:
-        add_to_server(servicer, server)
+        add_servicer(server, servicer, add_to_server)  # a malformed request is INVALID_ARGUMENT
         return [service]
 
     started = time.monotonic()
