@@ -26,6 +26,7 @@ from typing import AsyncIterator, Callable
 
 from services.engine.engine import Engine
 from services.engine.outputs import RequestOutput
+from services.engine.request import Status
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError
 
@@ -93,8 +94,15 @@ class AsyncEngine:
             self._deliver(out.request_id, out)
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
+        """Fail the requests a step runs (waiting or running). A reservation (its KV transfer may be
+        writing into its blocks) and a prefilled request (a sender may be reading them) are left to
+        their owners, who release them once no transfer touches the blocks (kvtransfer/ownership.py):
+        freed here, the blocks would be handed out under the transfer, and the decode that follows
+        would find no reservation."""
         outputs = []
-        for request_id in list(self.engine.requests):
+        for request_id, req in list(self.engine.requests.items()):
+            if req.status in (Status.RESERVED, Status.PREFILLED):
+                continue
             self.engine.abort(request_id)
             outputs.append(RequestOutput(request_id, finished=True, finish_reason="error", error=message))
         self.engine.step_outputs_discard()
