@@ -216,8 +216,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self._drop(rid, res.pending)
             return worker_pb2.AbortResponse(aborted=True)
         known = self.rt.engine is not None and rid in self.rt.engine.requests
-        if known:
-            self.receiver.cancel(rid, "aborted")  # a claimed transfer still in flight
+        # A claimed reservation whose KV is still coming: the receiver frees the blocks once no chunk
+        # can land in them (kvtransfer/ownership.py), and the Decode call ends with the transfer's error.
+        # Aborting the request here too would free them under a chunk being written.
+        if known and not self.receiver.cancel(rid, "aborted"):
             self.rt.aengine.abort(rid)
         return worker_pb2.AbortResponse(aborted=known)
 
