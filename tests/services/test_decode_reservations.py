@@ -11,10 +11,15 @@ import grpc
 import pytest
 
 from kvtransfer import Sender, TransferDescriptor
-from proto.pdserve.v1 import worker_pb2
+from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from services.decode.server import DecodeServicer
 from services.engine.kv_cache import allocate_kv_cache
 from services.engine.sampling_params import SamplingParams
 from services.grpc_codec import worker_request
+from services.registry import WorkerInfo
+from services.router.dispatch import DispatchConfig, Dispatcher
+from services.router.prefix_index import PrefixIndex
+from services.router.worker_pool import WorkerPool
 from tests.services.decode_inprocess import HeldChunks, decode_worker
 
 pytestmark = pytest.mark.timeout(60)
@@ -62,3 +67,90 @@ def test_abort_of_a_claimed_reservation_frees_its_blocks_only_once_no_chunk_can_
     assert aborted
     assert used_while_landing == 3  # still the transfer's while its chunk lands
     assert code == grpc.StatusCode.UNAVAILABLE  # the Decode call says its transfer was cancelled
+
+
+class _ReplyHeldBack(DecodeServicer):
+    """Reserves, then holds its reply back: the router's dispatch is cancelled after the worker reserved
+    and before the router knew (the client left), so no Decode call will ever claim the reservation."""
+
+    async def Reserve(self, request, context):
+        reply = await super().Reserve(request, context)
+        self.reserved.set()
+        await asyncio.Event().wait()
+        return reply
+
+
+class _Prefill(worker_pb2_grpc.PrefillWorkerServicer):
+    """A prefill worker that takes the request and waits for the descriptor, which never comes."""
+
+    async def Prefill(self, request_iterator, context):
+        async for _ in request_iterator:
+            pass
+        await asyncio.Event().wait()
+
+
+def test_a_dispatch_cancelled_between_reserve_and_decode_frees_the_reservation_at_once():
+    # issue 18: the unclaimed reservation stayed until the worker's expiry (transfer timeout + 10 s: 70 s
+    # by default), holding blocks other requests waited for
+    async def main():
+        async with decode_worker(servicer_class=_ReplyHeldBack) as worker:
+            worker.servicer.reserved = asyncio.Event()
+            prefill = grpc.aio.server()
+            worker_pb2_grpc.add_PrefillWorkerServicer_to_server(_Prefill(), prefill)
+            prefill_address = f"127.0.0.1:{prefill.add_insecure_port('127.0.0.1:0')}"
+            await prefill.start()
+            engine = worker.engine
+            pool = WorkerPool(redis=None)
+            pool.update([WorkerInfo(worker_id=f"{role}-0", role=role, address=address, model=engine.model_name,
+                                    namespace=engine.namespace, block_size=16, max_model_len=engine.max_model_len,
+                                    ready=True, kv_blocks_total=engine.block_pool.num_usable)
+                         for role, address in (("prefill", prefill_address), ("decode", worker.address))])
+            # a reservation nobody claims would be held for 600 + 10 s
+            dispatcher = Dispatcher(pool, PrefixIndex(), DispatchConfig(transfer_timeout_s=600))
+
+            async def dispatch():
+                async for _ in dispatcher.generate("q", PROMPT, SamplingParams(max_tokens=4, temperature=0)):
+                    pass
+
+            task = asyncio.create_task(dispatch())
+            await worker.servicer.reserved.wait()
+            held = await worker.used_blocks()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+            async def freed():
+                while await worker.used_blocks():
+                    await asyncio.sleep(0.05)
+
+            try:
+                await asyncio.wait_for(freed(), 20)
+            except TimeoutError:
+                pass
+            left = await worker.used_blocks()
+            await dispatcher.aclose()
+            await prefill.stop(0)
+            if left:  # what the worker's expiry would have done, 610 s later: the leak check stays clean
+                worker.servicer._expire("q.1", worker.servicer.reservations["q.1"].pending)
+            return held, left
+
+    held, left = asyncio.run(main())
+    assert held == 3
+    assert left == 0, "the unclaimed reservation is still held"
+
+
+def test_a_reserve_cancelled_while_the_engine_reserves_gives_the_blocks_back():
+    # the Reserve call's handler is cancelled (the router gave up) while the engine thread reserves:
+    # the reservation was made but nobody held it, and its blocks were never freed
+    async def main():
+        async with decode_worker() as worker:
+            owner = worker.servicer.owner
+            task = asyncio.create_task(owner.prepare("c", PROMPT, SamplingParams(max_tokens=4)))
+            await asyncio.sleep(0)  # the engine thread has the reserve command
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await worker.servicer.rt.aengine.call(lambda: None)  # every command queued so far has run
+            return await worker.used_blocks(), sorted(worker.engine.requests)
+
+    assert asyncio.run(main()) == (0, [])
