@@ -82,6 +82,7 @@ class WorkerRuntime:
         self._stop = asyncio.Event()
         self._stats: dict = {}
         self._tasks: list[asyncio.Task] = []
+        self.kv_publisher: kv_events.Publisher | None = None
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.address = ""
@@ -214,16 +215,20 @@ class WorkerRuntime:
         info.kv_blocks_used = int(s.get("kv_blocks_used", 0))
 
     async def _publish_kv_events(self) -> None:
-        """Drain the prefix cache's events and publish them; routers index them within milliseconds."""
+        """Drain the prefix cache's events and publish them; routers index them within milliseconds.
+        After a failed publish, the next one resyncs them (kv_events.Publisher)."""
         engine = self.engine
+        publisher = self.kv_publisher = kv_events.Publisher(self.redis, self.worker_id)
         while True:
             await asyncio.sleep(self.config.kv_events_interval_s)
+            resync = publisher.resync
             try:
-                events = await self.aengine.call(engine.take_kv_events)
-                await kv_events.publish(self.redis, self.worker_id, kv_events.encode(events))
+                events, cached = await self.aengine.call(
+                    lambda: (engine.take_kv_events(), engine.cached_block_hashes() if resync else None))
+                await publisher.publish(events, cached)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # Redis away: the events of this interval are lost (hits may drop)
+            except Exception as exc:
                 log.warning("publishing KV events failed: %s", exc)
 
     async def _poll_stats(self) -> None:

@@ -297,6 +297,10 @@ class Engine:
     def take_kv_events(self) -> list[KVEvent]:
         return self.block_pool.take_events()
 
+    def cached_block_hashes(self) -> list[int]:
+        """Every block hash the prefix cache holds now (a KV-event resync after lost events)."""
+        return list(self.block_pool.cached)
+
     def stats(self) -> dict[str, float]:
         pool = self.block_pool
         return {
