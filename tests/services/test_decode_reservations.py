@@ -154,3 +154,20 @@ def test_a_reserve_cancelled_while_the_engine_reserves_gives_the_blocks_back():
             return await worker.used_blocks(), sorted(worker.engine.requests)
 
     assert asyncio.run(main()) == (0, [])
+
+
+def test_a_decode_whose_reservation_is_gone_is_a_server_error_the_router_retries():
+    # issue 18: a reservation freed under the router (expired, aborted) reached the client as a 400
+    # dead letter (INVALID_ARGUMENT is never retried), although the request was fine
+    async def main():
+        async with decode_worker() as worker:
+            call = worker.stub().Decode(worker_pb2.DecodeRequest(request=worker_pb2.WorkerRequest(request_id="g")))
+            try:
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                return exc, Dispatcher(WorkerPool(redis=None), PrefixIndex())._failure(exc, None)
+
+    error, failed = asyncio.run(main())
+    assert error.code() == grpc.StatusCode.INTERNAL and "no reservation here" in error.details()
+    assert failed.retryable and failed.error.http_status == 500
