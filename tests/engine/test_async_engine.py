@@ -216,6 +216,7 @@ def test_a_failed_step_fails_its_requests_not_the_blocks_a_transfer_owns(tiny_en
         await prefill_and_send(prefill_async, sender, pending.descriptor, PROMPTS["r1"], params)
         decoded = [out async for out in decode_after_transfer(decode_async, "handed-off", await pending)]
         await receiver.close()
+        await prefill_async.call(lambda: None)  # the prefill side's release (queued by prefill_and_send) ran
         return failed, survivors, decoded, await engine_state(decode_async, decode)
 
     try:
