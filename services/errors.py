@@ -72,6 +72,16 @@ class TransferError(PdserveError):
     grpc_status = "UNAVAILABLE"
 
 
+class ReservationLostError(PdserveError):
+    """A worker no longer holds what the router reserved there (expired, freed under it): a race
+    between the router and the worker, the server's fault, so the router retries (gRPC ABORTED:
+    retry at a higher level)."""
+
+    code = "reservation_lost"
+    http_status = 500
+    grpc_status = "ABORTED"
+
+
 class DeadlineExceededError(PdserveError):
     """The request's deadline passed; the work was dropped, not run."""
 

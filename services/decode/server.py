@@ -26,7 +26,7 @@ from kvtransfer import PendingTransfer, Receiver
 from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import telemetry
 from services.engine.sampling_params import SamplingParams
-from services.errors import InvalidRequestError, PdserveError
+from services.errors import InvalidRequestError, ReservationLostError
 from services.grpc_codec import abort_with, check_deadline, chunk_from_output, load_message, sampling_from_proto
 from services.decode.step_results import StepResultWriter
 from services.handoff import EngineBlockOwner, decode_after_transfer, reserve_for_transfer
@@ -139,10 +139,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     res = self.reservations.pop(rid, None)
                     if res is None:
                         # the router Decodes only what it reserved: the reservation was freed under it
-                        # (expired, aborted). The server's fault, not the request's: not a 400 but an
-                        # INTERNAL error, which the router retries on another worker.
-                        raise PdserveError(f"request {rid!r} has no reservation here (expired or freed "
-                                           "before its Decode came)")
+                        # (expired, aborted). The server's fault, not the request's: not a 400 but
+                        # ABORTED, which the router retries on another worker.
+                        raise ReservationLostError(f"request {rid!r} has no reservation here (expired or "
+                                                   "freed before its Decode came)")
                     async for msg in self._decode_reserved(rid, res, started):
                         yield msg
             except Exception as exc:

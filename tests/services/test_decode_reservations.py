@@ -169,5 +169,5 @@ def test_a_decode_whose_reservation_is_gone_is_a_server_error_the_router_retries
                 return exc, Dispatcher(WorkerPool(redis=None), PrefixIndex())._failure(exc, None)
 
     error, failed = asyncio.run(main())
-    assert error.code() == grpc.StatusCode.INTERNAL and "no reservation here" in error.details()
+    assert error.code() == grpc.StatusCode.ABORTED and "no reservation here" in error.details()
     assert failed.retryable and failed.error.http_status == 500
