@@ -23,6 +23,7 @@ COMMANDS = {
     "deadletters": "services.deadletters_cli",
     "probe": "services.probe",
     "planner": "services.planner.cli",
+    "profile": "services.profiling.cli",
     "bench": None,  # add_bench_parser below
 }
 BENCHES = {

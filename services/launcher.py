@@ -125,6 +125,7 @@ class StackSpec:
     worker_env: dict[str, dict[str, str]] = field(default_factory=dict)  # process name -> extra environment
     router_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
+    profiling: bool = False  # every process serves Admin.Profile (pdserve profile)
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -159,6 +160,8 @@ class LocalStack:
             common += ["--model", spec.model]
         if spec.threads:
             common += ["--threads", str(spec.threads)]
+        profiling = ["--enable-profiling"] if spec.profiling else []
+        common += profiling
         def kv(gb: float | None) -> list[str]:
             return ["--kv-cache-gb", str(gb)] if gb else []
 
@@ -169,13 +172,14 @@ class LocalStack:
                             self.echo, spec.worker_env.get(f"decode-{i}")) for i in range(spec.decode)]
         model = ["--model", spec.model] if spec.model else []
         front = [Process("router", _cli("router", "--redis-url", self.redis_url, "--host", spec.host, "--port",
-                                        str(spec.router_port), "--policy", spec.policy, *model, *spec.router_args),
+                                        str(spec.router_port), "--policy", spec.policy, *model, *profiling,
+                                        *spec.router_args),
                          self.echo)]
         if spec.gateway:
             keys = ["--api-keys", spec.api_keys] if spec.api_keys else []
             front.append(Process("gateway", _cli(
                 "gateway", "--redis-url", self.redis_url, "--host", spec.host, "--port", str(spec.gateway_port),
-                "--grpc-port", str(spec.gateway_grpc_port), *model, *keys, *spec.gateway_args), self.echo))
+                "--grpc-port", str(spec.gateway_grpc_port), *model, *keys, *profiling, *spec.gateway_args), self.echo))
         try:
             # All at once: the router and the gateway start as slowly as a worker on a busy CPU,
             # and find the workers through the registry whenever they register.

@@ -30,7 +30,8 @@ def spec_from_args(args) -> StackSpec:
                      transport=args.transport, threads=args.threads, kv_cache_gb=args.kv_cache_gb, host=args.host,
                      redis_url=args.redis_url, policy=args.policy, router_port=args.router_port,
                      gateway=not args.no_gateway, gateway_port=args.port, gateway_grpc_port=args.grpc_port,
-                     api_keys=args.api_keys, router_args=args.router_arg, gateway_args=args.gateway_arg,
+                     api_keys=args.api_keys, profiling=args.enable_profiling, router_args=args.router_arg,
+                     gateway_args=args.gateway_arg,
                      worker_args=_speculative_args(args))
 
 
@@ -130,6 +131,8 @@ def add_parser(sub) -> None:
     p.add_argument("--router-port", type=int, default=50051, help="the router's gRPC port")
     p.add_argument("--api-keys", default=None, metavar="FILE", help="the gateway's API keys file (default: no auth)")
     p.add_argument("--no-gateway", action="store_true", help="do not start the gateway")
+    p.add_argument("--enable-profiling", action="store_true",
+                   help="let `pdserve profile` (and the gateway's POST /admin/profile) record every process")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting an embedded one")
     p.add_argument("--policy", default="kv-aware", choices=["kv-aware", "least-load", "round-robin"])
     p.add_argument("--transport", default="ucx", choices=["ucx", "tcp"], help="KV transfer between workers")

@@ -249,12 +249,26 @@ def run_worker(args, role: str, make_servicer, add_to_server, service: str) -> i
 
     def add(server: grpc.aio.Server) -> list[str]:
         add_to_server(servicer, server)
+        add_admin(server, runtime, args.enable_profiling)
         return [service]
 
     started = time.monotonic()
     asyncio.run(runtime.serve(add, servicer.setup, servicer.teardown))
     log.info("%s stopped after %.0f s", runtime.worker_id, time.monotonic() - started)
     return 0
+
+
+def add_admin(server: grpc.aio.Server, runtime: WorkerRuntime, enabled: bool) -> None:
+    """The Admin service (pdserve profile): the torch profiler on the engine thread, plus spans."""
+    from proto.pdserve.v1 import admin_pb2_grpc
+    from services.profiling.admin import AdminServicer, Profiler
+    from services.profiling.recording import EngineProfiler
+
+    async def record(seconds: float):
+        return await EngineProfiler(runtime.aengine).record(seconds)
+
+    admin_pb2_grpc.add_AdminServicer_to_server(
+        AdminServicer(Profiler(runtime.config.role, runtime.worker_id, enabled, record)), server)
 
 
 def add_worker_parser(sub, role: str, help: str, description: str, run) -> None:
@@ -283,6 +297,8 @@ def add_worker_args(p, role: str) -> None:
                    help="use TCP if UCX is unavailable instead of failing")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
+    p.add_argument("--enable-profiling", action="store_true",
+                   help="answer Admin.Profile (pdserve profile): record the torch profiler on demand")
     if role == "decode":
         p.add_argument("--transfer-timeout", type=float, default=60.0,
                        help="seconds a reservation waits for its KV before it is freed")

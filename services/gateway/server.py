@@ -50,7 +50,8 @@ async def serve(args) -> None:
     redis = await connect_redis(args.redis_url, max_connections=config.redis_max_connections,
                                 pool_timeout_s=config.redis_pool_timeout_s, name="pdserve-gateway")
     core = GatewayCore(redis, config, model, keys)
-    server = uvicorn.Server(uvicorn.Config(create_app(core), host=args.host, port=args.port, lifespan="off",
+    profiler, admin_server, advert = await _start_admin(redis, args) if args.enable_profiling else (None,) * 3
+    server = uvicorn.Server(uvicorn.Config(create_app(core, profiler), host=args.host, port=args.port, lifespan="off",
                                            log_level="warning", access_log=False, backlog=args.backlog,
                                            timeout_graceful_shutdown=args.drain_timeout))
     # uvicorn restores the previous handlers and re-raises the signal after its shutdown: make that
@@ -75,10 +76,27 @@ async def serve(args) -> None:
               f"auth {'on' if keys.enabled else 'off'})", flush=True)
         await http
     finally:
+        if advert is not None:
+            await advert.stop()
+            await admin_server.stop(grace=None)
         if grpc_server is not None:
             await grpc_server.stop(grace=args.drain_timeout)
         await core.close()
         await redis.aclose()
+
+
+async def _start_admin(redis, args):
+    """Profiling on: the Admin service on its own free port (the public gRPC port may be off), advertised
+    in Redis so a router's fan-out finds this gateway."""
+    from services.advertise import advertised_host, host_port
+    from services.profiling.admin import front_profiler, serve_admin
+    from services.profiling.peers import AdminAdvert, Peer
+
+    profiler = front_profiler("gateway", redis, True)
+    admin_server, port = await serve_admin(profiler, args.host)
+    advert = AdminAdvert(redis, Peer("gateway", profiler.process_id, host_port(advertised_host(args.host), port)))
+    await advert.start()
+    return profiler, admin_server, advert
 
 
 def run(args) -> int:
@@ -127,4 +145,6 @@ def add_parser(sub) -> None:
     p.add_argument("--allow-no-worker", action="store_true",
                    help="queue requests even while no decode worker is ready (default: 503)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open streams get on shutdown")
+    p.add_argument("--enable-profiling", action="store_true",
+                   help="serve POST /admin/profile and Admin.Profile (pdserve profile) on a free gRPC port")
     p.set_defaults(func=run)
