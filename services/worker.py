@@ -264,8 +264,8 @@ def add_admin(server: grpc.aio.Server, runtime: WorkerRuntime, enabled: bool) ->
     from services.profiling.admin import AdminServicer, Profiler
     from services.profiling.recording import EngineProfiler
 
-    async def record(seconds: float):
-        return await EngineProfiler(runtime.aengine).record(seconds)
+    async def record(seconds: float, with_stack: bool):
+        return await EngineProfiler(runtime.aengine).record(seconds, with_stack)
 
     admin_pb2_grpc.add_AdminServicer_to_server(
         AdminServicer(Profiler(runtime.config.role, runtime.worker_id, enabled, record)), server)

@@ -1,4 +1,4 @@
-"""``POST /admin/profile?seconds=S``: the whole stack's merged profile, from the gateway (off by default).
+"""``POST /admin/profile?seconds=S[&stack=false]``: the whole stack's merged profile, from the gateway (off by default).
 
 Registered only when the gateway runs with ``--enable-profiling``; otherwise the
 path does not exist (404). With API keys on, it needs a valid key (401). It does
@@ -25,9 +25,9 @@ def profile_router(core: GatewayCore, profiler: Profiler) -> APIRouter:
     router = APIRouter()
 
     @router.post("/admin/profile")
-    async def profile(request: Request, seconds: float = 5.0):
+    async def profile(request: Request, seconds: float = 5.0, stack: bool = True):
         core.authenticate(request.headers.get("authorization"))
-        traces = await profiler.profile(seconds, fan_out=True)
+        traces = await profiler.profile(seconds, fan_out=True, with_stack=stack)
         recorded = [t for t in traces if not t.error]
         if not any(t.activity for t in recorded):
             raise NothingRecordedError(f"nothing to record: no process served a request in the {seconds:g} s "

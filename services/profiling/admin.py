@@ -33,7 +33,8 @@ _CLOCK_PROBES = 3
 # A peer answers Profile once its recording is written up: torch's export of a busy
 # worker's seconds takes a while on a loaded CPU.
 _EXPORT_GRACE_S = 120.0
-Record = Callable[[float], Awaitable[tuple[list, int]]]  # seconds -> (Chrome trace events, activity)
+# (seconds, with_stack) -> (Chrome trace events, activity)
+Record = Callable[[float, bool], Awaitable[tuple[list, int]]]
 
 
 def check_seconds(seconds: float) -> None:
@@ -50,7 +51,7 @@ class Profiler:
         self.record, self.peers = record, peers
         self._busy = False
 
-    async def profile(self, seconds: float, fan_out: bool) -> list[admin_pb2.ProcessTrace]:
+    async def profile(self, seconds: float, fan_out: bool, with_stack: bool = True) -> list[admin_pb2.ProcessTrace]:
         """This process's trace first, then (``fan_out``) every peer's, recorded at the same time."""
         check_seconds(seconds)
         if not self.enabled:
@@ -61,16 +62,16 @@ class Profiler:
                                     f"try again after it")
         self._busy = True
         try:
-            jobs = [self._own(seconds)]
+            jobs = [self._own(seconds, with_stack)]
             if fan_out and self.peers is not None:
-                jobs += [profile_peer(p, seconds) for p in await self.peers()]
+                jobs += [profile_peer(p, seconds, with_stack) for p in await self.peers()]
             return list(await asyncio.gather(*jobs))
         finally:
             self._busy = False
 
-    async def _own(self, seconds: float) -> admin_pb2.ProcessTrace:
+    async def _own(self, seconds: float, with_stack: bool) -> admin_pb2.ProcessTrace:
         try:
-            events, activity = await self.record(seconds)
+            events, activity = await self.record(seconds, with_stack)
         except RuntimeError as exc:  # e.g. a worker whose model is still loading
             raise NoWorkerError(f"{self.role} {self.process_id} cannot be profiled: {exc}") from None
         data = gzip.compress(json.dumps({"traceEvents": events}).encode(), compresslevel=3)
@@ -89,7 +90,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     async def Profile(self, request: admin_pb2.ProfileRequest, context: grpc.aio.ServicerContext):
         try:
-            traces = await self.profiler.profile(request.seconds, request.fan_out)
+            traces = await self.profiler.profile(request.seconds, request.fan_out, not request.no_stack)
         except Exception as exc:
             await abort_with(context, exc)
         return admin_pb2.ProfileResponse(traces=traces)
@@ -113,13 +114,13 @@ def channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 1 << 30)])
 
 
-async def profile_peer(peer: Peer, seconds: float) -> admin_pb2.ProcessTrace:
+async def profile_peer(peer: Peer, seconds: float, with_stack: bool = True) -> admin_pb2.ProcessTrace:
     """One peer's trace, its clock offset set; an ``error`` trace if it cannot be profiled."""
     try:
         async with channel(peer.address) as ch:
             stub = admin_pb2_grpc.AdminStub(ch)
             offset, rtt = await clock_offset(stub)
-            reply = await stub.Profile(admin_pb2.ProfileRequest(seconds=seconds),
+            reply = await stub.Profile(admin_pb2.ProfileRequest(seconds=seconds, no_stack=not with_stack),
                                        timeout=seconds + _EXPORT_GRACE_S)
     except grpc.aio.AioRpcError as exc:
         reason = exc.details() or exc.code().name

@@ -13,8 +13,8 @@ from services.profiling.spans import SpanRecorder
 CLOCK_MARK = "pdserve.clock_sync"
 
 
-async def record_spans(seconds: float) -> tuple[list, int]:
-    """The router's and gateway's recording: Python-level ranges for ``seconds``."""
+async def record_spans(seconds: float, with_stack: bool = True) -> tuple[list, int]:
+    """The router's and gateway's recording: Python-level ranges for ``seconds`` (no torch: no stacks)."""
     recorder = SpanRecorder()
     recorder.start()
     try:
@@ -33,15 +33,15 @@ class EngineProfiler:
     ``time.time_ns()`` right after the start gives the shift to wall-clock time.
     """
 
-    def __init__(self, aengine, with_stack: bool = True):
-        self.aengine, self.with_stack = aengine, with_stack
+    def __init__(self, aengine):
+        self.aengine = aengine
 
-    async def record(self, seconds: float) -> tuple[list, int]:
+    async def record(self, seconds: float, with_stack: bool = True) -> tuple[list, int]:
         if self.aengine is None:
             raise RuntimeError("the model is still loading; profile once the worker is ready")
         state: dict = {}
         spans = SpanRecorder()
-        await self.aengine.call(lambda: self._start(state))
+        await self.aengine.call(lambda: _start(state, with_stack))
         spans.start()
         try:
             await asyncio.sleep(seconds)
@@ -52,17 +52,18 @@ class EngineProfiler:
         steps = sum(1 for e in events if e.get("name") == "engine.step" and e.get("ph") == "X")
         return events + spans.events, steps + spans.requests
 
-    def _start(self, state: dict) -> None:  # engine thread
-        import torch
 
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=self.with_stack)
-        profiler.start()
-        with torch.profiler.record_function(CLOCK_MARK):
-            state["wall_ns"] = time.time_ns()
-        state["profiler"] = profiler
+def _start(state: dict, with_stack: bool) -> None:  # engine thread
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=with_stack)
+    profiler.start()
+    with torch.profiler.record_function(CLOCK_MARK):
+        state["wall_ns"] = time.time_ns()
+    state["profiler"] = profiler
 
 
 def _export(profiler, wall_ns: int) -> list:

@@ -3,9 +3,10 @@
 Three sources, all in wall-clock microseconds (``time.time_ns``), so a process's
 ranges line up with the others' once clocks are aligned (services/profiling/merge.py):
 
-- OpenTelemetry spans that end while recording (gateway admission, router dispatch,
-  worker RPCs, KV transfer), each with its ``trace_id``: the id that follows one
-  request across processes (W3C trace context in queue messages and gRPC metadata).
+- OpenTelemetry spans that end while recording, or start while recording and are
+  still open at its end (cut there, ``open_at_stop``): gateway admission, router
+  dispatch, worker RPCs, KV transfer, each with its ``trace_id``, the id that follows
+  one request across processes (W3C trace context in queue messages and gRPC metadata).
 - asyncio tasks created while recording (name, creation to completion).
 - Redis commands and pipelines of redis-py's asyncio client.
 
@@ -45,15 +46,15 @@ class _SpanSink(SpanProcessor):
     def __init__(self) -> None:
         self.recorder: SpanRecorder | None = None
 
+    def on_start(self, span, parent_context=None) -> None:
+        recorder = self.recorder
+        if recorder is not None:
+            recorder.open_span(span)
+
     def on_end(self, span: ReadableSpan) -> None:
         recorder = self.recorder
-        if recorder is None or span.start_time is None or span.end_time is None:
-            return
-        ctx = span.get_span_context()
-        args = {"trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}"}
-        args.update({k: v for k, v in (span.attributes or {}).items() if isinstance(v, (str, int, float, bool))})
-        # a span of one request (it names its id); /metrics scrapes and health checks are not activity
-        recorder.add("span", span.name, span.start_time, span.end_time, args, request="request_id" in args)
+        if recorder is not None and span.start_time is not None and span.end_time is not None:
+            recorder.end_span(span, span.end_time)
 
 
 _sink: _SpanSink | None = None
@@ -79,6 +80,23 @@ class SpanRecorder:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._old_factory = None
         self._patched: list[tuple[type, str, object]] = []
+        self._open: dict[int, object] = {}  # spans started while recording and not ended yet
+
+    def open_span(self, span) -> None:
+        with self._lock:
+            self._open[span.get_span_context().span_id] = span
+
+    def end_span(self, span: ReadableSpan, end_ns: int, still_open: bool = False) -> None:
+        """A span as a range with its trace id; a span of one request (it names its id) is activity,
+        /metrics scrapes and health checks are not."""
+        ctx = span.get_span_context()
+        with self._lock:
+            self._open.pop(ctx.span_id, None)
+        args = {"trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}"}
+        args.update({k: v for k, v in (span.attributes or {}).items() if isinstance(v, (str, int, float, bool))})
+        if still_open:
+            args["open_at_stop"] = True
+        self.add("span", span.name, span.start_time, end_ns, args, request="request_id" in args)
 
     def add(self, cat: str, name: str, start_ns: int, end_ns: int, args: dict | None = None,
             request: bool = False) -> None:
@@ -97,6 +115,12 @@ class SpanRecorder:
     def stop(self) -> None:
         if _sink is not None and _sink.recorder is self:
             _sink.recorder = None
+        # A request still running at the end shows up to the end of the window, marked open.
+        now = time.time_ns()
+        with self._lock:
+            still_open = list(self._open.values())
+        for span in still_open:
+            self.end_span(span, now, still_open=True)
         if self._loop is not None:
             self._loop.set_task_factory(self._old_factory)
         for owner, attr, original in reversed(self._patched):

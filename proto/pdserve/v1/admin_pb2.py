@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/admin.proto\x12\npdserve.v1\"2\n\x0eProfileRequest\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x0f\n\x07\x66\x61n_out\x18\x02 \x01(\x08\"\x94\x01\n\x0cProcessTrace\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nprocess_id\x18\x02 \x01(\t\x12\x12\n\ntrace_gzip\x18\x03 \x01(\x0c\x12\x10\n\x08\x61\x63tivity\x18\x04 \x01(\r\x12\x17\n\x0f\x63lock_offset_ns\x18\x05 \x01(\x03\x12\x14\n\x0c\x63lock_rtt_ns\x18\x06 \x01(\x03\x12\r\n\x05\x65rror\x18\x07 \x01(\t\";\n\x0fProfileResponse\x12(\n\x06traces\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.ProcessTrace\"\x0e\n\x0c\x43lockRequest\" \n\rClockResponse\x12\x0f\n\x07wall_ns\x18\x01 \x01(\x03\x32\x89\x01\n\x05\x41\x64min\x12\x42\n\x07Profile\x12\x1a.pdserve.v1.ProfileRequest\x1a\x1b.pdserve.v1.ProfileResponse\x12<\n\x05\x43lock\x12\x18.pdserve.v1.ClockRequest\x1a\x19.pdserve.v1.ClockResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/admin.proto\x12\npdserve.v1\"D\n\x0eProfileRequest\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x0f\n\x07\x66\x61n_out\x18\x02 \x01(\x08\x12\x10\n\x08no_stack\x18\x03 \x01(\x08\"\x94\x01\n\x0cProcessTrace\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\nprocess_id\x18\x02 \x01(\t\x12\x12\n\ntrace_gzip\x18\x03 \x01(\x0c\x12\x10\n\x08\x61\x63tivity\x18\x04 \x01(\r\x12\x17\n\x0f\x63lock_offset_ns\x18\x05 \x01(\x03\x12\x14\n\x0c\x63lock_rtt_ns\x18\x06 \x01(\x03\x12\r\n\x05\x65rror\x18\x07 \x01(\t\";\n\x0fProfileResponse\x12(\n\x06traces\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.ProcessTrace\"\x0e\n\x0c\x43lockRequest\" \n\rClockResponse\x12\x0f\n\x07wall_ns\x18\x01 \x01(\x03\x32\x89\x01\n\x05\x41\x64min\x12\x42\n\x07Profile\x12\x1a.pdserve.v1.ProfileRequest\x1a\x1b.pdserve.v1.ProfileResponse\x12<\n\x05\x43lock\x12\x18.pdserve.v1.ClockRequest\x1a\x19.pdserve.v1.ClockResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,15 +32,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.admin_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROFILEREQUEST']._serialized_start=38
-  _globals['_PROFILEREQUEST']._serialized_end=88
-  _globals['_PROCESSTRACE']._serialized_start=91
-  _globals['_PROCESSTRACE']._serialized_end=239
-  _globals['_PROFILERESPONSE']._serialized_start=241
-  _globals['_PROFILERESPONSE']._serialized_end=300
-  _globals['_CLOCKREQUEST']._serialized_start=302
-  _globals['_CLOCKREQUEST']._serialized_end=316
-  _globals['_CLOCKRESPONSE']._serialized_start=318
-  _globals['_CLOCKRESPONSE']._serialized_end=350
-  _globals['_ADMIN']._serialized_start=353
-  _globals['_ADMIN']._serialized_end=490
+  _globals['_PROFILEREQUEST']._serialized_end=106
+  _globals['_PROCESSTRACE']._serialized_start=109
+  _globals['_PROCESSTRACE']._serialized_end=257
+  _globals['_PROFILERESPONSE']._serialized_start=259
+  _globals['_PROFILERESPONSE']._serialized_end=318
+  _globals['_CLOCKREQUEST']._serialized_start=320
+  _globals['_CLOCKREQUEST']._serialized_end=334
+  _globals['_CLOCKRESPONSE']._serialized_start=336
+  _globals['_CLOCKRESPONSE']._serialized_end=368
+  _globals['_ADMIN']._serialized_start=371
+  _globals['_ADMIN']._serialized_end=508
 # @@protoc_insertion_point(module_scope)

@@ -7,12 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProfileRequest(_message.Message):
-    __slots__ = ("seconds", "fan_out")
+    __slots__ = ("seconds", "fan_out", "no_stack")
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     FAN_OUT_FIELD_NUMBER: _ClassVar[int]
+    NO_STACK_FIELD_NUMBER: _ClassVar[int]
     seconds: float
     fan_out: bool
-    def __init__(self, seconds: _Optional[float] = ..., fan_out: _Optional[bool] = ...) -> None: ...
+    no_stack: bool
+    def __init__(self, seconds: _Optional[float] = ..., fan_out: _Optional[bool] = ..., no_stack: _Optional[bool] = ...) -> None: ...
 
 class ProcessTrace(_message.Message):
     __slots__ = ("role", "process_id", "trace_gzip", "activity", "clock_offset_ns", "clock_rtt_ns", "error")
