@@ -39,6 +39,7 @@ BENCHES = {
     "chaos": "services.bench.chaos",
     "soak": "services.bench.soak",
     "sim": "services.sim.bench",
+    "profiling": "services.profiling.bench",
 }
 
 
