@@ -52,6 +52,23 @@ def traffic(stack):
         thread.join(60)
 
 
+def check_chrome_trace(events: list[dict]) -> None:
+    """What Perfetto's JSON importer needs: known phases, numeric times, complete events with a
+    duration, and every async begin closed by an end of the same (cat, id)."""
+    opened = {}
+    for e in events:
+        assert e["ph"] in ("X", "M", "b", "e", "i", "I", "s", "f", "C"), e
+        assert isinstance(e["pid"], int), e
+        if e["ph"] != "M":
+            assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0, e
+        if e["ph"] == "X":
+            assert isinstance(e["dur"], (int, float)) and e["dur"] >= 0, e
+        if e["ph"] in ("b", "e"):
+            key = (e["cat"], e["id"])
+            opened[key] = opened.get(key, 0) + (1 if e["ph"] == "b" else -1)
+    assert all(v == 0 for v in opened.values())
+
+
 def _spans(events: list[dict]) -> list[dict]:
     return [e for e in events if e.get("cat") == "span" and e.get("ph") == "b"]
 
@@ -78,6 +95,7 @@ def test_profile_writes_one_aligned_trace_per_process_and_follows_a_request(stac
     assert by_role["gateway"] & by_role["router"] & by_role["prefill"] & by_role["decode"]
     # aligned: a request's KV transfer on the decode worker starts after the gateway admitted it
     merged = json.loads((out / "merged.json").read_text())["traceEvents"]
+    check_chrome_trace(merged)
     names = {e["args"]["name"] for e in merged if e.get("name") == "process_name"}
     assert len(names) == 4
     spans = _spans(merged)
