@@ -20,6 +20,7 @@ from proto.pdserve.v1 import admin_pb2, admin_pb2_grpc
 from services import cli, telemetry
 from services.profiling import merge
 from services.profiling.admin import AdminServicer, Profiler
+from services.profiling.peers import Peer
 from services.profiling.recording import record_spans
 from services.profiling.spans import SpanRecorder
 
@@ -52,8 +53,8 @@ class AdminServer:
 def admin():
     servers = []
 
-    def start(enabled: bool = True, record=record_spans) -> AdminServer:
-        servers.append(AdminServer(Profiler("router", "router-test", enabled, record)))
+    def start(enabled: bool = True, record=record_spans, role: str = "router", peers=None) -> AdminServer:
+        servers.append(AdminServer(Profiler(role, f"{role}-test", enabled, record, peers)))
         return servers[-1]
 
     yield start
@@ -208,3 +209,35 @@ def test_cli_writes_the_processes_traces_and_the_merge(admin, capsys, tmp_path):
     assert sorted(p.name for p in out_dir.iterdir()) == ["merged.json", "router-router-test.json"]
     merged = json.loads((out_dir / "merged.json").read_text())
     assert any(e.get("name") == "route" for e in merged["traceEvents"])
+
+
+def test_fan_out_names_the_peer_that_could_not_be_profiled(admin, capsys, tmp_path):
+    async def busy(seconds: float, with_stack: bool):
+        recorder = SpanRecorder()
+        recorder.start()
+        with trace.get_tracer("test").start_as_current_span("decode", attributes={"request_id": "r"}):
+            await asyncio.sleep(seconds)
+        recorder.stop()
+        return recorder.events, recorder.requests
+
+    telemetry.setup_tracing("pdserve-test")
+    worker = admin(record=busy, role="decode")
+    disabled = admin(enabled=False, role="prefill")
+
+    async def peers():
+        return [Peer("decode", "decode-test", f"127.0.0.1:{worker.port}"),
+                Peer("prefill", "prefill-test", f"127.0.0.1:{disabled.port}"),
+                Peer("gateway", "gateway-gone", "127.0.0.1:1")]
+
+    router = admin(peers=peers)
+    out_dir = tmp_path / "p"
+    code, out = _cli(capsys, "--seconds", "0.5", "--address", f"127.0.0.1:{router.port}", "--out", str(out_dir))
+    assert code == 1  # what was recorded is written, and the command says it is partial
+    assert "prefill prefill-test: not profiled: FAILED_PRECONDITION" in out and "--enable-profiling" in out
+    assert "gateway gateway-gone: not profiled: UNAVAILABLE" in out
+    assert "2 of 4 processes were not profiled" in out
+    assert sorted(p.name for p in out_dir.iterdir()) == ["decode-decode-test.json", "merged.json",
+                                                         "router-router-test.json"]
+    clocks = json.loads((out_dir / "merged.json").read_text())["otherData"]["pdserve_clocks"]
+    decode = [c for c in clocks if c["process"] == "decode decode-test"][0]
+    assert abs(decode["clock_offset_ns"]) <= decode["uncertainty_ns"] + 5_000_000  # one host: offset ~ noise
