@@ -144,8 +144,10 @@ def front_profiler(role: str, redis, enabled: bool) -> Profiler:
 
 async def serve_admin(profiler: Profiler, host: str) -> tuple[grpc.aio.Server, int]:
     """A gRPC server with only Admin, on a free port: for a process whose own gRPC port may be off."""
+    from services.grpc_decode import add_servicer
+
     server = grpc.aio.server()
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(profiler), server)
+    add_servicer(server, AdminServicer(profiler), admin_pb2_grpc.add_AdminServicer_to_server)
     port = server.add_insecure_port(f"{host}:0")
     if port == 0:
         raise ValueError(f"cannot listen on {host} for the Admin service")

@@ -25,6 +25,7 @@ from services import telemetry
 from services.advertise import advertised_host, host_port
 from services.errors import InvalidRequestError, NoWorkerError
 from services.grpc_codec import abort_with, append_chunk, sampling_from_proto
+from services.grpc_decode import add_servicer
 from services.profiling.admin import AdminServicer, front_profiler
 from services.profiling.peers import AdminAdvert, Peer
 from services.registry import connect_redis
@@ -128,14 +129,14 @@ async def serve(args) -> None:
         queue_worker = QueueWorker(redis, dispatcher, queue_config, max_inflight=args.max_inflight)
         lag_monitor = LagMonitor(redis, queue_config)
     server = grpc.aio.server()
-    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(dispatcher, pool, tokenizer, model_name),
-                                                       server)
+    add_servicer(server, GenerationServicer(dispatcher, pool, tokenizer, model_name),
+                 generate_pb2_grpc.add_GenerationServicer_to_server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     admin = front_profiler("router", redis, args.enable_profiling)
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(admin), server)
+    add_servicer(server, AdminServicer(admin), admin_pb2_grpc.add_AdminServicer_to_server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     if port == 0:
         raise ValueError(f"cannot listen on {args.host}:{args.port}")
