@@ -161,6 +161,16 @@ def test_merge_aligns_clocks_by_the_measured_offsets():
     json.loads(json.dumps(merged))  # plain JSON, as Perfetto reads it
 
 
+async def serving(seconds: float, with_stack: bool):
+    """A process's recording while it serves one request for the whole window."""
+    recorder = SpanRecorder()
+    recorder.start()
+    with trace.get_tracer("test").start_as_current_span("route", attributes={"request_id": "r"}):
+        await asyncio.sleep(seconds)
+    recorder.stop()
+    return recorder.events, recorder.requests
+
+
 def _cli(capsys, *argv) -> tuple[int, str]:
     code = cli.main(["profile", *argv])
     captured = capsys.readouterr()
@@ -193,16 +203,8 @@ def test_cli_on_an_idle_stack_writes_nothing(admin, capsys, tmp_path):
 
 
 def test_cli_writes_the_processes_traces_and_the_merge(admin, capsys, tmp_path):
-    async def busy(seconds: float, with_stack: bool):
-        recorder = SpanRecorder()
-        recorder.start()
-        with trace.get_tracer("test").start_as_current_span("route", attributes={"request_id": "r"}):
-            await asyncio.sleep(seconds)
-        recorder.stop()
-        return recorder.events, recorder.requests
-
     telemetry.setup_tracing("pdserve-test")
-    server = admin(record=busy)
+    server = admin(record=serving)
     out_dir = tmp_path / "p"
     code, out = _cli(capsys, "--seconds", "0.3", "--address", f"127.0.0.1:{server.port}", "--out", str(out_dir))
     assert code == 0, out
@@ -212,16 +214,8 @@ def test_cli_writes_the_processes_traces_and_the_merge(admin, capsys, tmp_path):
 
 
 def test_fan_out_names_the_peer_that_could_not_be_profiled(admin, capsys, tmp_path):
-    async def busy(seconds: float, with_stack: bool):
-        recorder = SpanRecorder()
-        recorder.start()
-        with trace.get_tracer("test").start_as_current_span("decode", attributes={"request_id": "r"}):
-            await asyncio.sleep(seconds)
-        recorder.stop()
-        return recorder.events, recorder.requests
-
     telemetry.setup_tracing("pdserve-test")
-    worker = admin(record=busy, role="decode")
+    worker = admin(record=serving, role="decode")
     disabled = admin(enabled=False, role="prefill")
 
     async def peers():
