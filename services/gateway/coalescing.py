@@ -42,6 +42,7 @@ that died in between.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import json
@@ -49,6 +50,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from services.engine.sampling_params import SamplingParams
 from services.gateway.request_record import record_key
 from services.queue.message import text
 
@@ -81,7 +83,10 @@ def coalescible(sampling: dict[str, Any]) -> bool:
 
 def coalescing_key(tenant: str, tier: str, model: str, token_ids: Sequence[int], sampling: dict[str, Any]) -> str:
     """The Redis key shared by identical requests: everything that changes the output, and who may share."""
-    what = json.dumps([tenant, tier, model, list(token_ids), sampling], sort_keys=True, separators=(",", ":"))
+    # every parameter spelled out (defaults too), so {"temperature": 0} over HTTP and the gRPC API's full set
+    # with the same values are one key
+    params = dataclasses.asdict(SamplingParams(**sampling))
+    what = json.dumps([tenant, tier, model, list(token_ids), params], sort_keys=True, separators=(",", ":"))
     return f"pd:gw:co:{hashlib.sha256(what.encode()).hexdigest()[:40]}"
 
 
