@@ -51,9 +51,10 @@ def workload(seed: int, requests: int, share: float, gap: int, words: int) -> li
     return order
 
 
-def _counter(address: str, name: str) -> float:
+def metric_total(address: str, name: str) -> float:
+    """A Prometheus metric of the process serving /metrics at ``address``, summed over its labels."""
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
 
 
 async def _bench(args, stack, off_address: str) -> dict:
@@ -75,13 +76,13 @@ async def _bench(args, stack, off_address: str) -> dict:
             items = [OpenAIRequest("chat", p, args.max_tokens, stream=True, extra={"ignore_eos": True})
                      for p in workload(args.seed + block, args.requests, args.duplicate_share, args.gap,
                                        args.prompt_words)]
-            generated, coalesced = _counter(decode, "pdserve_generation_tokens_total"), \
-                _counter(address, "pdserve_gateway_coalesced_requests_total")
+            generated, coalesced = metric_total(decode, "pdserve_generation_tokens_total"), \
+                metric_total(address, "pdserve_gateway_coalesced_requests_total")
             got, wall = await closed_loop(client.send, items, args.clients)
             t = tally[side]
             t["wall_s"] += wall
-            t["generated_tokens"] += _counter(decode, "pdserve_generation_tokens_total") - generated
-            t["coalesced"] += _counter(address, "pdserve_gateway_coalesced_requests_total") - coalesced
+            t["generated_tokens"] += metric_total(decode, "pdserve_generation_tokens_total") - generated
+            t["coalesced"] += metric_total(address, "pdserve_gateway_coalesced_requests_total") - coalesced
             samples[side] += got
             done = sum(s.tokens for s in got if s.ok)
             _log(f"block {block + 1} coalescing {side}: {done / wall:.1f} tok/s over {wall:.1f} s, "

@@ -42,8 +42,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from services.errors import DeadlineExceededError, InvalidRequestError, ModelNotFoundError, PdserveError
-from services.errors import ServiceUnavailableError
+from services.errors import (DeadlineExceededError, InvalidRequestError, ModelNotFoundError, PdserveError,
+                             ServiceUnavailableError)
 from services.gateway import metrics, prompts
 from services.gateway.api_keys import ApiKeys, Tenant
 from services.gateway.backpressure import QueueLoad

@@ -77,8 +77,8 @@ def join(started: list, timeout_s: float = 20) -> list:
 
 
 def test_the_key_holds_everything_that_changes_the_output():
-    base = dict(tenant="t", tier="standard", model="m", token_ids=[1, 2, 3],
-                sampling={"temperature": 0, "max_tokens": 8, "stop": ["x"]})
+    base = {"tenant": "t", "tier": "standard", "model": "m", "token_ids": [1, 2, 3],
+            "sampling": {"temperature": 0, "max_tokens": 8, "stop": ["x"]}}
     key = coalescing_key(**base)
     assert coalescing_key(**{**base, "sampling": {"stop": ["x"], "max_tokens": 8, "temperature": 0}}) == key
     assert coalescing_key(**{**base, "sampling": {**base["sampling"], "top_p": 1.0, "top_k": 0}}) == key  # defaults
@@ -198,7 +198,7 @@ def test_twins_on_two_gateway_replicas_share_one_generation(gateway):
     started = in_threads(lambda: stream(a.url, GREEDY), lambda: stream(b.url, GREEDY), lambda: post(b.url, GREEDY))
     assert wait_for(lambda: coalesced() - before == 2, 20)
     release.set()
-    (ra, ea), (rb, eb), whole = join(started)
+    (_, ea), (rb, eb), whole = join(started)
     assert chat_text(ea) == chat_text(eb) == whole.json()["choices"][0]["message"]["content"] == "".join(PIECES)
     assert len(a.router.seen) + len(b.router.seen) == 1
     # a follower resumes like any request, under its own id

@@ -9,13 +9,12 @@ so that the twins, sent together, all arrive while the first one runs.
 from __future__ import annotations
 
 import asyncio
-import re
-import urllib.request
 
 import httpx
 import pytest
 import redis
 
+from services.gateway.coalesce_bench import metric_total
 from services.launcher import LocalStack, StackSpec
 
 pytestmark = pytest.mark.slow
@@ -35,17 +34,12 @@ def stack(redis_url):
         yield s
 
 
-def _counter(url: str, name: str) -> float:
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
-
-
 def generated(stack) -> float:
-    return _counter(f"http://{stack.procs['decode-0'].metrics}/metrics", "pdserve_generation_tokens_total")
+    return metric_total(stack.procs["decode-0"].metrics, "pdserve_generation_tokens_total")
 
 
 def coalesced(stack) -> float:
-    return _counter(f"http://{stack.gateway_address}/metrics", "pdserve_gateway_coalesced_requests_total")
+    return metric_total(stack.gateway_address, "pdserve_gateway_coalesced_requests_total")
 
 
 async def _one(http: httpx.AsyncClient, body: dict, stream: bool, cut_after: int | None = None) -> dict:
