@@ -7,6 +7,10 @@ same block: each copy is placed ``--gap`` places after its original in the
 send order, so it goes out while the original runs. ``--clients`` concurrent
 clients (closed loop: each sends its next request when its last is answered)
 keep the stack saturated, so output tokens per second is what it sustains.
+With ``--max-num-seqs`` below ``--clients`` the workers run at most that many
+sequences at once and the rest wait, as on a server at capacity: a follower
+takes no slot, so what coalescing saves is whole requests' turns, not only the
+(on a CPU, small) difference between a step of a larger and a smaller batch.
 
 One stack (embedded Redis, 1 prefill + 1 decode worker, router) with two
 gateway replicas on the same queue and workers: one as deployed (coalescing
@@ -103,6 +107,7 @@ async def _bench(args, stack, off_address: str) -> dict:
         "config": {"requests_per_block": args.requests, "rounds": args.rounds, "order": list(_ORDER),
                    "duplicate_share": args.duplicate_share, "gap": args.gap, "clients": args.clients,
                    "max_tokens": args.max_tokens, "prompt_words": args.prompt_words, "dtype": args.dtype,
+                   "max_num_seqs": args.max_num_seqs or None,
                    "threads_per_worker": args.threads, "seed": args.seed,
                    "ideal_throughput_ratio": round(1 / (1 - args.duplicate_share), 3)},
     }
@@ -116,7 +121,8 @@ def run(args) -> int:
     if not 0 <= args.duplicate_share < 1:
         raise ValueError(f"duplicate-share must be in [0, 1); got {args.duplicate_share}")
     spec = StackSpec(prefill=1, decode=1, model=args.model, dtype=args.dtype, threads=args.threads,
-                     kv_cache_gb=args.kv_cache_gb, gateway=True)
+                     kv_cache_gb=args.kv_cache_gb, gateway=True,
+                     worker_args=["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else [])
     _log("starting the stack (embedded Redis, 1 prefill, 1 decode, router, a gateway with coalescing on)")
     with LocalStack(spec) as stack:
         off = stack.start_gateway("gateway-no-coalesce", ["--no-coalesce"])
@@ -160,6 +166,9 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--max-num-seqs", type=int, default=0,
+                   help="the workers' batch limit (0: theirs, 128); below --clients, requests wait for a slot as "
+                        "on a server at capacity")
     p.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV cache per worker")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
