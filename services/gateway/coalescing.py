@@ -86,6 +86,9 @@ def coalescing_key(tenant: str, tier: str, model: str, token_ids: Sequence[int],
     # every parameter spelled out (defaults too), so {"temperature": 0} over HTTP and the gRPC API's full set
     # with the same values are one key
     params = dataclasses.asdict(SamplingParams(**sampling))
+    for f in dataclasses.fields(SamplingParams):  # JSON's 0 and protobuf's 0.0 are one temperature
+        if f.type == "float":
+            params[f.name] = float(params[f.name])
     what = json.dumps([tenant, tier, model, list(token_ids), params], sort_keys=True, separators=(",", ":"))
     return f"pd:gw:co:{hashlib.sha256(what.encode()).hexdigest()[:40]}"
 

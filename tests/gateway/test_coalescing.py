@@ -82,6 +82,7 @@ def test_the_key_holds_everything_that_changes_the_output():
     key = coalescing_key(**base)
     assert coalescing_key(**{**base, "sampling": {"stop": ["x"], "max_tokens": 8, "temperature": 0}}) == key
     assert coalescing_key(**{**base, "sampling": {**base["sampling"], "top_p": 1.0, "top_k": 0}}) == key  # defaults
+    assert coalescing_key(**{**base, "sampling": {**base["sampling"], "temperature": 0.0}}) == key  # gRPC's floats
     for change in ({"token_ids": [1, 2, 4]}, {"model": "n"}, {"tenant": "u"}, {"tier": "batch"},
                    {"sampling": {**base["sampling"], "max_tokens": 9}},
                    {"sampling": {**base["sampling"], "stop": ["y"]}},
@@ -206,3 +207,45 @@ def test_twins_on_two_gateway_replicas_share_one_generation(gateway):
         with http.stream("GET", f"/v1/requests/{rb}/events") as r:
             again = events(r)
     assert chat_text(again) == "".join(PIECES) and {e.json["id"] for e in again[:-1]} == {f"chatcmpl-{rb}"}
+
+
+def test_grpc_and_http_twins_share_one_generation(gateway):
+    """The gRPC API sends every sampling parameter, HTTP only those given: the same values are one key.
+    A twin with a much later deadline than the first (HTTP's default 600 s against a 120 s call) runs alone."""
+    import grpc
+
+    from proto.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+
+    key = "sk-coalesce-0001"
+    h = gateway(grpc=True, keys={key: {"tenant": "acme", "tier": "standard"}})
+    release = held(h)
+    before = coalesced()
+    request = generate_pb2.GenerateRequest(
+        chat=generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(role="user", content="Count")]),
+        sampling=common_pb2.SamplingParams(max_tokens=8, temperature=0))
+
+    def call():
+        with grpc.insecure_channel(f"127.0.0.1:{h.grpc_port}") as channel:
+            replies = list(generate_pb2_grpc.GenerationStub(channel).Generate(
+                request, metadata=(("authorization", f"Bearer {key}"),), timeout=120))
+        return "".join(r.chunk.text for r in replies if r.HasField("chunk"))
+
+    def http(timeout: str | None):
+        headers = {"authorization": f"Bearer {key}", **({"x-pdserve-timeout": timeout} if timeout else {})}
+        with httpx.Client(base_url=h.url, timeout=30) as c:
+            return c.post("/v1/chat/completions", json=GREEDY, headers=headers)
+
+    leader = in_threads(call)
+    assert wait_for(lambda: len(h.router.seen) == 1, 20)
+    started = in_threads(call, lambda: http("120"))
+    ok = wait_for(lambda: coalesced() - before == 2, 20)
+    alone = in_threads(lambda: http(None))
+    ok = ok and wait_for(lambda: len(h.router.seen) == 2, 20)
+    release.set()
+    assert ok, (coalesced() - before, [(q.request_id, q.deadline - q.enqueued_at) for q in h.router.seen])
+    (first,) = join(leader)
+    second, same_deadline = join(started)
+    (later_deadline,) = join(alone)
+    assert first == second == "".join(PIECES)
+    assert same_deadline.json()["choices"][0]["message"]["content"] == "".join(PIECES)
+    assert later_deadline.status_code == 200
