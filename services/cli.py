@@ -33,6 +33,7 @@ BENCHES = {
     "spec": "services.engine.spec_bench",
     "routing": "services.router.bench",
     "serve": "services.gateway.bench",
+    "coalesce": "services.gateway.coalesce_bench",
     "loadtools": "services.bench.loadtools",
     "frontdoor": "services.gateway.frontdoor_bench",
     "startup": "services.bench.startup",

@@ -176,10 +176,8 @@ class LocalStack:
                                         *spec.router_args),
                          self.echo)]
         if spec.gateway:
-            keys = ["--api-keys", spec.api_keys] if spec.api_keys else []
-            front.append(Process("gateway", _cli(
-                "gateway", "--redis-url", self.redis_url, "--host", spec.host, "--port", str(spec.gateway_port),
-                "--grpc-port", str(spec.gateway_grpc_port), *model, *keys, *profiling, *spec.gateway_args), self.echo))
+            front.append(Process("gateway", self._gateway_argv(spec.gateway_port, spec.gateway_grpc_port,
+                                                                spec.gateway_args), self.echo))
         try:
             # All at once: the router and the gateway start as slowly as a worker on a busy CPU,
             # and find the workers through the registry whenever they register.
@@ -191,6 +189,22 @@ class LocalStack:
         except BaseException:
             self.stop()
             raise
+
+    def _gateway_argv(self, port: int, grpc_port: int, extra: list[str]) -> list[str]:
+        spec = self.spec
+        model = ["--model", spec.model] if spec.model else []
+        keys = ["--api-keys", spec.api_keys] if spec.api_keys else []
+        profiling = ["--enable-profiling"] if spec.profiling else []
+        return _cli("gateway", "--redis-url", self.redis_url, "--host", spec.host, "--port", str(port),
+                    "--grpc-port", str(grpc_port), *model, *keys, *profiling, *extra)
+
+    def start_gateway(self, name: str, extra_args: list[str], ready_timeout_s: float = 120.0) -> Process:
+        """One more gateway replica on the running stack (a free port), e.g. with other settings to compare."""
+        p = Process(name, self._gateway_argv(0, -1, extra_args), self.echo)
+        self.procs[name] = p
+        p.start()
+        self._wait([p], ready_timeout_s, None)
+        return p
 
     def _wait(self, procs: list[Process], timeout_s: float, stopping: threading.Event | None) -> None:
         deadline = time.monotonic() + timeout_s

@@ -28,7 +28,7 @@ def build_config(args) -> GatewayConfig:
                          default_timeout_s=args.default_timeout, max_timeout_s=args.max_timeout,
                          disconnect_grace_s=args.disconnect_grace, sse_heartbeat_s=args.sse_heartbeat,
                          max_model_len=args.max_model_len, require_ready_worker=not args.allow_no_worker,
-                         response_ttl_s=args.response_ttl,
+                         response_ttl_s=args.response_ttl, coalesce=not args.no_coalesce,
                          redis_max_connections=args.redis_max_connections,
                          redis_pool_timeout_s=args.redis_pool_timeout)
 
@@ -142,6 +142,10 @@ def add_parser(sub) -> None:
     p.add_argument("--response-ttl", type=int, default=d.response_ttl_s,
                    help="seconds a Responses API response (store: true) is kept for GET /v1/responses/{id} "
                         "and previous_response_id")
+    p.add_argument("--no-coalesce", action="store_true",
+                   help="compute every request on its own; by default identical requests in flight (same tenant, "
+                        "tier, model, prompt tokens and sampling parameters, greedy or with a seed) are computed "
+                        "once and each gets the same output under its own id (PDSERVE_NO_COALESCE=1)")
     p.add_argument("--allow-no-worker", action="store_true",
                    help="queue requests even while no decode worker is ready (default: 503)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open streams get on shutdown")
