@@ -1,13 +1,19 @@
-"""CPU kernels in C (paged decode attention, bf16-weight linear, the small fused ops):
-compiled once into one library with the system compiler, loaded with ctypes.
+"""CPU kernels in C (paged attention, linear layers over bf16 / int8 / GGUF-block weights, the
+small fused ops): compiled into one library per instruction-set level with the system
+compiler, loaded with ctypes, the level chosen at run time from what the CPU has.
 
 Why not a torch C++ extension: building against torch's headers takes minutes
-on a small machine; this C file needs none and compiles in about a second.
+on a small machine; these C files need none and compile in a few seconds.
 ctypes releases the GIL during the call, and the OpenMP runtime it links
 (libgomp.so.1) is the one torch has already loaded, so both share one thread
-pool. The build is cached under ``$PDSERVE_CACHE_DIR/kernels`` keyed by the
-source, the compiler and the CPU's flags (it is built with -march=native). If no
-compiler is available, callers fall back to the torch references.
+pool. Builds are cached under ``$PDSERVE_CACHE_DIR/kernels`` keyed by the
+source, the compiler and the level's flags. If no compiler is available,
+callers fall back to the torch references.
+
+Levels (kernels/cpu_isa.py): the best the CPU has, or ``PDSERVE_CPU_ISA=<level>`` to force
+a lower one (tests run every level the machine can). Each level's library is built for that
+level only (``-march=x86-64-v3``, ``-v4`` plus extensions), never ``-march=native``, so what
+runs is what the level names.
 """
 
 from __future__ import annotations
@@ -23,51 +29,69 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from kernels import cpu_isa
+
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention_cpu.c", "linear_cpu.c", "fused_cpu.c")]
-_HEADERS = [Path(__file__).with_name("cpu_simd.h")]
+# each source and the highest level whose instructions it uses: a level's library is these
+# objects, each compiled at min(level, its cap), so levels share the objects they have in common
+# (the attention kernels take ~30 s to compile; built once, not once per level)
+_SOURCES = {
+    "paged_attention_cpu.c": "avx512",
+    "fused_cpu.c": "avx512",
+    "linear_cpu.c": "avx512",
+    "linear_amx.c": "amx",
+    "linear_quant.c": "avx512_vnni",
+    "cpu_features.c": "amx",
+}
+_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_simd.h", "linear_pack.h")]
 _STEM = "pdserve_cpu_kernels"
 # -fno-math-errno lets gcc call the vector expf; no other fast-math (the kernels rely on -inf)
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
+_FLAGS = ["-O3", "-mtune=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-std=gnu11"]
 
 
 def _cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "kernels"
 
 
-def _cpu_flags() -> str:
+def _run_atomic(cmd: list[str], target: Path, what: str) -> None:
+    """Run ``cmd`` writing a temp file (its last argument), then move it to ``target`` at once:
+    concurrent builders never see a half-written file."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=target.suffix)
+    os.close(fd)
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
+        subprocess.run([*cmd, tmp], check=True, capture_output=True, text=True)
+        os.replace(tmp, target)
+    except subprocess.CalledProcessError as exc:
+        os.unlink(tmp)
+        raise RuntimeError(f"{what} failed: {exc.stderr.strip()[:500]}") from None
+    for stale in target.parent.glob(target.name.rsplit("-", 1)[0] + "-*" + target.suffix):
+        if stale != target:
+            stale.unlink(missing_ok=True)
 
 
-def _build() -> Path:
+def _build(level: str) -> Path:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc/cc) found")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES + _HEADERS) + " ".join(_FLAGS).encode()
-                         + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{_STEM}-{key}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
-    os.close(fd)
-    try:
-        subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
-        os.replace(tmp, target)  # atomic: concurrent builders never see a half-written file
-        for stale in target.parent.glob(f"{_STEM}-*.so"):
-            if stale != target:
-                stale.unlink(missing_ok=True)
-    except subprocess.CalledProcessError as exc:
-        os.unlink(tmp)
-        raise RuntimeError(f"compiling {' '.join(s.name for s in _SOURCES)} failed: {exc.stderr.strip()[:500]}") from None
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.encode()
+    headers = b"".join(h.read_bytes() for h in _HEADERS)
+    directory = _cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    objects = []
+    for name, cap in _SOURCES.items():
+        src = Path(__file__).with_name(name)
+        at = cpu_isa.LEVELS[min(cpu_isa.LEVELS.index(level), cpu_isa.LEVELS.index(cap))]
+        flags = _FLAGS + cpu_isa.compiler_flags(at)
+        key = hashlib.sha256(src.read_bytes() + headers + " ".join(flags).encode() + version).hexdigest()[:16]
+        obj = directory / f"{_STEM}-{src.stem}-{at}-{key}.o"
+        if not obj.is_file():
+            _run_atomic([cc, *flags, "-c", str(src), "-o"], obj, f"compiling {name} for {at}")
+        objects.append(obj)
+    key = hashlib.sha256(" ".join(o.name for o in objects).encode()).hexdigest()[:16]
+    target = directory / f"{_STEM}-{level}-{key}.so"
+    if not target.is_file():
+        _run_atomic([cc, "-shared", "-fopenmp", *map(str, objects), "-lm", "-o"], target, f"linking the {level} kernels")
     return target
 
 
@@ -81,34 +105,52 @@ class Limits:
     max_block_size: int  # decode attention
 
 
-@lru_cache(maxsize=1)
 def limits() -> Limits | None:
-    lib = library()
+    return _limits(cpu_isa.selected())
+
+
+@lru_cache(maxsize=None)
+def _limits(level: str) -> Limits | None:
+    lib = _library(level)
     if lib is None:
         return None
     return Limits(bool(lib.pdserve_linear_available()), lib.pdserve_limits(0), lib.pdserve_limits(1),
                   lib.pdserve_limits(2))
 
 
-@lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (with one warning) where they cannot be built."""
+    """The compiled kernels of the selected level (kernels/cpu_isa.py), or None (with one
+    warning) where they cannot be built."""
+    return _library(cpu_isa.selected())
+
+
+def level() -> str | None:
+    """The level of the kernels that run (None: the torch references)."""
+    return cpu_isa.selected() if library() is not None else None
+
+
+@lru_cache(maxsize=None)
+def _library(level: str) -> ctypes.CDLL | None:
     if os.environ.get("PDSERVE_DISABLE_NATIVE_KERNELS"):
         return None
     try:
         import torch  # noqa: F401  (loads torch's libgomp first, so ours resolves to it)
 
-        lib = ctypes.CDLL(str(_build()))
+        lib = ctypes.CDLL(str(_build(level)))
     except (RuntimeError, OSError) as exc:
         log.warning("native CPU kernels unavailable (%s); using the torch references", exc)
         return None
+    if lib.pdserve_isa_level() != cpu_isa.LEVELS.index(level):
+        raise RuntimeError(f"the {level} kernels were built for level {cpu_isa.LEVELS[lib.pdserve_isa_level()]}")
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     for name in ("paged_decode_attention_f32", "paged_decode_attention_bf16"):
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64,
                        i32, i32, i32, i32, i32, f32]
-    for name in ("paged_prefill_attention_f32", "paged_prefill_attention_bf16"):
+    lib.paged_decode_attention_bf16_i8kv.restype = i32
+    lib.paged_decode_attention_bf16_i8kv.argtypes = lib.paged_decode_attention_bf16.argtypes
+    for name in ("paged_prefill_attention_f32", "paged_prefill_attention_bf16", "paged_prefill_attention_bf16_i8kv"):
         fn = getattr(lib, name)
         fn.restype = i32
         fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, i64,
@@ -117,8 +159,16 @@ def library() -> ctypes.CDLL | None:
     lib.pdserve_limits.argtypes = [i32]
     lib.pdserve_linear_available.restype = i32
     lib.pdserve_linear_available.argtypes = []
-    lib.pdserve_linear_bf16w.restype = i32
-    lib.pdserve_linear_bf16w.argtypes = [ptr, i32, i64, ptr, ptr, ptr, i32, i64, i32, i32, i32]
+    for name in ("pdserve_linear_packed", "pdserve_linear_packed_portable"):
+        fn = getattr(lib, name)
+        fn.restype = i32
+        fn.argtypes = [ptr, i32, i64, ptr, i32, ptr, ptr, ptr, i32, i64, i32, i32, i32]
+    for name in ("pdserve_linear_gguf", "pdserve_linear_gguf_portable"):
+        fn = getattr(lib, name)
+        fn.restype = i32
+        fn.argtypes = [ptr, i32, i64, ptr, i32, ptr, i32, i64, i32, i32, i32]
+    lib.pdserve_gguf_dequantize.restype = None
+    lib.pdserve_gguf_dequantize.argtypes = [ptr, i32, ptr, i32, i32]
     lib.pdserve_fused_available.restype = i32
     lib.pdserve_fused_available.argtypes = []
     lib.pdserve_rms_norm_bf16.restype = i32
@@ -127,6 +177,8 @@ def library() -> ctypes.CDLL | None:
     lib.pdserve_rotary_bf16.argtypes = [ptr, i64, i64, i32, i32, i32, ptr, ptr, i64]
     lib.pdserve_silu_and_mul_bf16.restype = i32
     lib.pdserve_silu_and_mul_bf16.argtypes = [ptr, i64, ptr, i64, i32, i32]
+    lib.pdserve_write_kv_int8.restype = None
+    lib.pdserve_write_kv_int8.argtypes = [ptr, i64, ptr, i64, i32, ptr, ptr, i64, i64, ptr, i32, i32, i32, i32]
     lib.pdserve_write_kv.restype = None
     lib.pdserve_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, ptr, i32, i32, i32, i32]
     return lib

@@ -275,7 +275,8 @@ def configs_from_args(args, role: str) -> tuple[WorkerConfig, EngineConfig, Tran
         max_model_len=args.max_model_len,
         kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
         enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, long_prefill_chunk=args.long_prefill_chunk)
+        max_num_batched_tokens=args.max_num_batched_tokens, long_prefill_chunk=args.long_prefill_chunk,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     worker = WorkerConfig(role=role, host=args.host, port=args.port, redis_url=args.redis_url,
                           metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                           drain_timeout_s=args.drain_timeout,

@@ -38,6 +38,7 @@ class ModelSource:
     config: ModelConfig
     weights_dir: Path | None  # HF directory with config.json and *.safetensors; None for dummy
     tokenizer_dir: Path | None
+    gguf_file: Path | None = None  # the GGUF file weights_dir was converted from (--quantization gguf reads it)
 
 
 def cache_dir() -> Path:
@@ -114,9 +115,9 @@ def resolve_model(spec: str | None) -> ModelSource:
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf; pass a directory or a GGUF file")
         name = DEFAULT_MODEL if path.name == _DEFAULT_GGUF else path.stem
-        directory = convert_gguf(path)
+        directory, gguf_file = convert_gguf(path), path
     else:
-        directory, name = path, path.name
+        directory, name, gguf_file = path, path.name, None
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise ModelNotFoundError(f"{directory} has no config.json; not a Hugging Face model directory")
@@ -126,7 +127,8 @@ def resolve_model(spec: str | None) -> ModelSource:
         raise ModelLoadError(f"bad config.json in {directory}: {exc}") from exc
     # A checkpoint without tokenizer files still serves token-id prompts.
     has_tokenizer = any((directory / f).is_file() for f in _TOKENIZER_FILES)
-    return ModelSource(name=name, config=cfg, weights_dir=directory, tokenizer_dir=directory if has_tokenizer else None)
+    return ModelSource(name=name, config=cfg, weights_dir=directory, tokenizer_dir=directory if has_tokenizer else None,
+                       gguf_file=gguf_file)
 
 
 def _iter_safetensors(directory: Path):
@@ -145,7 +147,7 @@ def _iter_safetensors(directory: Path):
 
 
 def load_model(source: ModelSource, ops: Ops, dtype: torch.dtype, device: str, max_positions: int,
-               seed: int = 0) -> LlamaForCausalLM:
+               seed: int = 0, quantization: str | None = None) -> LlamaForCausalLM:
     # Built on the meta device, then materialised once in the target dtype and device.
     with torch.device("meta"):
         model = LlamaForCausalLM(source.config, ops, max_positions)
@@ -165,6 +167,34 @@ def load_model(source: ModelSource, ops: Ops, dtype: torch.dtype, device: str, m
     cfg = source.config
     # to(dtype) cast the rope table too; it must stay fp32.
     model.cos_sin_cache = build_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling).to(device)
-    if ops.packs_linears and dtype == torch.bfloat16 and device == "cpu" and linear_kernel_available():
+    if quantization == "int8":
+        _quantize_int8(model, source, ops)
+    elif quantization == "gguf":
+        from services.engine.gguf_weights import use_gguf_blocks
+
+        use_gguf_blocks(model, source, ops)
+    elif ops.packs_linears and dtype == torch.bfloat16 and device == "cpu" and linear_kernel_available():
         model.pack_linears()
     return model.eval()
+
+
+def _quantize_int8(model: LlamaForCausalLM, source: ModelSource, ops: Ops) -> None:
+    """int8 weights for every projection (services/engine/quantize.py). With the CPU kernels
+    they are packed for linear_cpu.c; with the torch references (``--kernels torch``) the
+    projections keep their dtype but hold the dequantized weights, the same function."""
+    from kernels.linear_cpu import dequantize_int8
+    from services.engine.quantize import OUTPUT, int8_weights
+
+    try:
+        weights = int8_weights(model, source.weights_dir, lambda: _iter_safetensors(source.weights_dir), cache_dir())
+    except ValueError as exc:
+        raise ModelLoadError(f"cannot quantize {source.name} to int8: {exc}") from exc
+    if ops.packs_linears:
+        model.pack_linears(int8=weights)
+        return
+    params = dict(model.named_parameters())
+    for name, (q, scale) in weights.items():
+        if name == OUTPUT:
+            model.output_weight = dequantize_int8(q, scale).to(model.embed_tokens.weight.dtype)
+        else:
+            params[f"{name}.weight"].data.copy_(dequantize_int8(q, scale))
