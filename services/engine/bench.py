@@ -15,13 +15,16 @@ target tokens count as output.
   in ``--dtype`` and each ``--quantization``, HF in each dtype, llama.cpp.
 - **quality**: perplexity on a fixed 4k-token text (services/engine/perplexity.py) of
   pdserve in ``--dtype`` and each ``--quantization``.
+- **kv**: the int8 KV cache (``--kv-cache-dtype int8``) against the ``--dtype`` one in the
+  same memory: blocks, batch-1 decode after ``--kv-context`` tokens of the perplexity text,
+  and (with quality) perplexity.
 
 Ratios: ``throughput_ratio_vs_hf_best`` / ``decode_b1_ratio_vs_hf_best`` against HF's best
 (dtype, batch size); ``throughput_ratio_vs_hf`` / ``decode_b1_ratio_vs_hf`` against HF in
 pdserve's dtype; ``throughput_ratio_vs_llamacpp`` / ``decode_b1_ratio_vs_llamacpp``: pdserve
 serving the GGUF's blocks against llama.cpp on the same file (``default_*_vs_llamacpp``: the
-``--dtype`` path); ``int8_*_vs_bf16`` / ``gguf_*_vs_bf16``: quantized against ``--dtype``.
-The result names the CPU and the kernel level that ran.
+``--dtype`` path); ``int8_*_vs_bf16`` / ``gguf_*_vs_bf16`` / ``kv_int8_*``: quantized against
+``--dtype``. The result names the CPU, the kernel level that ran and the load when it began.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from services.config import EngineConfig
 from services.engine.bench_hf import hf_best
 from services.engine.sampling_params import SamplingParams
 
-SECTIONS = ("throughput", "decode", "quality")
+SECTIONS = ("throughput", "decode", "quality", "kv")
 
 
 def make_workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -66,9 +69,9 @@ def pdserve_mixed(engine, workload) -> float:
     return produced / dt
 
 
-def pdserve_decode_b1(engine, prompt: list[int], n: int) -> float:
-    engine.add_request("b1", prompt, SamplingParams(max_tokens=n + 1, temperature=0, ignore_eos=True))
-    while engine.requests["b1"].num_output_tokens == 0:
+def pdserve_decode_b1(engine, prompt: list[int], n: int, rid: str = "b1") -> float:
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=n + 1, temperature=0, ignore_eos=True))
+    while engine.requests[rid].num_output_tokens == 0:
         engine.step()
     t = time.perf_counter()
     while engine.has_unfinished():
@@ -103,7 +106,8 @@ def collect(args: argparse.Namespace) -> dict:
     machine = result_files.machine()
     result: dict = {
         "model": engine.model_name, "dtype": engine.config.dtype, "threads": torch.get_num_threads(),
-        "cpu": machine["cpu_model"], "cpu_kernels": native.level(), "requests": len(workload),
+        "cpu": machine["cpu_model"], "cpu_kernels": native.level(), "loadavg_1m_at_start": machine["loadavg_1m"],
+        "requests": len(workload),
         "prompt_tokens": sum(len(p) for p, _ in workload), "output_tokens": sum(o for _, o in workload)}
     _log(f"{engine.model_name}, {engine.describe()}, {torch.get_num_threads()} threads, {machine['cpu_model']}; "
          f"{len(workload)} requests, {result['prompt_tokens']} prompt / {result['output_tokens']} output tokens")
@@ -121,6 +125,12 @@ def collect(args: argparse.Namespace) -> dict:
             ids = text_tokens(engine.tokenizer, args.ppl_tokens)
             _log(f"perplexity, {args.ppl_tokens} tokens: pdserve {engine.config.dtype}")
             result.update(ppl_text=TEXT_SOURCE, ppl_tokens=args.ppl_tokens, ppl=round(perplexity(engine, ids), 4))
+        if "kv" in sections:
+            context = text_tokens(engine.tokenizer, args.kv_context)[: args.kv_context]
+            result.update(kv_context_tokens=len(context), kv_blocks=engine.block_pool.num_blocks,
+                          kv_block_bytes=engine.kv_spec.block_bytes)
+            _log(f"batch-1 decode after {len(context)} tokens of context: pdserve, {engine.kv_spec.dtype} KV")
+            result["decode_long_tok_s"] = round(pdserve_decode_b1(engine, context, args.decode_tokens, "long"), 1)
         del engine
         for quant in args.quantization:
             if quant == "none" or (quant == "gguf" and args.model is not None):
@@ -136,6 +146,17 @@ def collect(args: argparse.Namespace) -> dict:
             if "quality" in sections:
                 _log(f"perplexity: pdserve {quant} weights")
                 result[f"{quant}_ppl"] = round(perplexity(variant, ids), 4)
+            del variant
+        if "kv" in sections:
+            variant = _engine(args, kv_cache_dtype="int8")
+            pdserve_mixed(variant, warmup[:2])
+            result.update(kv_int8_blocks=variant.block_pool.num_blocks, kv_int8_block_bytes=variant.kv_spec.block_bytes)
+            _log(f"batch-1 decode after {len(context)} tokens of context: pdserve, int8 KV")
+            result["kv_int8_decode_long_tok_s"] = round(
+                pdserve_decode_b1(variant, context, args.decode_tokens, "long"), 1)
+            if "quality" in sections:
+                _log("perplexity: pdserve, int8 KV")
+                result["kv_int8_ppl"] = round(perplexity(variant, ids), 4)
             del variant
 
     if "throughput" in sections or "decode" in sections:
@@ -156,26 +177,34 @@ def engine_dir(args):
 
 
 def llama_cpp_section(gguf: str, workload, prompt, args, sections) -> dict:
-    from services.engine.bench_llamacpp import LlamaCpp, continuous_batching, decode_b1
+    """llama.cpp's figures, each measured in a child process (bench_llamacpp.isolated): a
+    llama-cpp-python build that crashes leaves ``error`` (why) instead of its figures."""
+    from services.engine.bench_llamacpp import isolated, measure_batched, measure_decode_b1, system_info
 
-    out: dict = {"runs": []}
     threads = torch.get_num_threads()
-    if "decode" in sections:
-        llm = LlamaCpp(gguf, threads, max_seqs=1, n_ctx=1024)
+    out: dict = {"runs": []}
+    info, out["error"] = isolated(system_info)
+    if info is not None:
+        out["build"] = info
+    if "decode" in sections and info is not None:
         _log("batch-1 decode: llama.cpp")
-        decode_b1(llm, prompt, 8)  # warm-up
-        out["decode_b1_tok_s"] = round(decode_b1(llm, prompt, args.decode_tokens), 1)
-        llm.close()
-    if "throughput" in sections:
-        longest = max(len(p) + o for p, o in workload)
+        tok_s, out["error"] = isolated(measure_decode_b1, gguf, threads, prompt, args.decode_tokens)
+        if tok_s is not None:
+            out["decode_b1_tok_s"] = round(tok_s, 1)
+    if "throughput" in sections and out["error"] is None:
         for seqs in args.llamacpp_seqs:
-            llm = LlamaCpp(gguf, threads, max_seqs=seqs, n_ctx=seqs * longest, n_batch=args.max_num_batched_tokens)
-            continuous_batching(llm, [(p[:32], 4) for p, _ in workload[:2]])  # warm-up
             _log(f"mixed workload: llama.cpp, continuous batching over {seqs} sequence slots")
-            out["runs"].append({"max_seqs": seqs, "tok_s": round(continuous_batching(llm, workload), 1)})
+            tok_s, out["error"] = isolated(measure_batched, gguf, threads, seqs, args.max_num_batched_tokens, workload)
+            if tok_s is None:
+                break
+            out["runs"].append({"max_seqs": seqs, "tok_s": round(tok_s, 1)})
             _log(f"  {out['runs'][-1]['tok_s']} tok/s")
-            llm.close()
-        out["best"] = max(out["runs"], key=lambda r: r["tok_s"])
+        if out["runs"]:
+            out["best"] = max(out["runs"], key=lambda r: r["tok_s"])
+    if out["error"] is not None:
+        _log(f"llama.cpp left out: {out['error']}")
+    else:
+        del out["error"]
     return out
 
 
@@ -191,6 +220,8 @@ def _ratios(r: dict) -> None:
         r["throughput_ratio_vs_hf_best"] = ratio(r.get("pdserve_tok_s"), r["hf_best_tok_s"], 2)
         r["decode_b1_ratio_vs_hf"] = ratio(r.get("pdserve_decode_b1_tok_s"), r["hf_decode_b1_tok_s"], 2)
         r["decode_b1_ratio_vs_hf_best"] = ratio(r.get("pdserve_decode_b1_tok_s"), r["hf_best_decode_b1_tok_s"], 2)
+    if lc.get("error"):
+        r["llama_cpp_error"] = lc["error"]
     if lc:
         # the same file on both sides: pdserve serving its blocks (--quantization gguf); and
         # pdserve's default (--dtype) path beside it
@@ -201,6 +232,10 @@ def _ratios(r: dict) -> None:
         r["default_decode_b1_ratio_vs_llamacpp"] = ratio(r.get("pdserve_decode_b1_tok_s"),
                                                          r["llamacpp_decode_b1_tok_s"], 2)
         r["default_throughput_ratio_vs_llamacpp"] = ratio(r.get("pdserve_tok_s"), r["llamacpp_tok_s"], 2)
+    # the int8 KV cache against the --dtype one, in the same memory
+    r["kv_int8_blocks_ratio"] = ratio(r.get("kv_int8_blocks"), r.get("kv_blocks"), 2)
+    r["kv_int8_decode_long_ratio_vs_bf16"] = ratio(r.get("kv_int8_decode_long_tok_s"), r.get("decode_long_tok_s"), 2)
+    r["kv_int8_ppl_ratio_vs_bf16"] = ratio(r.get("kv_int8_ppl"), r.get("ppl"), 4)
     for quant in ("int8", "gguf"):
         r[f"{quant}_decode_b1_ratio_vs_bf16"] = ratio(r.get(f"{quant}_decode_b1_tok_s"), r.get("pdserve_decode_b1_tok_s"), 2)
         r[f"{quant}_ppl_ratio_vs_bf16"] = ratio(r.get(f"{quant}_ppl"), r.get("ppl"), 4)
@@ -227,10 +262,18 @@ def render(r: dict) -> str:
     if "llamacpp" in r and r["llamacpp"].get("runs"):
         lines.append("llama.cpp runs (continuous batching), tok/s: "
                      + ", ".join(f"{x['max_seqs']} slots: {x['tok_s']}" for x in r["llamacpp"]["runs"]))
+    if "llama_cpp_error" in r:
+        lines.append(f"llama.cpp left out: {r['llama_cpp_error']}")
     for quant in ("int8", "gguf"):
         if f"{quant}_decode_b1_tok_s" in r:
             lines.append(f"{quant} weights: batch-1 decode {r[f'{quant}_decode_b1_tok_s']} tok/s "
                          f"({r.get(f'{quant}_decode_b1_ratio_vs_bf16', '-')}x {r['dtype']})")
+    if "kv_int8_blocks" in r:
+        lines.append(f"int8 KV cache: {r['kv_int8_blocks']} blocks in the memory of {r['kv_blocks']} "
+                     f"({r['kv_int8_blocks_ratio']}x); batch-1 decode after {r['kv_context_tokens']} tokens "
+                     f"{r['kv_int8_decode_long_tok_s']} tok/s vs {r['decode_long_tok_s']} "
+                     f"({r.get('kv_int8_decode_long_ratio_vs_bf16', '-')}x)"
+                     + (f"; perplexity {r['kv_int8_ppl']} ({r['kv_int8_ppl_ratio_vs_bf16']}x)" if "kv_int8_ppl" in r else ""))
     if "ppl" in r:
         lines.append(f"perplexity over {r['ppl_tokens']} tokens of {r['ppl_text']}: {r['dtype']} {r['ppl']}" + "".join(
             f", {q} weights {r[f'{q}_ppl']} ({r[f'{q}_ppl_ratio_vs_bf16']}x)" for q in ("int8", "gguf") if f"{q}_ppl" in r))
@@ -288,6 +331,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp even if llama-cpp-python is installed")
     p.add_argument("--decode-tokens", type=_at_least_one, default=128)
     p.add_argument("--ppl-tokens", type=_at_least_one, default=4096, help="tokens of the perplexity text")
+    p.add_argument("--kv-context", type=_at_least_one, default=4096,
+                   help="context of the int8-KV decode comparison, tokens of the perplexity text (default 4096)")
     p.add_argument("--max-num-seqs", type=_at_least_one, default=128)
     p.add_argument("--max-num-batched-tokens", type=_at_least_one, default=1024)
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -7,7 +7,10 @@ batching), greedy picks from the logits of the rows that sample. The high-level
 ``Llama.generate`` runs one sequence at a time, which would leave llama.cpp's batching
 unused. Batch-1 decode: one sequence, tokens/s after the first token, as pdserve's.
 
-llama-cpp-python is optional (it compiles llama.cpp when installed: see BENCHMARKS.md).
+llama-cpp-python is optional (it compiles llama.cpp when installed: see BENCHMARKS.md). Every
+measurement runs in a child process (``isolated``): a build that crashes (one compiled here
+with its AMX kernels segfaulted in llama_decode) costs llama.cpp's columns, with the reason,
+never the bench run.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ class LlamaCpp:
         lc.llama_backend_init()
         lc.llama_log_set(_QUIET, ctypes.c_void_p())
         model_params = lc.llama_model_default_params()
-        # llama.cpp's AMX weight buffers crash in ggml_backend_amx_mul_mat on CPUs with AMX
-        # (ggml-org/llama.cpp#20824, seen here with 0.3.36 on this GGUF): load without the extra
-        # buffer types there, i.e. its AVX-512 VNNI kernels
-        model_params.use_extra_bufts = not _has_amx()
+        # a build with llama.cpp's AMX kernels crashes in ggml_backend_amx_mul_mat on this CPU
+        # (ggml-org/llama.cpp#20824; 0.3.36 compiled with GGML_NATIVE on a Xeon with AMX): load
+        # without the extra buffer types there (no AMX, no repacking). A build without AMX
+        # (BENCHMARKS.md says how) keeps them: its repacked AVX-512 kernels are its best.
+        model_params.use_extra_bufts = not built_with_amx()
         self.model = lc.llama_model_load_from_file(gguf_path.encode(), model_params)
         if not self.model:
             raise RuntimeError(f"llama.cpp cannot load {gguf_path}")
@@ -98,10 +102,16 @@ class LlamaCpp:
         return tokens, logits, time.perf_counter() - t0
 
 
-def _has_amx() -> bool:
-    from services.bench.results import machine
+def system_info() -> str:
+    """llama.cpp's own line on what it was built with (``AVX512_VNNI = 1 | AMX_INT8 = 1 | ...``)."""
+    import llama_cpp as lc
 
-    return "amx_int8" in machine()["cpu_flags"]
+    lc.llama_backend_init()
+    return lc.llama_print_system_info().decode().strip()
+
+
+def built_with_amx() -> bool:
+    return "AMX_INT8 = 1" in system_info()
 
 
 @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
@@ -149,3 +159,47 @@ def continuous_batching(llm: LlamaCpp, workload: list[tuple[list[int], int]]) ->
     dt = time.perf_counter() - t
     assert produced_total == sum(o for _, o in workload), "llama.cpp produced a different number of tokens"
     return produced_total / dt
+
+
+# ---- one measurement per child process --------------------------------------
+def measure_decode_b1(gguf_path: str, threads: int, prompt: list[int], n: int) -> float:
+    llm = LlamaCpp(gguf_path, threads, max_seqs=1, n_ctx=1024)
+    decode_b1(llm, prompt, 8)  # warm-up
+    tok_s = decode_b1(llm, prompt, n)
+    llm.close()
+    return tok_s
+
+
+def measure_batched(gguf_path: str, threads: int, seqs: int, n_batch: int,
+                    workload: list[tuple[list[int], int]]) -> float:
+    longest = max(len(p) + o for p, o in workload)
+    llm = LlamaCpp(gguf_path, threads, max_seqs=seqs, n_ctx=seqs * longest, n_batch=n_batch)
+    continuous_batching(llm, [(p[:32], 4) for p, _ in workload[:2]])  # warm-up
+    tok_s = continuous_batching(llm, workload)
+    llm.close()
+    return tok_s
+
+
+def greedy_reference(gguf_path: str, threads: int, prompts: dict[str, list[int]], n: int) -> dict:
+    """Request id -> (``n`` greedy tokens, the logits row of each) for every prompt, one at a time."""
+    llm = LlamaCpp(gguf_path, threads, max_seqs=1, n_ctx=512)
+    try:
+        return {rid: llm.greedy(ids, n, keep_logits=True)[:2] for rid, ids in prompts.items()}
+    finally:
+        llm.close()
+
+
+def isolated(fn, *args):
+    """``fn(*args)`` in a fresh (spawned) child process: ``(value, None)``, or ``(None, why)``
+    when it raised or its process died (a crash inside llama.cpp takes only the child)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(fn, *args).result(), None
+        except BrokenProcessPool:
+            return None, "its process died (a crash inside llama-cpp-python; see BENCHMARKS.md for a build that runs)"
+        except Exception as exc:  # noqa: BLE001 - an optional baseline's failure is reported, not raised
+            return None, f"{type(exc).__name__}: {exc}"
