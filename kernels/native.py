@@ -8,7 +8,8 @@ ctypes releases the GIL during the call, and the OpenMP runtime it links
 (libgomp.so.1) is the one torch has already loaded, so both share one thread
 pool. Builds are cached under ``$PDSERVE_CACHE_DIR/kernels`` keyed by the
 source, the compiler and the level's flags. If no compiler is available,
-callers fall back to the torch references.
+callers fall back to the torch references. Container
+images carry every level's library prebuilt instead (``prebuild``, ``PDSERVE_PREBUILT_KERNELS``).
 
 Levels (kernels/cpu_isa.py): the best the CPU has, or ``PDSERVE_CPU_ISA=<level>`` to force
 a lower one (tests run every level the machine can). Each level's library is built for that
@@ -71,9 +72,7 @@ def _run_atomic(cmd: list[str], target: Path, what: str) -> None:
 
 
 def _build(level: str) -> Path:
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise RuntimeError("no C compiler (gcc/cc) found")
+    cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.encode()
     headers = b"".join(h.read_bytes() for h in _HEADERS)
     directory = _cache_dir()
@@ -93,6 +92,45 @@ def _build(level: str) -> Path:
     if not target.is_file():
         _run_atomic([cc, "-shared", "-fopenmp", *map(str, objects), "-lm", "-o"], target, f"linking the {level} kernels")
     return target
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc/cc) found")
+    return cc
+
+
+# ---- prebuilt libraries (container images: no compiler at run time) ------------------
+#
+# An image carries every level's library, built by `python -m kernels.native --prebuild DIR`
+# at image build time (each level's flags name exactly that level, so the libraries run on
+# any CPU of their level); with PDSERVE_PREBUILT_KERNELS=DIR the library of the selected level
+# (kernels/cpu_isa.py: the best this CPU has) is loaded from there. A library's name carries
+# the digest of the sources it was built from, so a stale image's kernels are never loaded.
+def _prebuilt_name(level: str) -> str:
+    digest = b"".join(Path(__file__).with_name(n).read_bytes() for n in _SOURCES)
+    digest += b"".join(h.read_bytes() for h in _HEADERS)
+    return f"{_STEM}-{level}-{hashlib.sha256(digest).hexdigest()[:16]}.so"
+
+
+def prebuild(directory: Path) -> list[Path]:
+    """Build every level's library into ``directory`` (at image build time)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    built = []
+    for name in cpu_isa.LEVELS:
+        target = directory / _prebuilt_name(name)
+        shutil.copyfile(_build(name), target)
+        os.chmod(target, 0o755)  # readable by a container's non-root user
+        built.append(target)
+    return built
+
+
+def _prebuilt(directory: Path, level: str) -> Path:
+    candidate = directory / _prebuilt_name(level)
+    if not candidate.is_file():
+        raise RuntimeError(f"no prebuilt {level} kernels in {directory} for these sources")
+    return candidate
 
 
 @dataclass(frozen=True)
@@ -136,7 +174,8 @@ def _library(level: str) -> ctypes.CDLL | None:
     try:
         import torch  # noqa: F401  (loads torch's libgomp first, so ours resolves to it)
 
-        lib = ctypes.CDLL(str(_build(level)))
+        prebuilt = os.environ.get("PDSERVE_PREBUILT_KERNELS")
+        lib = ctypes.CDLL(str(_prebuilt(Path(prebuilt), level) if prebuilt else _build(level)))
     except (RuntimeError, OSError) as exc:
         log.warning("native CPU kernels unavailable (%s); using the torch references", exc)
         return None
@@ -182,3 +221,12 @@ def _library(level: str) -> ctypes.CDLL | None:
     lib.pdserve_write_kv.restype = None
     lib.pdserve_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, ptr, i32, i32, i32, i32]
     return lib
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "--prebuild":
+        sys.exit("usage: python -m kernels.native --prebuild DIR")
+    for path in prebuild(Path(sys.argv[2])):
+        print(f"built {path}")

@@ -62,6 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transports", default="ucx,tcp", help="pdserve transports to measure")
     p.add_argument("--device", default="cpu", help="where both KV caches live: cpu or cuda")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--peer", default=None, metavar="HOST:PORT",
+                   help="use the receiver another process serves (--serve-peer), e.g. in another container, "
+                        "instead of spawning one here")
+    p.add_argument("--serve-peer", default=None, metavar="HOST:PORT",
+                   help="be the receiving side for one --peer run, listening here, then exit")
 
 
 def add_parser(sub) -> None:
@@ -81,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
 def run_cli(args: argparse.Namespace) -> int:
     from services.bench import results as result_files
 
+    if args.serve_peer:
+        serve_peer(args.serve_peer)
+        return 0
     result = run(args)
     result_files.save("kvtransfer", result, args)
     if args.json:
@@ -102,28 +110,71 @@ def run(args: argparse.Namespace) -> dict:
         transports = [t for t in transports if t != "ucx"]
     paths = transports + (["raw"] if ucx_ok else [])
     load_before = os.getloadavg()[0]
-    result = asyncio.run(_run(sizes, args.chunk_tokens, args.repeats, transports, paths, why, args.device))
+    result = asyncio.run(_run(sizes, args.chunk_tokens, args.repeats, transports, paths, why, args.device,
+                              getattr(args, "peer", None)))
     result["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    result["peer"] = getattr(args, "peer", None) or "spawned child process"
     return result
 
 
-async def _run(sizes, chunk_tokens, repeats, transports, paths, ucx_why, device) -> dict:
+# The receiver in another process that was started on its own (``--serve-peer``), e.g. in another
+# container: the same commands as the spawned child's pipe, over a multiprocessing connection (pickle,
+# with a fixed key: a benchmark tool for a private network, not a service).
+_PEER_KEY = b"pdserve-bench-kvtransfer"
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def serve_peer(address: str) -> None:
+    """Serve one benchmark run as the receiver (decode side), then return."""
+    from multiprocessing.connection import Listener
+
+    from services.advertise import advertised_host
+
+    host, port = _split(address)
+    with Listener((host, port), authkey=_PEER_KEY) as listener:
+        _progress(f"receiver waiting for a --peer run on {host}:{listener.address[1]}")
+        with listener.accept() as conn:
+            setup = conn.recv()
+            receiver_process(conn, *setup, host=host, advertise=advertised_host(host))
+
+
+def _connect_peer(address: str, setup: tuple):
+    from multiprocessing.connection import Client
+
+    conn = Client(_split(address), authkey=_PEER_KEY)
+    conn.send(setup)
+    return conn
+
+
+async def _run(sizes, chunk_tokens, repeats, transports, paths, ucx_why, device, peer=None) -> dict:
     spec = DEFAULT_SPEC
     blocks_for = {n: -(-n // spec.block_size) for n in sizes}
     num_blocks = max(blocks_for.values()) + 1
     kv = allocate_kv_cache(spec, num_blocks)
     kv.view(-1).view(torch.uint8).random_(generator=torch.Generator().manual_seed(0))
     kv = kv.to(device)
-    ctx = mp.get_context("spawn")
-    parent_end, child_end = ctx.Pipe()
-    child = ctx.Process(target=receiver_process, args=(child_end, spec, num_blocks, transports, "raw" in paths, device))
-    child.start()
+    setup = (spec, num_blocks, transports, "raw" in paths, device)
+    child = None
+    if peer:
+        parent_end = _connect_peer(peer, setup)
+    else:
+        ctx = mp.get_context("spawn")
+        parent_end, child_end = ctx.Pipe()
+        child = ctx.Process(target=receiver_process, args=(child_end, *setup))
+        child.start()
     loop = asyncio.get_running_loop()
     call = lambda *msg: loop.run_in_executor(None, _ask, parent_end, msg)
     try:
         addresses = await call("addresses")
         senders = {t: Sender(kv, spec, NAMESPACE, TransferConfig(transport=t)) for t in transports}
-        raw_ep = await _raw_connect(addresses["raw"]) if "raw" in paths else None
+        raw_host = _split(peer)[0] if peer else "127.0.0.1"
+        raw_ep = await _raw_connect(addresses["raw"], raw_host) if "raw" in paths else None
         samples: dict[int, dict[str, list[float]]] = {n: {p: [] for p in paths} for n in sizes}
         verified = True
         for n in sizes:
@@ -148,9 +199,12 @@ async def _run(sizes, chunk_tokens, repeats, transports, paths, ucx_why, device)
             await raw_ep.close()
         await call("stop")
     finally:
-        child.join(timeout=10)
-        if child.is_alive():
-            child.kill()
+        if child is not None:
+            child.join(timeout=10)
+            if child.is_alive():
+                child.kill()
+        else:
+            parent_end.close()
     return _summary(spec, sizes, blocks_for, chunk_tokens, repeats, samples, verified, ucx_why, str(kv.device))
 
 
@@ -188,13 +242,13 @@ async def _raw_once(ep, call, kv, spec, nbytes) -> float:
     return seconds
 
 
-async def _raw_connect(port: int):
+async def _raw_connect(port: int, host: str = "127.0.0.1"):
     from kvtransfer.ucx import import_ucxx
     from kvtransfer.ucx_progress import ensure_progress
 
     ucxx = import_ucxx()
     ensure_progress(ucxx)  # the same UCX settings and progress as pdserve's path
-    return await ucxx.create_endpoint("127.0.0.1", port)
+    return await ucxx.create_endpoint(host, port)
 
 
 def _ask(conn, msg):

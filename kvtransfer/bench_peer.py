@@ -45,15 +45,16 @@ class _FreeList:
         self.free = sorted(self.free + list(ids))
 
 
-def receiver_process(conn, spec, num_blocks, transports, raw, device) -> None:
-    asyncio.run(_receiver_main(conn, spec, num_blocks, transports, raw, device))
+def receiver_process(conn, spec, num_blocks, transports, raw, device, host="127.0.0.1", advertise="") -> None:
+    asyncio.run(_receiver_main(conn, spec, num_blocks, transports, raw, device, host, advertise))
 
 
-async def _receiver_main(conn, spec, num_blocks, transports, raw, device) -> None:
+async def _receiver_main(conn, spec, num_blocks, transports, raw, device, host, advertise) -> None:
     kv = allocate_kv_cache(spec, num_blocks, device)
     blocks = BlockBytes(kv, spec)
     pool = _FreeList(num_blocks)
-    receivers = {t: Receiver(kv, spec, NAMESPACE, pool, TransferConfig(transport=t)) for t in transports}
+    receivers = {t: Receiver(kv, spec, NAMESPACE, pool, TransferConfig(transport=t, host=host, advertise_host=advertise))
+                 for t in transports}
     addresses = {t: await r.start() for t, r in receivers.items()}
     raw_eps: list = []  # the raw benchmark's endpoint, once the sender connected
     listener = _raw_listen(raw_eps) if raw else None

@@ -15,6 +15,7 @@ class TransferConfig:
     # speed learns at start-up, not from a slow TTFT dashboard.
     allow_fallback: bool = False
     host: str = "127.0.0.1"  # receiver: address to listen on and advertise in descriptors
+    advertise_host: str = ""  # receiver: advertise this instead (host is a wildcard, e.g. in a container)
     port: int = 0  # receiver: 0 picks a free port
     connect_timeout_s: float = 10.0
     # Sender: a chunk, a finish or its acknowledgement that takes longer than this

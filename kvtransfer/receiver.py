@@ -33,7 +33,7 @@ from kvtransfer.descriptor import PeerInfo, TransferDescriptor
 from kvtransfer.ownership import BlockOwner, Completion, PendingTransfer
 from kvtransfer.protocol import ABORT, BLOCKS, DONE, FAILED, FINISH, HELLO, REFUSED, WELCOME, payload_sizes
 from kvtransfer.stats import TransferStats
-from kvtransfer.transport import Connection, Listener, Transport, make_transport
+from kvtransfer.transport import Connection, Listener, Transport, make_transport, split_address
 from services.errors import TransferError
 
 log = logging.getLogger(__name__)
@@ -78,12 +78,13 @@ class Receiver:
         self._failed: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._conns: set[Connection] = set()
         self._listener: Listener | None = None
+        self._advertised = ""
 
     @property
     def address(self) -> str:
         if self._listener is None:
             raise RuntimeError("Receiver.start() has not been awaited")
-        return self._listener.address
+        return self._advertised
 
     @property
     def open_transfers(self) -> int:
@@ -91,7 +92,14 @@ class Receiver:
 
     async def start(self) -> str:
         self._listener = await self.transport.listen(self.config.host, self.config.port, self._serve)
-        return self._listener.address
+        self._advertised = self._listener.address
+        # Listening on a wildcard (a container): descriptors must name an address peers reach.
+        if self.config.advertise_host and self.config.transport != "loopback":
+            scheme = self._advertised.split("://", 1)[0]
+            _, port = split_address(self._advertised, scheme)
+            host = self.config.advertise_host
+            self._advertised = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+        return self._advertised
 
     def reserve(self, transfer_id: str, num_blocks: int, timeout_s: float) -> PendingTransfer:
         """Reserve blocks through the owner and wait up to ``timeout_s`` for a sender to fill them."""

@@ -4,6 +4,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh || exit 1
+# promtool, docker-compose, kubectl for tests/deploy (without them those checks skip, loudly)
+bash scripts/install-deploy-tools.sh || echo "[test] some deployment tools are missing: their checks will skip" >&2
 PY=${PYTHON:-python3}
 "$PY" -m pytest -q -p no:cacheprovider "$@"
 rc=$?

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from services import env_defaults
+
 _READY = re.compile(r"\[pdserve\] (?:\w+ worker (\S+) )?.*?ready on (\S+)(?: \(.*metrics ([^)\s]+)\))?")
 _TROUBLE = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|Traceback")
 
@@ -47,8 +49,10 @@ class Process:
         self.trouble: list[str] = []  # WARNING / ERROR / Traceback lines seen
 
     def start(self, env: dict | None = None) -> None:
+        # Every address is given as a flag; a PDSERVE_PORT meant for `pdserve up` must not reach them all.
+        env = env_defaults.without_per_process(env or os.environ)
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=dict(env or os.environ, PYTHONUNBUFFERED="1"), bufsize=1,
+                                     env=dict(env, PYTHONUNBUFFERED="1"), bufsize=1,
                                      start_new_session=True)
         threading.Thread(target=self._pump, daemon=True, name=f"out-{self.name}").start()
 

@@ -28,16 +28,39 @@ ROLES = ("prefill", "decode")
 
 
 REDIS_CONNECT_TIMEOUT_S = 5.0
+REDIS_MAX_CONNECTIONS = 100  # per process; the gateway's is its --redis-max-connections
+REDIS_POOL_TIMEOUT_S = 10.0
 
 
-async def connect_redis(url: str):
+async def connect_redis(url: str, *, max_connections: int = REDIS_MAX_CONNECTIONS,
+                        pool_timeout_s: float = REDIS_POOL_TIMEOUT_S, name: str = ""):
     """A ``redis.asyncio`` client for ``url`` that has answered a PING. Nothing answering there is
     a ServiceUnavailableError naming the URL (the CLI prints it and exits 1), not a traceback
-    from the first command some time later; a malformed URL is redis-py's ValueError."""
+    from the first command some time later; a malformed URL is redis-py's ValueError.
+
+    The client opens at most ``max_connections`` connections: a command that finds them all
+    busy waits for one (up to ``pool_timeout_s``, then redis-py's ConnectionError, which the
+    gateway answers as 503 + Retry-After) instead of failing at once as redis-py's default
+    pool does. ``name`` (CLIENT SETNAME, suffixed with the pid) tells the processes apart in
+    Redis's CLIENT LIST.
+    """
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
-    client = aioredis.Redis.from_url(url)
+    if type(max_connections) is not int or max_connections < 2:
+        raise ValueError(f"max_connections must be an int >= 2; got {max_connections!r}")
+    if not pool_timeout_s > 0:
+        raise ValueError(f"pool_timeout_s must be > 0; got {pool_timeout_s!r}")
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialBackoff
+
+    extra = {"client_name": f"{name}-{os.getpid()}"} if name else {}
+    # a pooled connection that Redis closed (a restart, a failover, CLIENT KILL) fails its next command:
+    # reconnect and send it again, twice at most (the queue's writes are idempotent on the request id)
+    retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), 2)
+    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=pool_timeout_s,
+                                                    retry=retry, **extra)
+    client = aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes it
     try:
         await asyncio.wait_for(client.ping(), REDIS_CONNECT_TIMEOUT_S)
     except (RedisError, OSError, asyncio.TimeoutError) as exc:

@@ -68,6 +68,13 @@ ROUTING_DECISIONS = Counter("pdserve_routing_decisions_total", "Worker choices b
 RETRIES = Counter("pdserve_retries_total", "Requests re-sent to another worker after a failure.", ["role"])
 DEAD_LETTERS = Counter("pdserve_dead_letters_total", "Queued requests given up on and dead-lettered.")
 QUEUE_DEPTH = Gauge("pdserve_queue_depth", "Requests waiting in the admission queue.", ["tier"])
+QUEUE_LAG = Gauge("pdserve_queue_lag", "Queued requests no router has taken yet (the consumer group's lag).",
+                  ["tier"])
+QUEUE_LAG_SECONDS = Gauge("pdserve_queue_lag_seconds", "Age of the oldest queued request no router has taken yet.",
+                          ["tier"])
+GENERATION_TOKENS = Counter("pdserve_generation_tokens_total", "Output tokens produced.", ["role", "worker"])
+PROMPT_TOKENS = Counter("pdserve_prompt_tokens_total",
+                        "Prompt tokens prefilled (computed; prefix-cache hits not counted).", ["role", "worker"])
 
 KV_BLOCKS_USED = Gauge("pdserve_kv_blocks_used", "KV cache blocks in use.", ["role", "worker"])
 KV_BLOCKS_TOTAL = Gauge("pdserve_kv_blocks_total", "Usable KV cache blocks.", ["role", "worker"])

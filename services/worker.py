@@ -30,6 +30,7 @@ from kvtransfer import TransferConfig
 from services import kv_events, telemetry
 from services.config import EngineConfig
 from services.errors import NoWorkerError
+from services.advertise import advertised_host, host_port
 from services.registry import ROLES, Registrar, WorkerInfo, connect_redis, new_worker_id
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class WorkerConfig:
     role: str
     host: str = "127.0.0.1"
     port: int = 0  # gRPC; 0 picks a free port
+    advertise_host: str = ""  # what the registry says (advertise.py); empty: host
     redis_url: str = "redis://127.0.0.1:6379/0"
     metrics_port: int | None = 0  # None: no /metrics server
     heartbeat_s: float = 1.0
@@ -126,10 +128,12 @@ class WorkerRuntime:
         port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if port == 0:
             raise ValueError(f"cannot listen on {cfg.host}:{cfg.port}")
-        self.address = f"{cfg.host}:{port}"
+        advertised = cfg.advertise_host or cfg.host
+        self.address = host_port(advertised, port)
         await self.server.start()
         if cfg.metrics_port is not None:
-            self.metrics_address = telemetry.start_metrics_server(cfg.host, cfg.metrics_port)
+            bound = telemetry.start_metrics_server(cfg.host, cfg.metrics_port)
+            self.metrics_address = host_port(advertised, int(bound.rsplit(":", 1)[1]))
         log.info("%s listening on %s (metrics %s); connecting to Redis, then loading the model", self.worker_id, self.address,
                  self.metrics_address or "off")
 
@@ -140,7 +144,8 @@ class WorkerRuntime:
 
         registrar = None
         try:
-            self.redis = await connect_redis(cfg.redis_url)  # before the model: no Redis fails in seconds
+            # before the model: no Redis fails in seconds
+            self.redis = await connect_redis(cfg.redis_url, name=f"pdserve-{cfg.role}")
             self.engine = await asyncio.to_thread(Engine, self.engine_config)
             self.aengine = AsyncEngine(self.engine)
             if self._stop.is_set():  # stopped while the model loaded: never register
@@ -252,6 +257,9 @@ def add_worker_args(p, role: str) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one engine step")
     p.add_argument("--long-prefill-chunk", type=int, default=512, help="largest prefill chunk of one request")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (gRPC and KV transfer)")
+    p.add_argument("--advertise-host", default=None,
+                   help="address peers reach this worker at (default: --host, or this host's own address when "
+                        "--host is 0.0.0.0, as in a container)")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
     p.add_argument("--metrics-port", type=int, default=0, help="/metrics port (0: a free one; -1: off)")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="registry and KV-event stream")
@@ -277,10 +285,11 @@ def configs_from_args(args, role: str) -> tuple[WorkerConfig, EngineConfig, Tran
         enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, long_prefill_chunk=args.long_prefill_chunk,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
-    worker = WorkerConfig(role=role, host=args.host, port=args.port, redis_url=args.redis_url,
+    advertise = advertised_host(args.host, args.advertise_host)
+    worker = WorkerConfig(role=role, host=args.host, port=args.port, advertise_host=advertise, redis_url=args.redis_url,
                           metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                           drain_timeout_s=args.drain_timeout,
                           transfer_timeout_s=getattr(args, "transfer_timeout", 60.0))
     transfer = TransferConfig(transport=args.transport, allow_fallback=args.allow_transport_fallback,
-                              host=args.host)
+                              host=args.host, advertise_host=advertise)
     return worker, engine, transfer

@@ -32,3 +32,14 @@ def redis_url():
         yield server.connection_url
     finally:
         server.stop()
+
+
+@pytest.fixture(autouse=True)
+def openai_contract(monkeypatch):
+    """Every gateway response body and SSE event a test receives must conform to OpenAI's published
+    schemas (tests/openai_spec): checked as clients read them, reported when the test ends."""
+    from tests.openai_spec.validator import SpecCheck
+
+    check = SpecCheck().install(monkeypatch)
+    yield check
+    assert not check.violations, "answers that break OpenAI's schemas:\n" + "\n".join(check.violations[:20])

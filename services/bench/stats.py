@@ -21,3 +21,26 @@ def ratio(a: float | None, b: float | None, digits: int = 3) -> float | None:
     if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b):
         return None
     return round(a / b, digits)
+
+
+def summarize(samples, wall_s: float, slo_ttft_s: float, slo_itl_s: float) -> dict:
+    """Latency percentiles (ms), output throughput and goodput of load-generator samples (load.Sample).
+
+    Goodput counts the requests per second that completed with TTFT within ``slo_ttft_s``
+    and a median gap between chunks within ``slo_itl_s``.
+    """
+    ok = [s for s in samples if s.ok]
+    gaps = [g for s in ok for g in s.gaps]
+    good = [s for s in ok if s.ttft <= slo_ttft_s and (not s.gaps or percentile(s.gaps, 50) <= slo_itl_s)]
+    return {
+        "requests": len(samples), "failed": len(samples) - len(ok),
+        "errors": sorted({s.error for s in samples if not s.ok})[:3],
+        "ttft_ms_p50": percentile([s.ttft for s in ok], 50) * 1e3,
+        "ttft_ms_p99": percentile([s.ttft for s in ok], 99) * 1e3,
+        "itl_ms_p50": percentile(gaps, 50) * 1e3, "itl_ms_p99": percentile(gaps, 99) * 1e3,
+        "e2e_ms_p50": percentile([s.e2e for s in ok], 50) * 1e3,
+        "e2e_ms_p99": percentile([s.e2e for s in ok], 99) * 1e3,
+        "output_tok_s": sum(s.tokens for s in ok) / wall_s if wall_s > 0 else 0.0,
+        "requests_s": len(ok) / wall_s if wall_s > 0 else 0.0,
+        "goodput_req_s": len(good) / wall_s if wall_s > 0 else 0.0, "wall_s": wall_s,
+    }

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -60,7 +61,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.receiver = Receiver(engine.kv_cache, engine.kv_spec, engine.namespace, self.owner, self.rt.transfer)
         await self.receiver.start()
         tok = engine.tokenizer
-        self.results = StepResultWriter(aioredis.Redis.from_url(self.rt.config.redis_url),
+        results_redis = aioredis.Redis.from_url(self.rt.config.redis_url, client_name=f"pdserve-decode-{os.getpid()}")
+        self.results = StepResultWriter(results_redis,
                                         (lambda t: tok.decode([t], skip_special_tokens=False)) if tok else None)
         self.results.start()
         self.rt.aengine.on_step = self._on_step
@@ -173,6 +175,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         tok = self.rt.engine.tokenizer
         token_text = (lambda t: tok.decode([t], skip_special_tokens=False)) if tok else None
         first_at = last_at = None
+        tokens = telemetry.GENERATION_TOKENS.labels("decode", self.rt.worker_id)
         if results_to:
             self.results.track(rid, results_to)  # before the request's first step: see start_decode
         try:
@@ -181,6 +184,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     if out.error:
                         raise RuntimeError(out.error)
                     if out.new_token_ids or out.new_text:
+                        tokens.inc(len(out.new_token_ids))
                         now = time.perf_counter()
                         if first_at is None:
                             first_at = now

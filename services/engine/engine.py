@@ -170,14 +170,18 @@ class Engine:
         self._track(req)
         return list(req.block_ids)
 
-    def start_decode(self, request_id: str, first_token_id: int) -> None:
-        """Decode side: the reserved blocks now hold the prompt's KV; continue from ``first_token_id``."""
+    def start_decode(self, request_id: str, first_token_id: int, first_logprobs: TokenLogprobs | None = None) -> None:
+        """Decode side: the reserved blocks now hold the prompt's KV; continue from ``first_token_id``.
+
+        ``first_logprobs``: what the prefill side's sampler reported for that token (when the request
+        asked for logprobs), so the first token's output carries them like every other token's.
+        """
         req = self.requests.get(request_id)
         if req is None or req.status is not Status.RESERVED:
             raise InvalidRequestError(f"request {request_id!r} has no reservation", param="request_id")
         req.num_computed_tokens = req.num_tokens
         self.kv.cache_computed_blocks(req)
-        out = self._append_token(req, first_token_id, None)
+        out = self._append_token(req, first_token_id, first_logprobs)
         if not req.is_finished:
             self.scheduler.add_running(req)
         self._pending.append(out)

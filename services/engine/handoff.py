@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from kvtransfer import Completion, PendingTransfer, Receiver, Sender, TransferDescriptor
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import RequestOutput
+from services.engine.sampler import TokenLogprobs
 from services.engine.sampling_params import SamplingParams
 from services.errors import TransferError
 
@@ -72,7 +73,10 @@ async def decode_after_transfer(async_engine: AsyncEngine, request_id: str,
                                 completion: Completion) -> AsyncIterator[RequestOutput]:
     """The reserved blocks hold the prompt's KV: decode from the first token, streaming outputs."""
     engine = async_engine.engine
-    async for out in async_engine.stream(request_id, lambda: engine.start_decode(request_id, completion.first_token)):
+    logprobs = completion.meta.get("first_logprobs")
+    first_logprobs = TokenLogprobs.from_json(logprobs) if logprobs else None
+    async for out in async_engine.stream(
+            request_id, lambda: engine.start_decode(request_id, completion.first_token, first_logprobs)):
         yield out
 
 
@@ -119,7 +123,10 @@ async def prefill_and_send(async_engine: AsyncEngine, sender: Sender,
                                     f"{desc.num_blocks}")
             if out.finished:  # the last blocks and the first token go in one message
                 first = out.new_token_ids[0]
-                await sender.finish(desc, first, blocks=blocks[sent:ready], dst_offset=sent)
+                # the first token's logprobs travel with it: the decode side reports that token
+                logprobs = out.logprobs[0] if out.logprobs else None
+                meta = {"first_logprobs": logprobs.to_json()} if logprobs is not None else None
+                await sender.finish(desc, first, meta, blocks=blocks[sent:ready], dst_offset=sent)
                 return PrefillResult(first, out.num_cached_tokens)
             await sender.send_blocks(desc, blocks[sent:ready], dst_offset=sent)
             sent = ready

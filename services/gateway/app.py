@@ -2,9 +2,9 @@
 
     POST /v1/chat/completions, /v1/completions   generate (stream: SSE; else JSON)
     GET  /v1/requests/{id}/events                resume a request's SSE stream after Last-Event-ID
-    GET  /v1/models                              the served model
     POST /tokenize                               {"prompt"} or {"messages"} -> token ids
-    GET  /health/live, /health/ready, /metrics
+    GET  /metrics
+    models, health, version: info_routes.py; the Responses API: responses_api.py
 
 Request headers: ``Authorization: Bearer <key>``, ``Idempotency-Key``,
 ``Last-Event-ID``, ``x-pdserve-priority`` (a tier, never above the key's),
@@ -14,21 +14,24 @@ Request headers: ``Authorization: Bearer <key>``, ``Idempotency-Key``,
 
 from __future__ import annotations
 
-import time
-
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from opentelemetry import trace
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services import telemetry
 from services.errors import InvalidRequestError
-from services.gateway import metrics, prompts, protocol, sse
+from services.gateway import prompts, protocol, sse
 from services.gateway.body_limit import BodyLimitMiddleware
 from services.gateway.core import GatewayCore
-from services.gateway.http_errors import install_handlers, retry_headers
+from services.gateway.http_admission import admit
+from services.gateway.http_errors import ErrorBoundaryMiddleware, install_handlers
+from services.gateway.http_metrics import HttpMetricsMiddleware
+from services.gateway.info_routes import info_router
+from services.gateway.protocol import GenerationRequest
 from services.gateway.request_record import CHAT, COMPLETION
+from services.gateway.response_store import ResponseStore
 from services.gateway.responses import json_response, stream_response
+from services.gateway.responses_api import responses_router
+from services.gateway.responses_format import RESPONSE
 
 
 def create_app(core: GatewayCore) -> FastAPI:
@@ -36,7 +39,10 @@ def create_app(core: GatewayCore) -> FastAPI:
     app.state.core = core
     install_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=core.config.max_body_bytes)
-    started_at = int(time.time())
+    app.add_middleware(ErrorBoundaryMiddleware)
+    app.add_middleware(HttpMetricsMiddleware)  # added last: outermost, counts the others' answers too
+    app.include_router(info_router(core))
+    app.include_router(responses_router(core, ResponseStore(core.redis, core.config.response_ttl_s)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -51,14 +57,11 @@ def create_app(core: GatewayCore) -> FastAPI:
         tenant = core.authenticate(request.headers.get("authorization"))
         last_id = sse.resume_id(request.headers.get("last-event-id"), last_event_id)
         record = await core.find(tenant, request_id)
+        if record.kind == RESPONSE:
+            raise InvalidRequestError(f"request {request_id} is a Responses API request; read it with "
+                                      f"GET /v1/responses/resp_{request_id}", param="request_id")
         return stream_response(core, record, last_id, record.include_usage, "resume",
                                {"x-request-id": record.request_id})
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        core.authenticate(request.headers.get("authorization"))
-        return {"object": "list", "data": [{"id": core.model.name, "object": "model", "created": started_at,
-                                            "owned_by": "pdserve", "max_model_len": await core.max_model_len()}]}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -73,18 +76,6 @@ def create_app(core: GatewayCore) -> FastAPI:
             ids = await prompts.encode(core.model, prompt=protocol.parse_prompt(body["prompt"]))
         return {"tokens": ids, "count": len(ids), "max_model_len": await core.max_model_len()}
 
-    @app.get("/health/live")
-    async def live():
-        return {"status": "alive"}
-
-    @app.get("/health/ready")
-    async def ready():
-        ok, why, workers = await core.readiness()
-        if ok:
-            return {"status": "ready", "decode_workers": workers}
-        return JSONResponse({"status": "not ready", "reason": why}, status_code=503,
-                            headers=retry_headers(core.config.retry_after_s))
-
     @app.get("/metrics")
     async def prometheus_metrics():
         try:
@@ -97,32 +88,11 @@ def create_app(core: GatewayCore) -> FastAPI:
 
 
 async def _generate(core: GatewayCore, request: Request, kind: str) -> Response:
-    started = time.perf_counter()
-    api = kind
-    headers = request.headers
-    try:
-        tenant = core.authenticate(headers.get("authorization"))
-        body = protocol.parse_json_body(await request.body())
-        req = protocol.parse_chat(body) if kind == CHAT else protocol.parse_completion(body)
-        tier = core.resolve_tier(tenant, headers.get("x-pdserve-priority"))
-        deadline = core.resolve_deadline(headers.get("x-pdserve-timeout"))
-        last_id = sse.resume_id(headers.get("last-event-id"))
-        parent = telemetry.context_from_carrier(dict(headers))
-        with telemetry.tracer("pdserve.gateway").start_as_current_span(
-                "gateway.generate", context=parent, kind=trace.SpanKind.SERVER,
-                attributes={"api": api, "tenant": tenant.name, "tier": tier}) as span:
-            traceparent = telemetry.inject_carrier().get("traceparent", "")
-            admission = await core.submit(tenant, req, tier=tier, deadline=deadline,
-                                          idempotency_key=headers.get("idempotency-key"), traceparent=traceparent)
-            span.set_attribute("request_id", admission.request_id)
-    except Exception as exc:
-        metrics.count(api, metrics.outcome_of(exc))
-        raise
-    out = {"x-request-id": admission.request_id, "x-pdserve-priority": admission.tier,
-           **(admission.rate.headers() if admission.rate else {})}
-    # a fresh request streams from the start; a retry (Idempotency-Key) may resume after Last-Event-ID
-    resume_from = last_id if admission.attached else "0"
-    measure = None if admission.attached else started
-    if req.stream:
-        return stream_response(core, admission.record, resume_from, req.include_usage, api, out, measure)
-    return await json_response(core, request, admission.record, api, out, started)
+    async def parse(body: dict, _tenant) -> GenerationRequest:
+        return protocol.parse_chat(body) if kind == CHAT else protocol.parse_completion(body)
+
+    a = await admit(core, request, kind, parse)
+    if a.req.stream:
+        return stream_response(core, a.admission.record, a.resume_from, a.req.include_usage, kind, a.headers,
+                               a.measure)
+    return await json_response(core, request, a.admission.record, kind, a.headers, a.started)

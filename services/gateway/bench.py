@@ -24,6 +24,15 @@ own. Before the rates, ``--pairs`` pairs of single requests therefore go one at
 a time, the two paths alternating; the median of the pairs' TTFT differences
 (``ttft_overhead_ms_p50_sequential``) is the latency the gateway and queue add,
 measured to a few milliseconds.
+
+At one or two requests per second the throughput ratio is about 1 by
+construction (both paths keep up). ``--mode closed`` therefore runs a closed
+loop instead: N concurrent clients, each sending its next request as soon as its
+last one is answered, for N = ``--clients`` rising until two levels in a row
+raise neither path's output throughput by ``--saturation-gain``; it reports each
+path's saturation throughput and their ratio
+(``saturation_throughput_ratio_vs_direct``). Both modes use the shared load
+generator (services/bench/load.py) for both paths.
 """
 
 from __future__ import annotations
@@ -34,10 +43,12 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass, field
 
 from services.bench import results as result_files
+from services.bench.http_client import Connection
+from services.bench.load import OpenAIClient, OpenAIRequest, Sample, closed_loop, open_loop
 from services.bench.stats import percentile as pct
+from services.bench.stats import ratio, summarize
 
 _WORDS = ("river stone light garden window paper engine market silver forest music winter harbor signal "
           "letter mountain yellow planet bridge candle orange theory coffee island rocket thunder velvet "
@@ -50,50 +61,9 @@ _WORDS = ("river stone light garden window paper engine market silver forest mus
 _ORDER = (("gateway", 0), ("direct", 0), ("direct", 1), ("gateway", 1))
 
 
-@dataclass
-class Sample:
-    ok: bool
-    ttft: float = 0.0
-    e2e: float = 0.0
-    gaps: list[float] = field(default_factory=list)  # between content chunks
-    tokens: int = 0
-    error: str = ""
-
-
 def prompts(seed: int, n: int, words: int) -> list[str]:
     rng = random.Random(seed)
     return [f"Request {i}. " + " ".join(rng.choice(_WORDS) for _ in range(words)) + "\nSummary:" for i in range(n)]
-
-
-async def via_gateway(client, base: str, model: str, prompt: str, max_tokens: int) -> Sample:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    first = last = None
-    gaps, tokens = [], 0
-    try:
-        async with client.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as resp:
-            if resp.status_code != 200:
-                return Sample(False, error=f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    return Sample(False, error=event["error"].get("message", "error"))
-                if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
-                if event.get("choices") and event["choices"][0].get("text"):
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now
-                    else:
-                        gaps.append(now - last)
-                    last = now
-    except Exception as exc:  # a dropped connection counts as a failed request
-        return Sample(False, error=f"{type(exc).__name__}: {exc}")
-    end = time.perf_counter()
-    return Sample(True, (first or end) - start, end - start, gaps, tokens)
 
 
 async def via_router(stub, prompt: str, max_tokens: int) -> Sample:
@@ -122,22 +92,6 @@ async def via_router(stub, prompt: str, max_tokens: int) -> Sample:
     return Sample(True, (first or end) - start, end - start, gaps, tokens)
 
 
-async def run_path(send, prompt_list: list[str], rate: float, seed: int) -> tuple[list[Sample], float]:
-    """Poisson arrivals at ``rate`` requests/s; returns the samples and the wall time."""
-    rng = random.Random(seed)
-    start = time.perf_counter()
-    tasks = []
-    at = 0.0
-    for p in prompt_list:
-        delay = start + at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(send(p)))
-        at += rng.expovariate(rate)
-    samples = await asyncio.gather(*tasks)
-    return samples, time.perf_counter() - start
-
-
 async def run_pairs(sends, prompt_list: list[str]) -> dict:
     """Single requests, one at a time, alternating paths (G D, D G, ...): each pair's TTFT difference.
 
@@ -160,85 +114,126 @@ async def run_pairs(sends, prompt_list: list[str]) -> dict:
             "gateway_ttft_ms_p50": pct(ttft["gateway"], 50), "direct_ttft_ms_p50": pct(ttft["direct"], 50)}
 
 
-def summarize(samples: list[Sample], wall: float, slo_ttft: float, slo_itl: float) -> dict:
-    ok = [s for s in samples if s.ok]
-    gaps = [g for s in ok for g in s.gaps]
-    good = [s for s in ok if s.ttft <= slo_ttft and (not s.gaps or pct(s.gaps, 50) <= slo_itl)]
-    return {
-        "requests": len(samples), "failed": len(samples) - len(ok),
-        "errors": sorted({s.error for s in samples if not s.ok})[:3],
-        "ttft_ms_p50": pct([s.ttft for s in ok], 50) * 1e3, "ttft_ms_p99": pct([s.ttft for s in ok], 99) * 1e3,
-        "itl_ms_p50": pct(gaps, 50) * 1e3, "itl_ms_p99": pct(gaps, 99) * 1e3,
-        "e2e_ms_p50": pct([s.e2e for s in ok], 50) * 1e3, "e2e_ms_p99": pct([s.e2e for s in ok], 99) * 1e3,
-        "output_tok_s": sum(s.tokens for s in ok) / wall, "goodput_req_s": len(good) / wall, "wall_s": wall,
-    }
-
-
 async def _bench(args, stack) -> dict:
     import grpc
-    import httpx
 
     from proto.pdserve.v1 import generate_pb2_grpc
 
-    base = f"http://{stack.gateway_address}"
-    results = []
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
-    async with httpx.AsyncClient(limits=limits) as client, \
-            grpc.aio.insecure_channel(stack.router_address) as channel:
+    host, port = stack.gateway_address.rsplit(":", 1)
+    async with grpc.aio.insecure_channel(stack.router_address) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
-        model = (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
+        probe = await Connection(host, int(port)).request("GET", "/v1/models")
+        model = json.loads(probe.body)["data"][0]["id"]
+        gateway = OpenAIClient(host, int(port), model)
+
+        def sends(max_tokens: int) -> dict:
+            return {"gateway": lambda p: gateway.send(OpenAIRequest("completion", p, max_tokens, stream=True)),
+                    "direct": lambda p: via_router(stub, p, max_tokens)}
+
         # warm-up: both paths once, so connections and first-call costs are not measured
-        await via_gateway(client, base, model, "Warm up.", 2)
-        await via_router(stub, "Warm up.", 2)
+        for send in sends(2).values():
+            await send("Warm up.")
         sequential = None
         if args.pairs:
             _log(f"{args.pairs} pairs of single requests, one path after the other")
-            firsts = {"gateway": lambda p: via_gateway(client, base, model, p, 2),
-                      "direct": lambda p: via_router(stub, p, 2)}
-            sequential = await run_pairs(firsts, prompts(args.seed + 1000, 2 * args.pairs, args.prompt_words))
+            sequential = await run_pairs(sends(2), prompts(args.seed + 1000, 2 * args.pairs, args.prompt_words))
             _log(f"  gateway - direct TTFT, median of pairs: {sequential['ttft_overhead_ms_p50']:.1f} ms")
-        sends = {"gateway": lambda p: via_gateway(client, base, model, p, args.max_tokens),
-                 "direct": lambda p: via_router(stub, p, args.max_tokens)}
-        blocks = [(args.requests + 1) // 2, args.requests // 2]  # requests per block of each path
-        for i, rate in enumerate(args.rates):
-            samples: dict[str, list[Sample]] = {"gateway": [], "direct": []}
-            walls = {"gateway": 0.0, "direct": 0.0}
-            for n, (path, block) in enumerate(_ORDER):
-                if not blocks[block]:
-                    continue
-                plist = prompts(args.seed + 4 * i + n + 1, blocks[block], args.prompt_words)
-                _log(f"rate {rate:g}/s: {blocks[block]} requests via {path} (block {n + 1} of 4)")
-                got, wall = await run_path(sends[path], plist, rate, args.seed + 2 * i + block)
-                samples[path] += got
-                walls[path] += wall
-            row = {"rate": rate}
-            for path in ("gateway", "direct"):
-                row[path] = summarize(samples[path], walls[path], args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
-                _log(f"  {path}: {row[path]['output_tok_s']:.1f} tok/s, p50 TTFT {row[path]['ttft_ms_p50']:.1f} ms, "
-                     f"{row[path]['failed']} failed")
-            results.append(row)
-    ratios = [r["gateway"]["output_tok_s"] / r["direct"]["output_tok_s"] for r in results
+        if args.mode == "open":
+            rows = await _open_rates(args, sends(args.max_tokens))
+        else:
+            rows = await _closed_levels(args, sends(args.max_tokens))
+    return _report(args, rows, sequential)
+
+
+async def _paired_blocks(args, send_by_path: dict, level: int, run_block, requests: int | None = None) -> dict:
+    """One level (a rate, or a number of clients): each path's requests in blocks G D D G, summarized."""
+    requests = requests or args.requests
+    blocks = [(requests + 1) // 2, requests // 2]  # requests per block of each path
+    samples: dict[str, list] = {"gateway": [], "direct": []}
+    walls = {"gateway": 0.0, "direct": 0.0}
+    for n, (path, block) in enumerate(_ORDER):
+        if not blocks[block]:
+            continue
+        plist = prompts(args.seed + 4 * level + n + 1, blocks[block], args.prompt_words)
+        got, wall = await run_block(send_by_path[path], plist, block)
+        samples[path] += got
+        walls[path] += wall
+    return {path: summarize(samples[path], walls[path], args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
+            for path in ("gateway", "direct")}
+
+
+async def _open_rates(args, send_by_path: dict) -> list[dict]:
+    rows = []
+    for i, rate in enumerate(args.rates):
+        _log(f"rate {rate:g}/s: {args.requests} requests per path (blocks gateway, direct, direct, gateway)")
+        row = {"rate": rate, **await _paired_blocks(
+            args, send_by_path, i, lambda send, plist, block: open_loop(send, plist, rate, args.seed + 2 * i + block))}
+        _log_row(row)
+        rows.append(row)
+    return rows
+
+
+async def _closed_levels(args, send_by_path: dict) -> list[dict]:
+    """Closed loop at rising numbers of clients, until neither path's throughput rises by --saturation-gain."""
+    rows, best, flat = [], {"gateway": 0.0, "direct": 0.0}, 0
+    for i, clients in enumerate(args.clients):
+        # every block has at least one request per client, or fewer clients than asked would run
+        requests = max(args.requests, 2 * clients)
+        _log(f"{clients} concurrent clients: {requests} requests per path (blocks G, D, D, G)")
+        row = {"clients": clients, "requests_per_path": requests, **await _paired_blocks(
+            args, send_by_path, i, lambda send, plist, _block: closed_loop(send, plist, clients), requests)}
+        _log_row(row)
+        rows.append(row)
+        rising = [path for path in best if row[path]["output_tok_s"] > best[path] * (1 + args.saturation_gain)]
+        for path in best:
+            best[path] = max(best[path], row[path]["output_tok_s"])
+        flat = 0 if rising else flat + 1
+        if flat >= 2:  # two levels in a row without a rise: saturated
+            _log(f"throughput stopped rising at {rows[-3]['clients']} clients")
+            break
+    return rows
+
+
+def _report(args, rows: list[dict], sequential: dict | None) -> dict:
+    ratios = [r["gateway"]["output_tok_s"] / r["direct"]["output_tok_s"] for r in rows
               if r["direct"]["output_tok_s"] > 0]
-    lowest = min(results, key=lambda r: r["rate"])
-    return {
+    config = {"mode": args.mode, "requests_per_level_and_path": args.requests, "sequential_pairs": args.pairs,
+              "prompt_words": args.prompt_words, "max_tokens": args.max_tokens, "slo_ttft_ms": args.slo_ttft_ms,
+              "slo_itl_ms": args.slo_itl_ms, "dtype": args.dtype, "threads_per_worker": args.threads,
+              "seed": args.seed, "order": "per level: gateway, direct, direct, gateway blocks; paired blocks share "
+                                          "arrivals (open loop) or clients (closed loop)"}
+    result = {
         "throughput_ratio_vs_direct": sum(ratios) / len(ratios) if ratios else None,
-        "ttft_overhead_ms_p50": lowest["gateway"]["ttft_ms_p50"] - lowest["direct"]["ttft_ms_p50"],
         "ttft_overhead_ms_p50_sequential": sequential["ttft_overhead_ms_p50"] if sequential else None,
-        "sequential": sequential,
-        "rates": results,
-        "config": {"requests_per_rate_and_path": args.requests, "sequential_pairs": args.pairs,
-                   "prompt_words": args.prompt_words,
-                   "max_tokens": args.max_tokens, "slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms,
-                   "dtype": args.dtype, "threads_per_worker": args.threads, "seed": args.seed,
-                   "order": "per rate: gateway, direct, direct, gateway blocks; paired blocks share arrivals"},
+        "sequential": sequential, "config": config,
     }
+    if args.mode == "open":
+        lowest = min(rows, key=lambda r: r["rate"])
+        result["ttft_overhead_ms_p50"] = lowest["gateway"]["ttft_ms_p50"] - lowest["direct"]["ttft_ms_p50"]
+        result["rates"] = rows
+    else:
+        peak = {path: max(rows, key=lambda r: r[path]["output_tok_s"]) for path in ("gateway", "direct")}
+        result.update({
+            "levels": rows,
+            "saturation_clients": {path: peak[path]["clients"] for path in peak},
+            "saturation_output_tok_s": {path: peak[path][path]["output_tok_s"] for path in peak},
+            "saturation_throughput_ratio_vs_direct": ratio(peak["gateway"]["gateway"]["output_tok_s"],
+                                                           peak["direct"]["direct"]["output_tok_s"]),
+        })
+        config["clients"] = args.clients
+        config["saturation_gain"] = args.saturation_gain
+    return result
 
 
 def run(args) -> int:
     from services.launcher import LocalStack, StackSpec
 
-    if not args.rates or min(args.rates) <= 0 or args.requests < 1 or args.max_tokens < 1 or args.pairs < 0:
-        raise ValueError("rates, requests and max-tokens must be positive, pairs not negative")
+    if args.requests < 1 or args.max_tokens < 1 or args.pairs < 0:
+        raise ValueError("requests and max-tokens must be positive, pairs not negative")
+    if args.mode == "open" and (not args.rates or min(args.rates) <= 0):
+        raise ValueError("rates must be positive")
+    if args.mode == "closed" and (not args.clients or min(args.clients) < 1):
+        raise ValueError("clients must be positive")
     spec = StackSpec(prefill=1, decode=1, model=args.model, dtype=args.dtype, threads=args.threads,
                      transport=args.transport, gateway=True,
                      gateway_args=["--max-queued-requests", "100000", "--max-queued-tokens", "100000000"])
@@ -254,17 +249,26 @@ def run(args) -> int:
 
 
 def print_table(result: dict) -> None:
-    print(f"{'rate':>5} {'path':>8} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>16} {'E2E p50/p99 ms':>17} "
+    closed = result["config"]["mode"] == "closed"
+    key = "clients" if closed else "rate"
+    print(f"{key:>7} {'path':>8} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>16} {'E2E p50/p99 ms':>17} "
           f"{'tok/s':>7} {'goodput':>8} {'failed':>6}")
-    for row in result["rates"]:
+    for row in result["levels" if closed else "rates"]:
         for path in ("gateway", "direct"):
             r = row[path]
-            print(f"{row['rate']:>5g} {path:>8} {r['ttft_ms_p50']:>8.1f}/{r['ttft_ms_p99']:<8.1f} "
+            print(f"{row[key]:>7g} {path:>8} {r['ttft_ms_p50']:>8.1f}/{r['ttft_ms_p99']:<8.1f} "
                   f"{r['itl_ms_p50']:>7.1f}/{r['itl_ms_p99']:<8.1f} {r['e2e_ms_p50']:>8.1f}/{r['e2e_ms_p99']:<8.1f} "
                   f"{r['output_tok_s']:>7.1f} {r['goodput_req_s']:>8.2f} {r['failed']:>6}")
-    ratio = result["throughput_ratio_vs_direct"]
-    print(f"\nthroughput gateway/direct: {ratio:.3f}  (goal >= 0.90)" if ratio else "\nthroughput: no data")
-    print(f"p50 TTFT overhead of gateway + queue: {result['ttft_overhead_ms_p50']:.1f} ms  (goal < 15 ms)")
+    ratio_ = result["throughput_ratio_vs_direct"]
+    print(f"\nthroughput gateway/direct (mean over levels): {ratio_:.3f}  (goal >= 0.90)" if ratio_
+          else "\nthroughput: no data")
+    if closed:
+        sat, tok = result["saturation_clients"], result["saturation_output_tok_s"]
+        print(f"saturation: gateway {tok['gateway']:.1f} tok/s at {sat['gateway']} clients, direct "
+              f"{tok['direct']:.1f} tok/s at {sat['direct']} clients; ratio "
+              f"{result['saturation_throughput_ratio_vs_direct']}")
+    else:
+        print(f"p50 TTFT overhead of gateway + queue: {result['ttft_overhead_ms_p50']:.1f} ms  (goal < 15 ms)")
     seq = result.get("sequential")
     if seq and seq["pairs"]:
         print(f"single requests one at a time ({seq['pairs']} pairs): gateway {seq['gateway_ttft_ms_p50']:.1f} ms, "
@@ -273,16 +277,30 @@ def print_table(result: dict) -> None:
               f"{seq['ttft_overhead_ms_p75']:.1f})")
 
 
+def _log_row(row: dict) -> None:
+    for path in ("gateway", "direct"):
+        r = row[path]
+        _log(f"  {path}: {r['output_tok_s']:.1f} tok/s, p50 TTFT {r['ttft_ms_p50']:.1f} ms, {r['failed']} failed")
+
+
 def _log(msg: str) -> None:
     print(f"[bench serve] {msg}", file=sys.stderr, flush=True)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="gateway + queue vs the router's gRPC API under Poisson load",
+    p = sub.add_parser("serve", help="gateway + queue vs the router's gRPC API, open loop (Poisson) or closed loop",
                        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--mode", choices=["open", "closed"], default="open",
+                   help="open: Poisson arrivals at --rates; closed: --clients concurrent clients, each sending "
+                        "its next request when the last is answered, rising until throughput stops rising")
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.0, 4.0],
-                   help="arrival rates in requests/s, comma-separated")
-    p.add_argument("--requests", type=int, default=40, help="requests per rate and path")
+                   help="open loop: arrival rates in requests/s, comma-separated")
+    p.add_argument("--clients", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16, 32, 64, 128],
+                   help="closed loop: numbers of concurrent clients, rising, comma-separated")
+    p.add_argument("--saturation-gain", type=float, default=0.05,
+                   help="closed loop: stop after two levels that raise neither path's throughput by this fraction")
+    p.add_argument("--requests", type=int, default=40,
+                   help="requests per level (rate or clients) and path; closed loop: at least twice the clients")
     p.add_argument("--pairs", type=int, default=30,
                    help="first, this many pairs of single requests (one per path, one at a time; 0: skip)")
     p.add_argument("--prompt-words", type=int, default=60, help="words per prompt (~1.3 tokens each)")

@@ -13,9 +13,16 @@ from services.queue.config import DEFAULT_TIERS
 class GatewayConfig:
     # request bodies larger than this are refused (413) before they are parsed
     max_body_bytes: int = 1 << 20
-    # backpressure: refuse (429) while the queue holds this many unfinished requests / prompt tokens
-    max_queued_requests: int = 1000
-    max_queued_tokens: int = 1_000_000
+    # backpressure: refuse (429) while the queue holds this many unfinished requests / prompt tokens.
+    # A waiting request costs the gateway memory, not a Redis connection (delivery.py), so the
+    # queue takes a burst far larger than the workers run at once (the router's --max-inflight)
+    max_queued_requests: int = 10_000
+    max_queued_tokens: int = 4_000_000
+    # Redis connections this process opens at most, whatever the number of open requests (one of
+    # them reads every request's results); a command waits up to redis_pool_timeout_s for a free
+    # one, then the request gets 503 + Retry-After
+    redis_max_connections: int = 32
+    redis_pool_timeout_s: float = 10.0
     # what a 429 or 503 for overload tells the client to wait
     retry_after_s: float = 1.0
     # x-pdserve-timeout when the client sends none, and the most it may ask for
@@ -33,6 +40,8 @@ class GatewayConfig:
     # how long an Idempotency-Key and a request's record (what a resume needs) are kept
     idempotency_ttl_s: int = 3600
     record_ttl_s: int = 3600
+    # how long a Responses API response (store: true) is kept for GET and previous_response_id
+    response_ttl_s: int = 7 * 24 * 3600
     # the context length when no decode worker says (None: the model's own config)
     max_model_len: int | None = None
     # priority tiers, highest first (the queue's); tenant of an unauthenticated gateway gets default_tier
@@ -44,11 +53,13 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         self.tiers = tuple(self.tiers)
         for name in ("max_body_bytes", "max_queued_requests", "max_queued_tokens", "idempotency_ttl_s",
-                     "record_ttl_s"):
+                     "record_ttl_s", "response_ttl_s", "redis_max_connections"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be an int >= 1; got {value!r}")
-        for name in ("retry_after_s", "default_timeout_s", "max_timeout_s", "sse_heartbeat_s"):
+        if self.redis_max_connections < 4:  # the result reader holds one; admission needs a few more
+            raise ValueError(f"redis_max_connections must be >= 4; got {self.redis_max_connections}")
+        for name in ("retry_after_s", "default_timeout_s", "max_timeout_s", "sse_heartbeat_s", "redis_pool_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a number > 0; got {value!r}")

@@ -19,7 +19,11 @@ request reaches the queue after its tokenization and that one round trip.
 
 ``follow`` yields the result stream's events from an entry id on, plus a
 heartbeat whenever nothing arrived for ``sse_heartbeat_s`` (a queued request has
-no events yet). ``detach`` runs when a client stops reading: when it left before
+no events yet). The events come through ``ResultDelivery`` (delivery.py): one
+connection reads the results of every open request of this process, so a
+waiting request holds no Redis connection, and the client's Redis pool
+(``--redis-max-connections``) bounds what this process opens however many
+requests wait. ``detach`` runs when a client stops reading: when it left before
 the terminal event and no other client is attached ``disconnect_grace_s`` later
 (on any replica), the request is cancelled.
 """
@@ -31,7 +35,6 @@ import contextlib
 import logging
 import math
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +44,7 @@ from services.gateway import prompts
 from services.gateway.api_keys import ApiKeys, Tenant
 from services.gateway.backpressure import QueueLoad
 from services.gateway.config import GatewayConfig
+from services.gateway.delivery import ResultDelivery, id_key
 from services.gateway.idempotency import IdempotencyKeys, validate_key
 from services.gateway.protocol import GenerationRequest
 from services.gateway.rate_limit import RateLimiter, RateStatus
@@ -93,11 +97,13 @@ class GatewayCore:
         # a record outlives the longest request and its result stream, so every resume finds it
         self.records = RequestRecords(redis, max(config.record_ttl_s, math.ceil(config.max_timeout_s) + 600))
         self.reader = ResultReader(redis)
+        self.delivery = ResultDelivery(redis)
         self._background: set[asyncio.Task] = set()
         self._refreshers: list[asyncio.Task] = []
 
     def start(self) -> None:
-        """Keep the worker list and the queue depth fresh in the background (call on the serving loop)."""
+        """Read results, keep the worker list and the queue depth fresh in the background (on the serving loop)."""
+        self.delivery.start()
         if not self._refreshers:
             self._refreshers = [asyncio.get_running_loop().create_task(view.keep_fresh())
                                 for view in (self.workers, self.load)]
@@ -162,7 +168,7 @@ class GatewayCore:
         output_budget = req.max_tokens if req.max_tokens is not None else max_len - len(token_ids)
         rate = await self.limiter.take(tenant, len(token_ids) + output_budget)
 
-        record = RequestRecord(uuid.uuid4().hex, req.kind, model, int(time.time()), tenant.name, req.include_usage,
+        record = RequestRecord(self.delivery.new_request_id(), req.kind, model, int(time.time()), tenant.name, req.include_usage,
                                req.logprobs, deadline, len(token_ids))
         queued = QueuedRequest(record.request_id, tenant.name, tier, model, token_ids, req.sampling, deadline,
                                traceparent)
@@ -231,27 +237,30 @@ class GatewayCore:
         rid = record.request_id
         deadline = record.deadline or time.time() + self.config.default_timeout_s
         give_up = deadline + self.config.deadline_grace_s
-        while True:
-            _honour_cancellation()
-            wait = min(self.config.sse_heartbeat_s, give_up - time.time())
-            if wait <= 0:
-                raise DeadlineExceededError(f"request {rid} got no result before its deadline")
-            # XREAD BLOCK stays well under redis-py's default socket timeout (5 s), which would cut it off
-            events = self.reader.read(rid, last_id, block_ms=max(1, int(min(wait, 1.0) * 1000)), timeout_s=wait)
-            try:
-                async with contextlib.aclosing(events):
-                    async for entry_id, kind, data in events:
-                        last_id = entry_id
-                        _honour_cancellation()
-                        yield entry_id, kind, data
+        if last_id != "0":  # resuming after the terminal event: nothing is left
+            last = await self.reader.last_event(rid)
+            if last is not None and last[1] in TERMINAL and id_key(last[0]) <= id_key(last_id):
                 return
-            except (NotFoundError, DeadlineExceededError):
-                pass  # nothing for `wait` seconds
-            if not await self.redis.exists(result_stream(rid)):
-                state = await self.queue.state(rid)
-                if state is None or state.get("status") != "queued":
+        async with self.delivery.subscribe(rid, last_id) as sub:
+            while True:
+                _honour_cancellation()
+                wait = min(self.config.sse_heartbeat_s, give_up - time.time())
+                if wait <= 0:
+                    raise DeadlineExceededError(f"request {rid} got no result before its deadline")
+                events = await sub.next(wait)
+                exists, status = True, None
+                if not events:  # quiet for a while: anything the delivery stream missed, and is it still there?
+                    exists, status = await self.delivery.quiet_check(sub)
+                    events = await sub.next(0)
+                for entry_id, kind, data in events:
+                    yield entry_id, kind, data
+                    if kind in TERMINAL:
+                        return
+                if events:
+                    continue
+                if not exists and status != "queued":
                     raise NotFoundError(f"the results of request {rid} expired (or it was never queued)")
-            yield "", HEARTBEAT, None
+                yield "", HEARTBEAT, None
 
     async def text_before(self, request_id: str, last_id: str) -> int:
         """Characters of output up to and including ``last_id`` (completions' logprobs text_offset on resume)."""
@@ -313,6 +322,7 @@ class GatewayCore:
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Let pending detaches (cancels) finish, then stop."""
+        await self.delivery.close()
         for task in self._refreshers:
             task.cancel()
         await asyncio.gather(*self._refreshers, return_exceptions=True)

@@ -26,6 +26,7 @@ from services import telemetry
 from services.errors import InvalidRequestError
 from services.gateway import metrics, prompts, protocol
 from services.gateway.core import HEARTBEAT, GatewayCore
+from services.gateway.http_errors import as_pdserve
 from services.gateway.protocol import GenerationRequest
 from services.gateway.request_record import CHAT, COMPLETION
 from services.grpc_codec import abort_with, sampling_from_proto
@@ -151,7 +152,7 @@ class GatewayGenerationServicer(generate_pb2_grpc.GenerationServicer):
                 raise  # the client went away (detached below: cancelled after the grace period), or aborted
             except Exception as exc:
                 outcome = metrics.outcome_of(exc)
-                await abort_with(context, exc)
+                await abort_with(context, as_pdserve(exc))  # Redis trouble is UNAVAILABLE, not INTERNAL
             finally:
                 metrics.count("grpc", outcome)
                 if rid is not None:

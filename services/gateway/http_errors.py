@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.errors import InvalidRequestError, PdserveError, ServiceUnavailableError
 
 log = logging.getLogger(__name__)
+UNAVAILABLE_RETRY_AFTER_S = 1.0  # what a 503 for Redis trouble tells the client to wait
 
 
 def openai_error(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -32,9 +33,13 @@ def retry_headers(retry_after_s: float) -> dict[str, str]:
 
 
 def as_pdserve(exc: BaseException) -> BaseException:
-    """Redis trouble is the queue being unavailable (503), not an internal error."""
+    """Redis trouble (down, restarting, or every pooled connection busy past the pool timeout) is the
+    queue being unavailable: 503 with Retry-After, the client's to retry, not an internal error."""
     if isinstance(exc, RedisError):
-        return ServiceUnavailableError(f"the queue is unavailable: {type(exc).__name__}: {exc}")
+        unavailable = ServiceUnavailableError(f"the queue is unavailable ({type(exc).__name__}: {exc}); "
+                                              f"retry after {UNAVAILABLE_RETRY_AFTER_S:g} s")
+        unavailable.retry_after_s = UNAVAILABLE_RETRY_AFTER_S
+        return unavailable
     return exc
 
 
@@ -59,7 +64,7 @@ def error_headers(exc: BaseException) -> dict[str, str]:
 
 
 def error_response(exc: BaseException, extra_headers: dict[str, str] | None = None) -> JSONResponse:
-    exc = as_pdserve(exc)
+    exc = as_pdserve(exc)  # before the headers: a Redis error gets its Retry-After
     if not isinstance(exc, PdserveError):
         log.error("unexpected error", exc_info=exc)
     return JSONResponse(error_body(exc), status_code=error_status(exc),
@@ -82,6 +87,12 @@ def install_handlers(app: FastAPI) -> None:
     async def _pdserve(_request: Request, exc: PdserveError):
         return error_response(exc)
 
+    @app.exception_handler(RedisError)
+    async def _redis(_request: Request, exc: RedisError):
+        # its own handler: Starlette re-raises what reaches the catch-all Exception handler after
+        # answering (uvicorn then logs a traceback per request and drops the keep-alive connection)
+        return error_response(exc)
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError):
         errors = exc.errors()
@@ -97,6 +108,34 @@ def install_handlers(app: FastAPI) -> None:
         return JSONResponse(openai_error(str(exc.detail), type_, None, None), status_code=exc.status_code,
                             headers=dict(exc.headers or {}))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_request: Request, exc: Exception):
-        return error_response(exc)
+
+
+class ErrorBoundaryMiddleware:
+    """An unexpected exception becomes a 500 with an OpenAI error body, and the connection stays usable.
+
+    Starlette's own last-resort handler (``exception_handler(Exception)``) answers and then
+    re-raises, and uvicorn closes a connection whose app raised: the client's next request on
+    that keep-alive connection met a reset. Here the exception ends with the answer.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:  # noqa: BLE001 - the boundary: everything becomes an answer
+            if started:  # half a response is out: nothing to say that the client could parse
+                log.error("the response failed after it started", exc_info=exc)
+                raise
+            response = error_response(exc)
+            await response(scope, receive, send)

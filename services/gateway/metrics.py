@@ -17,7 +17,7 @@ from services.errors import AuthenticationError, RateLimitError
 from services.gateway.http_errors import as_pdserve
 from services.errors import ServiceUnavailableError
 
-APIS = ("chat", "completion", "resume", "grpc")
+APIS = ("chat", "completion", "responses", "resume", "grpc")
 OUTCOMES = ("ok", "aborted", "error", "invalid", "unauthorized", "rate_limited", "overloaded", "unavailable")
 _COARSE = {"ok": "ok", "aborted": "aborted", "error": "error", "invalid": "invalid", "unauthorized": "invalid",
            "rate_limited": "error", "overloaded": "error", "unavailable": "error"}

@@ -10,13 +10,27 @@ Chat streams (``chat.completion.chunk``)::
 Completion streams (``text_completion``) are the same without the opening, with
 ``text`` instead of ``delta``. With ``include_usage`` every chunk carries
 ``"usage": null`` except the last, as OpenAI's do.
+
+``system_fingerprint`` names this server's version (OpenAI types it as a string);
+a chat message's ``refusal`` is always null (nothing here refuses to answer).
 """
 
 from __future__ import annotations
 
+from importlib import metadata
 from typing import Any
 
 from services.gateway.request_record import CHAT, RequestRecord
+
+
+def server_version() -> str:
+    try:
+        return metadata.version("pdserve")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
+
+
+SYSTEM_FINGERPRINT = f"pdserve-{server_version()}"
 
 
 def response_id(record: RequestRecord) -> str:
@@ -47,7 +61,7 @@ class LogprobsFormat:
     def convert(self, entries: list[dict]) -> dict:
         if self.kind == CHAT:
             return {"content": [{**_chat_token(e), "top_logprobs": [_chat_token(t) for t in e.get("top") or []]}
-                                for e in entries]}
+                                for e in entries], "refusal": None}
         offsets = []
         for e in entries:
             offsets.append(self.text_offset)
@@ -63,7 +77,7 @@ class LogprobsFormat:
         if not parts:
             return None
         if kind == CHAT:
-            return {"content": [c for p in parts for c in p["content"]]}
+            return {"content": [c for p in parts for c in p["content"]], "refusal": None}
         return {key: [x for p in parts for x in p[key]]
                 for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
@@ -81,7 +95,7 @@ class StreamFormatter:
 
     def _chunk(self, choices: list[dict], **extra: Any) -> dict:
         out = {"id": self.id, "object": self.object, "created": self.record.created, "model": self.record.model,
-               "system_fingerprint": None, "choices": choices}
+               "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices}
         if self.include_usage:
             out["usage"] = None
         out.update(extra)
@@ -96,19 +110,22 @@ class StreamFormatter:
             return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def opening(self) -> dict | None:
-        """Chat's first chunk, the assistant role; sent only to a client that starts from the beginning."""
-        return self._chunk([self._choice(None, None, role=True)]) if self.record.kind == CHAT else None
+    # the events of each step (responses.sse_events gives them their ids)
+    done = True  # the stream ends with data: [DONE]
 
-    def chunk(self, data: dict) -> dict | None:
-        """A chunk event's chunk, or None when it carries nothing to show (text held back, no logprobs)."""
+    def opening(self) -> list[dict]:
+        """Chat's first chunk, the assistant role; sent only to a client that starts from the beginning."""
+        return [self._chunk([self._choice(None, None, role=True)])] if self.record.kind == CHAT else []
+
+    def chunk(self, data: dict) -> list[dict]:
+        """A chunk event's chunk; none when it carries nothing to show (text held back, no logprobs)."""
         self.completion_tokens += len(data.get("token_ids") or [])
         text = data.get("text") or ""
         entries = data.get("logprobs") or []
         logprobs = self.logprobs.convert(entries) if self.logprobs is not None and entries else None
         if not text and logprobs is None:
-            return None
-        return self._chunk([self._choice(text, None, logprobs)])
+            return []
+        return [self._chunk([self._choice(text, None, logprobs)])]
 
     def final(self, data: dict) -> list[dict]:
         reason = data.get("finish_reason") or "stop"
@@ -116,6 +133,15 @@ class StreamFormatter:
         if self.include_usage:
             out.append(self._chunk([], usage=usage(data, self.record, self.completion_tokens)))
         return out
+
+    @staticmethod
+    def failure(body: dict) -> list[dict]:
+        """An error after the status line was sent: the OpenAI error object as an event."""
+        return [body]
+
+    @staticmethod
+    def event_name(_payload: dict) -> str | None:
+        return None
 
 
 class ResponseAggregate:
@@ -139,12 +165,12 @@ class ResponseAggregate:
         logprobs = LogprobsFormat.merge(rec.kind, self.logprobs_parts) if self.logprobs is not None else None
         reason = final.get("finish_reason") or "stop"
         if rec.kind == CHAT:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": reason}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                      "logprobs": logprobs, "finish_reason": reason}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
             obj = "text_completion"
         return {"id": response_id(rec), "object": obj, "created": rec.created, "model": rec.model,
-                "system_fingerprint": None, "choices": [choice],
+                "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [choice],
                 "usage": usage(final, rec, self.completion_tokens)}

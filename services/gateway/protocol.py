@@ -13,9 +13,11 @@ Supported: chat ``messages`` (string content or ``text`` parts), completion
 ``presence_penalty``, ``frequency_penalty``, ``n`` (1), ``stream``,
 ``stream_options.include_usage``, ``logprobs`` / ``top_logprobs``, ``user``; and
 vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens``. Features pdserve does not have
-(tools, non-text parts, echo, suffix, logit_bias, best_of > 1) are refused
-rather than ignored. Other unknown fields are ignored, as vLLM does.
+``stop_token_ids``, ``skip_special_tokens``. Every other field of OpenAI's
+API is listed in spec_fields.py: features pdserve does not have (tools,
+non-text parts, echo, suffix, logit_bias, best_of > 1, ...) are refused with a
+400 naming them rather than ignored. Fields OpenAI does not define are ignored,
+as vLLM does.
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ from typing import Any
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError
 from services.gateway.request_record import CHAT, COMPLETION
+from services.gateway.spec_fields import CHAT_FIELDS, COMPLETION_FIELDS, refuse_unsupported
 
 _INT64 = (-(2 ** 63), 2 ** 63 - 1)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _NUMBER_PARAMS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty")
-_UNSUPPORTED_CHAT = ("tools", "tool_choice", "functions", "function_call", "audio", "prediction")
 
 
 @dataclass
@@ -86,7 +88,7 @@ def _kind_name(types: tuple) -> str:
     return " or ".join(dict.fromkeys(names[t] for t in types))
 
 
-def _get(body: dict, name: str, types: tuple, default=None):
+def get_typed(body: dict, name: str, types: tuple, default=None):
     """``body[name]`` if it has one of ``types`` (bool is never an int or number); null means absent."""
     value = body.get(name)
     if value is None:
@@ -103,32 +105,32 @@ def _common(body: dict, kind: str) -> tuple[dict, dict]:
     """The sampling dict and the stream/model/user settings every endpoint shares."""
     sampling: dict[str, Any] = {}
     for name in _NUMBER_PARAMS:
-        value = _get(body, name, (float,))
+        value = get_typed(body, name, (float,))
         if value is not None:
             sampling[name] = value
     for name in ("top_k",):
-        if (value := _get(body, name, (int,))) is not None:
+        if (value := get_typed(body, name, (int,))) is not None:
             sampling[name] = value
-    seed = _get(body, "seed", (int,))
+    seed = get_typed(body, "seed", (int,))
     if seed is not None:
         if not _INT64[0] <= seed <= _INT64[1]:
             raise InvalidRequestError("seed must fit in a signed 64-bit integer", param="seed")
         sampling["seed"] = seed
-    stop = _get(body, "stop", (str, list))
+    stop = get_typed(body, "stop", (str, list))
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop
         if any(not isinstance(s, str) for s in stop):
             raise InvalidRequestError("stop must be a string or an array of strings", param="stop")
         sampling["stop"] = stop
-    if (ids := _get(body, "stop_token_ids", (list,))) is not None:
+    if (ids := get_typed(body, "stop_token_ids", (list,))) is not None:
         sampling["stop_token_ids"] = ids
     for name in ("ignore_eos", "skip_special_tokens"):
-        if (value := _get(body, name, (bool,))) is not None:
+        if (value := get_typed(body, name, (bool,))) is not None:
             sampling[name] = value
 
-    max_tokens = _get(body, "max_tokens", (int,))
+    max_tokens = get_typed(body, "max_tokens", (int,))
     if kind == CHAT:
-        newer = _get(body, "max_completion_tokens", (int,))
+        newer = get_typed(body, "max_completion_tokens", (int,))
         max_tokens = newer if newer is not None else max_tokens
         if newer is not None and newer < 1:
             raise InvalidRequestError(f"max_completion_tokens must be an integer >= 1, got {newer}",
@@ -137,51 +139,48 @@ def _common(body: dict, kind: str) -> tuple[dict, dict]:
     else:
         sampling["max_tokens"] = 16 if max_tokens is None else max_tokens  # OpenAI's completions default
 
-    n = _get(body, "n", (int,), 1)
+    n = get_typed(body, "n", (int,), 1)
     if n != 1:
         raise InvalidRequestError(f"only n=1 is supported, got n={n}", param="n")
-    logit_bias = _get(body, "logit_bias", (dict,))
-    if logit_bias:
-        raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
-
-    stream = _get(body, "stream", (bool,), False)
-    options = _get(body, "stream_options", (dict,))
+    stream = get_typed(body, "stream", (bool,), False)
+    options = get_typed(body, "stream_options", (dict,))
     include_usage = False
     if options is not None:
         if not stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
-        include_usage = _get(options, "include_usage", (bool,), False)
-    settings = {"model": _get(body, "model", (str,)), "stream": stream, "include_usage": include_usage,
-                "user": _get(body, "user", (str,))}
+        include_usage = get_typed(options, "include_usage", (bool,), False)
+        if get_typed(options, "include_obfuscation", (bool,), False):
+            raise InvalidRequestError("stream_options.include_obfuscation: pdserve never pads its chunks",
+                                      param="stream_options.include_obfuscation")
+    settings = {"model": get_typed(body, "model", (str,)), "stream": stream, "include_usage": include_usage,
+                "user": get_typed(body, "user", (str,))}
     return sampling, settings
 
 
-def _validate_sampling(sampling: dict) -> None:
+def validate_sampling(sampling: dict) -> None:
     SamplingParams(**sampling)  # raises InvalidRequestError naming the parameter
 
 
 def parse_chat(body: dict) -> GenerationRequest:
-    for name in _UNSUPPORTED_CHAT:
-        if body.get(name):
-            raise InvalidRequestError(f"{name} is not supported by this server", param=name)
-    fmt = _get(body, "response_format", (dict,))
+    refuse_unsupported(body, CHAT_FIELDS)
+    fmt = get_typed(body, "response_format", (dict,))
     if fmt is not None and fmt.get("type", "text") != "text":
         raise InvalidRequestError("only response_format type 'text' is supported", param="response_format")
     if "messages" not in body:
         raise InvalidRequestError("messages is required", param="messages")
-    raw = _get(body, "messages", (list,))
+    raw = get_typed(body, "messages", (list,))
     messages = parse_messages(raw)
 
     sampling, settings = _common(body, CHAT)
-    logprobs = _get(body, "logprobs", (bool,), False)
-    top = _get(body, "top_logprobs", (int,))
+    logprobs = get_typed(body, "logprobs", (bool,), False)
+    top = get_typed(body, "top_logprobs", (int,))
     if top is not None and not logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     if top is not None and not 0 <= top <= 20:
         raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
     if logprobs:
         sampling["logprobs"] = top or 0
-    _validate_sampling(sampling)
+    validate_sampling(sampling)
     return GenerationRequest(CHAT, sampling=sampling, messages=messages,
                              logprobs=sampling.get("logprobs"), **settings)
 
@@ -198,7 +197,7 @@ def _message(m: Any, i: int) -> dict[str, str]:
     if not isinstance(m, dict):
         raise InvalidRequestError(f"{param} must be an object with role and content", param=param)
     role = m.get("role")
-    if role not in _ROLES:
+    if not isinstance(role, str) or role not in _ROLES:  # an object or array is no role (and unhashable)
         raise InvalidRequestError(f"{param}.role must be one of {sorted(_ROLES)}, got {json.dumps(role)[:40]}",
                                   param=f"{param}.role")
     content = m.get("content")
@@ -226,17 +225,12 @@ def parse_completion(body: dict) -> GenerationRequest:
     if "prompt" not in body or body["prompt"] is None:
         raise InvalidRequestError("prompt is required", param="prompt")
     prompt = parse_prompt(body["prompt"])
-    if _get(body, "echo", (bool,), False):
-        raise InvalidRequestError("echo is not supported", param="echo")
-    if _get(body, "suffix", (str,)):
-        raise InvalidRequestError("suffix is not supported", param="suffix")
-    if _get(body, "best_of", (int,), 1) != 1:
-        raise InvalidRequestError("only best_of=1 is supported", param="best_of")
+    refuse_unsupported(body, COMPLETION_FIELDS)
     sampling, settings = _common(body, COMPLETION)
-    logprobs = _get(body, "logprobs", (int,))
+    logprobs = get_typed(body, "logprobs", (int,))
     if logprobs is not None:
         sampling["logprobs"] = logprobs
-    _validate_sampling(sampling)
+    validate_sampling(sampling)
     return GenerationRequest(COMPLETION, sampling=sampling, prompt=prompt, logprobs=sampling.get("logprobs"),
                              **settings)
 

@@ -8,9 +8,9 @@ disconnects; the detach is spawned as its own task because nothing awaited in
 a cancelled task survives.
 
 A failure after the stream started cannot change the status line, so it is an
-SSE event ``data: {"error": {...}}`` (with the entry id when it came from the
-result stream) followed by ``data: [DONE]``. A non-stream request answers with
-the error's own status instead.
+SSE event ``data: {"error": {...}}`` followed by ``data: [DONE]`` (the Responses
+API's ``error`` event instead). A non-stream request answers with the error's
+own status instead. Every event has an ``id:`` (sse.py says which).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from services.errors import PdserveError, RequestAbortedError
 from services.gateway import metrics, sse
 from services.gateway.core import HEARTBEAT, GatewayCore
-from services.gateway.http_errors import error_body, error_response, event_error
+from services.gateway.http_errors import as_pdserve, error_body, error_response, event_error
 from services.gateway.openai_format import ResponseAggregate, StreamFormatter
 from services.gateway.request_record import COMPLETION, RequestRecord
 from services.queue.results import CHUNK, ERROR, FINAL
@@ -39,52 +40,92 @@ def _final_outcome(data: dict) -> str:
     return "aborted" if data.get("finish_reason") == "abort" else "ok"
 
 
-async def sse_events(core: GatewayCore, record: RequestRecord, last_id: str, include_usage: bool, api: str,
-                     started: float | None = None) -> AsyncIterator[bytes]:
-    """The SSE body: ``started`` (perf_counter at arrival) is given for a fresh request, to measure TTFT."""
+class EventFormatter(Protocol):
+    """What a stream's events look like: OpenAI chunks (openai_format) or Responses API events (responses_api)."""
+
+    done: bool  # end with data: [DONE]
+
+    def opening(self) -> list[dict]: ...
+    def chunk(self, data: dict) -> list[dict]: ...
+    def final(self, data: dict) -> list[dict]: ...
+    def failure(self, body: dict) -> list[dict]: ...
+    def event_name(self, payload: dict) -> str | None: ...
+
+
+async def sse_events(core: GatewayCore, record: RequestRecord, resume: sse.ResumePoint, fmt: EventFormatter,
+                     api: str, started: float | None = None,
+                     prepare: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[bytes]:
+    """The SSE body: ``started`` (perf_counter at arrival) is given for a fresh request, to measure TTFT;
+    ``prepare`` runs first (inside the stream, so its failure is an error event too).
+
+    Event ids follow sse.py: the events made from one result entry carry ``<entry>.<k>`` but
+    the last, which carries ``<entry>``; a resume point inside an entry skips what was sent.
+    """
     rid = record.request_id
     counted = finished = False
     outcome = "aborted"
+    position = resume.event_id  # the id of the last event sent: where a resume would continue
+    skip = resume.skip
+
+    def encode(payload: dict, event_id: str) -> bytes:
+        return sse.encode(payload, event_id, fmt.event_name(payload))
+
+    def entry_events(entry_id: str, payloads: list[dict]) -> list[bytes]:
+        nonlocal skip, position
+        out = []
+        for k, payload in enumerate(payloads):
+            event_id = entry_id if k == len(payloads) - 1 else sse.sub_id(entry_id, k)
+            if k >= skip:
+                out.append(encode(payload, event_id))
+            position = event_id
+        skip = 0
+        return out
+
     try:
         await core.attach(rid)
         counted = True
-        offset = await core.text_before(rid, last_id) if record.kind == COMPLETION and record.logprobs is not None \
-            else 0
-        formatter = StreamFormatter(record, include_usage, offset)
-        if last_id == "0" and (opening := formatter.opening()) is not None:
-            yield sse.encode(opening)
+        if prepare is not None:
+            await prepare()
+        if resume.opening:
+            for payload in fmt.opening():
+                position = sse.OPENING_ID
+                yield encode(payload, position)
         first = True
-        events = core.follow(record, last_id)
+        events = core.follow(record, resume.after)
         async with contextlib.aclosing(events):
             async for entry_id, kind, data in events:
                 if kind == HEARTBEAT:
                     yield sse.HEARTBEAT
-                elif kind == CHUNK:
-                    chunk = formatter.chunk(data)
-                    if chunk is not None:
-                        if first and started is not None:
-                            metrics.observe_ttft(time.perf_counter() - started)
-                        first = False
-                        yield sse.encode(chunk, entry_id)
+                    continue
+                if kind == CHUNK:
+                    payloads = fmt.chunk(data)
+                    if payloads and first and started is not None:
+                        metrics.observe_ttft(time.perf_counter() - started)
+                    first = first and not payloads
                 elif kind == FINAL:
-                    *leading, last = formatter.final(data)
-                    for chunk in leading:
-                        yield sse.encode(chunk)
-                    yield sse.encode(last, entry_id)  # the id goes on the last: resuming after it loses nothing
+                    payloads = fmt.final(data)
                     outcome = _final_outcome(data)
                 elif kind == ERROR:
-                    yield sse.encode(error_body(event_error(data)), entry_id)
+                    payloads = fmt.failure(error_body(event_error(data)))
                     outcome = "error"
+                else:
+                    continue
+                for event in entry_events(entry_id, payloads):
+                    yield event
         finished = True
         if started is not None and outcome == "ok":
             metrics.observe_e2e(time.perf_counter() - started)
-        yield sse.DONE
+        if fmt.done:
+            yield sse.done(position)
     except Exception as exc:  # the status line is gone: the error becomes an event
         outcome = metrics.outcome_of(exc)
+        exc = as_pdserve(exc)  # Redis trouble is a 503 event, not a traceback per stream
         if not isinstance(exc, PdserveError):
             log.exception("request %s: stream failed", rid)
-        yield sse.encode(error_body(exc))
-        yield sse.DONE
+        for payload in fmt.failure(error_body(exc)):
+            yield encode(payload, position)  # not content: resuming after it repeats nothing
+        if fmt.done:
+            yield sse.done(position)
     finally:
         metrics.count(api, outcome)
         core.detach(rid, counted, finished)
@@ -92,8 +133,21 @@ async def sse_events(core: GatewayCore, record: RequestRecord, last_id: str, inc
 
 def stream_response(core: GatewayCore, record: RequestRecord, last_id: str, include_usage: bool, api: str,
                     headers: dict[str, str], started: float | None = None) -> StreamingResponse:
-    return StreamingResponse(sse_events(core, record, last_id, include_usage, api, started),
-                             media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
+    resume = sse.resume_point(last_id)
+    fmt = StreamFormatter(record, include_usage)
+    prepare = None
+    if record.kind == COMPLETION and record.logprobs is not None and resume.after != sse.START:
+
+        async def count_offset() -> None:  # text_offset counts the output sent before the resume point
+            fmt.logprobs.text_offset = await core.text_before(record.request_id, resume.after)
+
+        prepare = count_offset
+
+    return sse_stream(sse_events(core, record, resume, fmt, api, started, prepare), headers)
+
+
+def sse_stream(body: AsyncIterator[bytes], headers: dict[str, str]) -> StreamingResponse:
+    return StreamingResponse(body, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -101,9 +155,16 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def _collect(core: GatewayCore, record: RequestRecord, started: float) -> tuple[dict | PdserveError, str]:
+class Aggregate(Protocol):
+    """A whole response from a request's chunk events: openai_format.ResponseAggregate or the Responses API's."""
+
+    def add(self, data: dict) -> None: ...
+    def body(self, final: dict) -> dict: ...
+
+
+async def _collect(core: GatewayCore, record: RequestRecord, started: float,
+                   aggregate: Aggregate) -> tuple[dict | PdserveError, str]:
     """The response body and outcome, or the error event's error; raises when no terminal event came."""
-    aggregate = ResponseAggregate(record)
     first = True
     events = core.follow(record, "0")
     async with contextlib.aclosing(events):
@@ -121,11 +182,11 @@ async def _collect(core: GatewayCore, record: RequestRecord, started: float) -> 
 
 
 async def json_response(core: GatewayCore, request: Request, record: RequestRecord, api: str,
-                        headers: dict[str, str], started: float) -> Response:
+                        headers: dict[str, str], started: float, aggregate: Aggregate | None = None) -> Response:
     """Wait for the whole result; a client that leaves meanwhile is detached (and so cancelled)."""
     rid = record.request_id
     await core.attach(rid)
-    work = asyncio.ensure_future(_collect(core, record, started))
+    work = asyncio.ensure_future(_collect(core, record, started, aggregate or ResponseAggregate(record)))
     gone = asyncio.ensure_future(_wait_disconnect(request))
     finished = False
     try:

@@ -15,6 +15,7 @@ import signal
 from services import telemetry
 from services.gateway.api_keys import ApiKeys
 from services.gateway.config import GatewayConfig
+from services.open_files import raise_open_file_limit
 from services.registry import connect_redis
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,10 @@ def build_config(args) -> GatewayConfig:
                          max_queued_tokens=args.max_queued_tokens, retry_after_s=args.retry_after,
                          default_timeout_s=args.default_timeout, max_timeout_s=args.max_timeout,
                          disconnect_grace_s=args.disconnect_grace, sse_heartbeat_s=args.sse_heartbeat,
-                         max_model_len=args.max_model_len, require_ready_worker=not args.allow_no_worker)
+                         max_model_len=args.max_model_len, require_ready_worker=not args.allow_no_worker,
+                         response_ttl_s=args.response_ttl,
+                         redis_max_connections=args.redis_max_connections,
+                         redis_pool_timeout_s=args.redis_pool_timeout)
 
 
 async def serve(args) -> None:
@@ -38,14 +42,16 @@ async def serve(args) -> None:
     from services.gateway.served_model import load_served_model
 
     config = build_config(args)
+    raise_open_file_limit()  # a socket per open stream
     keys = ApiKeys.load(args.api_keys, config.tiers, config.default_tier) if args.api_keys \
         else ApiKeys.disabled(config.default_tier)
     telemetry.setup_tracing("pdserve-gateway")
     model = load_served_model(args.model)
-    redis = await connect_redis(args.redis_url)
+    redis = await connect_redis(args.redis_url, max_connections=config.redis_max_connections,
+                                pool_timeout_s=config.redis_pool_timeout_s, name="pdserve-gateway")
     core = GatewayCore(redis, config, model, keys)
     server = uvicorn.Server(uvicorn.Config(create_app(core), host=args.host, port=args.port, lifespan="off",
-                                           log_level="warning", access_log=False,
+                                           log_level="warning", access_log=False, backlog=args.backlog,
                                            timeout_graceful_shutdown=args.drain_timeout))
     # uvicorn restores the previous handlers and re-raises the signal after its shutdown: make that
     # "stop" rather than the default action, which would kill the process before the cleanup below.
@@ -100,6 +106,12 @@ def add_parser(sub) -> None:
                    help="answer 429 while this many requests are unfinished in the queue")
     p.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens,
                    help="answer 429 while the queued requests hold this many prompt tokens")
+    p.add_argument("--redis-max-connections", type=int, default=d.redis_max_connections,
+                   help="Redis connections this process opens at most, however many requests are open")
+    p.add_argument("--redis-pool-timeout", type=float, default=d.redis_pool_timeout_s,
+                   help="seconds a request waits for a free Redis connection before 503 + Retry-After")
+    p.add_argument("--backlog", type=int, default=4096,
+                   help="pending TCP connections the listener queues (a burst of clients connects at once)")
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413")
     p.add_argument("--retry-after", type=float, default=d.retry_after_s, help="Retry-After of 429/503 for overload")
     p.add_argument("--default-timeout", type=float, default=d.default_timeout_s,
@@ -109,6 +121,9 @@ def add_parser(sub) -> None:
                    help="seconds a disconnected client has to resume before its request is cancelled")
     p.add_argument("--sse-heartbeat", type=float, default=d.sse_heartbeat_s,
                    help="send an SSE comment after this many seconds without an event")
+    p.add_argument("--response-ttl", type=int, default=d.response_ttl_s,
+                   help="seconds a Responses API response (store: true) is kept for GET /v1/responses/{id} "
+                        "and previous_response_id")
     p.add_argument("--allow-no-worker", action="store_true",
                    help="queue requests even while no decode worker is ready (default: 503)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open streams get on shutdown")

@@ -70,6 +70,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     with contextlib.suppress(BaseException):
                         await target
             telemetry.TTFT_SECONDS.labels(role="prefill").observe(elapsed)
+            telemetry.PROMPT_TOKENS.labels("prefill", self.rt.worker_id).inc(
+                max(0, len(req.token_ids) - result.num_cached_tokens))
             return worker_pb2.PrefillResponse(first_token_id=result.first_token,
                                               cached_tokens=result.num_cached_tokens, prefill_ms=elapsed * 1e3)
 

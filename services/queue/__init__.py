@@ -15,13 +15,18 @@ so the Lua scripts in scripts.py touch them atomically)::
                                tier, tokens, status queued|done|dead|expired, and after a
                                retry attempts, last_error, worker. No TTL while queued;
                                state_ttl_s once final (the idempotency window).
-    pd:res:{<request_id>}      result stream: type chunk|final|error + JSON data, TTL
-                               result_ttl_s refreshed by every write (results.py)
+    pd:res:{gw-<hex>}:<request_id>   result stream of a request a gateway queued (its id is
+                               gw-<hex>.<hex>, the gateway's tag first): type chunk|final|error
+                               + JSON data, TTL result_ttl_s refreshed by every write (results.py);
+                               pd:res:{<request_id>} for an id without a gateway tag
+    pd:res:{gw-<hex>}:inbox    the gateway's delivery stream: a copy of each event of its
+                               requests (rid, id, type, data), read and trimmed by that gateway
 
 A request's life here: ``AdmissionQueue.enqueue`` (gateway) -> ``QueueConsumer.next``
 or ``reclaim`` (router) -> decode workers write ``ResultWriter`` events -> the router
 ``ack``s at the final event, or ``fail``s (retry, or dead letter + error event) ->
-the gateway streams ``ResultReader.read`` to the client.
+the gateway reads its delivery stream (services/gateway/delivery.py) and streams
+each request's events to its client.
 """
 
 from services.queue.admission import AdmissionQueue, Admitted, QueueDepth, TierDepth

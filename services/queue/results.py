@@ -1,6 +1,6 @@
 """Per-request result streams: decode workers write token chunks, the gateway reads them back.
 
-Stream ``pd:res:{<request_id>}``; each entry has ``type`` (``chunk`` |
+Stream ``result_stream(request_id)`` (keys.py); each entry has ``type`` (``chunk`` |
 ``final`` | ``error``) and ``data`` (JSON). A stream holds any number of
 chunks, then exactly one terminal event (``final``: finish reason, usage,
 timings; ``error``: ``{"code", "message"}``); readers stop at the first
@@ -20,6 +20,19 @@ Event data (JSON)::
 Entry ids are the SSE ``id:`` the gateway sends: a reader given the last id a
 client saw gets exactly the entries after it (XREAD is exclusive of the id),
 with no duplicate and no gap.
+
+A request queued by a gateway (its id carries the gateway's tag, keys.py) has
+every event also copied to that gateway's delivery stream, in the same Lua
+script (one slot, so one atomic step in Redis Cluster too): the gateway reads
+the results of all its open requests from that one stream over one connection
+(services/gateway/delivery.py) instead of one blocking read per request. The
+copy names the request and the entry id the event got in the request's stream::
+
+    pd:res:{<tag>}:inbox   rid, id (the result stream entry id), type, data
+
+The delivery stream is trimmed by its reader as it goes (never by writers, so a
+reader that falls behind loses nothing) and expires ``ttl_s`` after the last
+write, so a gateway that is gone leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -32,12 +45,22 @@ from typing import Any
 
 from services.errors import DeadlineExceededError, InvalidRequestError
 from services.errors import NotFoundError
-from services.queue.keys import result_stream
+from services.queue.keys import delivery_tag, inbox_stream, result_stream
 from services.queue.message import text
 
 CHUNK, FINAL, ERROR = "chunk", "final", "error"
 TERMINAL = (FINAL, ERROR)
 _ENTRY_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
+
+# KEYS: the request's result stream, its gateway's delivery stream
+# ARGV: type, data, ttl_s, request_id -> the entry id in the result stream
+_DELIVER = """
+local id = redis.call('XADD', KEYS[1], '*', 'type', ARGV[1], 'data', ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('XADD', KEYS[2], '*', 'rid', ARGV[4], 'id', id, 'type', ARGV[1], 'data', ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return id
+"""
 
 
 def decode_event(fields: dict) -> tuple[str, Any]:
@@ -56,6 +79,18 @@ class ResultWriter:
             raise ValueError("ttl_s must be >= 1")
         self.redis = redis
         self.ttl_s = ttl_s
+        self._deliver = redis.register_script(_DELIVER)
+
+    async def _queue_event(self, pipe, request_id: str, kind: str, data: str) -> int:
+        """Queue one event's commands on ``pipe``; returns how many replies they give (the first is the id)."""
+        tag = delivery_tag(request_id)
+        if tag is None:
+            pipe.xadd(result_stream(request_id), {"type": kind, "data": data})
+            pipe.expire(result_stream(request_id), self.ttl_s)
+            return 2
+        await self._deliver(keys=[result_stream(request_id), inbox_stream(tag)],
+                            args=[kind, data, self.ttl_s, request_id], client=pipe)
+        return 1
 
     async def append_chunks(self, items: Iterable[tuple[str, dict]]) -> list[str]:
         """One engine step's chunks for many requests, in one pipelined round trip; returns their entry ids."""
@@ -63,12 +98,12 @@ class ResultWriter:
         if not items:
             return []
         async with self.redis.pipeline(transaction=False) as pipe:
+            firsts, n = [], 0
             for request_id, chunk in items:
-                pipe.xadd(result_stream(request_id), {"type": CHUNK, "data": json.dumps(chunk)})
-            for request_id in dict.fromkeys(rid for rid, _ in items):
-                pipe.expire(result_stream(request_id), self.ttl_s)
+                firsts.append(n)
+                n += await self._queue_event(pipe, request_id, CHUNK, json.dumps(chunk))
             replies = await pipe.execute()
-        return [text(r) for r in replies[:len(items)]]
+        return [text(replies[i]) for i in firsts]
 
     async def finish(self, request_id: str, final: dict) -> str:
         return await self._terminal(request_id, FINAL, final)
@@ -77,12 +112,10 @@ class ResultWriter:
         return await self._terminal(request_id, ERROR, {"code": code, "message": message, "status": status})
 
     async def _terminal(self, request_id: str, kind: str, data: dict) -> str:
-        key = result_stream(request_id)
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(key, {"type": kind, "data": json.dumps(data)})
-            pipe.expire(key, self.ttl_s)
-            entry_id, _ = await pipe.execute()
-        return text(entry_id)
+            await self._queue_event(pipe, request_id, kind, json.dumps(data))
+            replies = await pipe.execute()
+        return text(replies[0])
 
 
 class ResultReader:

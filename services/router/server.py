@@ -107,7 +107,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 async def serve(args) -> None:
     telemetry.setup_tracing("pdserve-router")
     tokenizer, model_name = load_tokenizer(args.model)
-    redis = await connect_redis(args.redis_url)
+    redis = await connect_redis(args.redis_url, name="pdserve-router")
     index = PrefixIndex()
     pool = WorkerPool(redis, refresh_s=0.25, on_removed=index.drop_worker)
     follower = KVEventFollower(redis, index)
@@ -117,14 +117,15 @@ async def serve(args) -> None:
     dispatcher = Dispatcher(pool, index, DispatchConfig(max_attempts=args.max_attempts,
                                                         transfer_timeout_s=args.transfer_timeout,
                                                         disaggregation=args.disaggregation), policy)
-    queue_worker = None
+    queue_worker = lag_monitor = None
     if args.queue:
         from services.queue import QueueConfig
+        from services.queue.lag import LagMonitor
         from services.router.queue_worker import QueueWorker
 
-        queue_worker = QueueWorker(redis, dispatcher, QueueConfig(max_deliveries=args.max_deliveries,
-                                                                  claim_idle_ms=args.claim_idle_ms),
-                                   max_inflight=args.max_inflight)
+        queue_config = QueueConfig(max_deliveries=args.max_deliveries, claim_idle_ms=args.claim_idle_ms)
+        queue_worker = QueueWorker(redis, dispatcher, queue_config, max_inflight=args.max_inflight)
+        lag_monitor = LagMonitor(redis, queue_config)
     server = grpc.aio.server()
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(dispatcher, pool, tokenizer, model_name),
                                                        server)
@@ -148,6 +149,7 @@ async def serve(args) -> None:
         await follower.caught_up()
         if queue_worker is not None:
             await queue_worker.start()
+            lag_monitor.start()
         for name in ("", SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         print(f"[pdserve] router ready on {args.host}:{port} (policy {args.policy}, metrics {metrics})", flush=True)
@@ -159,6 +161,8 @@ async def serve(args) -> None:
             queue_worker = None
         await server.stop(grace=args.drain_timeout)
     finally:
+        if lag_monitor is not None:
+            await lag_monitor.stop()
         if queue_worker is not None:
             await queue_worker.stop()
         await server.stop(grace=None)

@@ -49,3 +49,14 @@ def gateway(redis_url, served_model, sync_redis):
     yield start
     for h in started:
         h.stop()
+
+
+@pytest.fixture
+def client(gateway):
+    """``(harness, openai.OpenAI)``: the official client against a default gateway."""
+    import openai
+
+    h = gateway()
+    c = openai.OpenAI(base_url=f"{h.url}/v1", api_key="unused", max_retries=0, timeout=20)
+    yield h, c
+    c.close()

@@ -13,11 +13,10 @@ import threading
 import time
 
 import redis
-import redis.asyncio as aioredis
 
 from services.gateway.api_keys import ApiKeys
 from services.gateway.config import GatewayConfig
-from services.registry import WORKERS_KEY, WorkerInfo, worker_key
+from services.registry import WORKERS_KEY, WorkerInfo, connect_redis, worker_key
 from tests.gateway.fake_router import FakeRouter
 
 MODEL_LEN = 2048  # what the fake decode worker says it serves
@@ -76,8 +75,10 @@ class GatewayHarness:
         from services.gateway.core import GatewayCore
         from services.gateway.grpc_api import start_grpc
 
-        client = aioredis.Redis.from_url(self.redis_url)
-        router_client = aioredis.Redis.from_url(self.redis_url)
+        # the gateway's client as `pdserve gateway` makes it: a bounded pool, its connections named
+        client = await connect_redis(self.redis_url, max_connections=self.config.redis_max_connections,
+                                     pool_timeout_s=self.config.redis_pool_timeout_s, name="pdserve-gateway")
+        router_client = await connect_redis(self.redis_url, max_connections=64, name="fake-router")
         self.core = GatewayCore(client, self.config, self.model, self.keys)
         self.router = FakeRouter(router_client)
         self.server = uvicorn.Server(uvicorn.Config(create_app(self.core), host="127.0.0.1", port=0, lifespan="off",

@@ -24,6 +24,9 @@ CASES = [
     (CHAT, {"messages": "Hi"}, 400, "messages"),
     (CHAT, {"messages": ["Hi"]}, 400, "messages[0]"),
     (CHAT, {"messages": [{"role": "robot", "content": "Hi"}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": [{"role": {"name": "user"}, "content": "Hi"}]}, 400, "messages[0].role"),  # was a 500
+    (CHAT, {"messages": [{"role": ["user"], "content": "Hi"}]}, 400, "messages[0].role"),
+    ("/tokenize", {"messages": [{"role": {}, "content": "Hi"}]}, 400, "messages[0].role"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "messages[0].content[0]"),
@@ -118,3 +121,55 @@ def test_unknown_routes_and_methods_answer_openai_errors(gateway):
         assert r.status_code == 404 and "error" in r.json()
         r = http.get(CHAT)
         assert r.status_code == 405 and "error" in r.json()
+
+
+def _raw_exchange(sock, request: bytes) -> bytes:
+    """Send one HTTP/1.1 request on an open socket and read one whole response (Content-Length bodies)."""
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def _post(path: str, body: dict) -> bytes:
+    raw = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(raw)}\r\n\r\n").encode() + raw
+
+
+def test_keep_alive_connection_survives_an_unexpected_error(gateway, monkeypatch):
+    """A 500 used to close the connection under the client: its next request on it met a reset."""
+    import socket
+
+    h = gateway()
+
+    def broken(*_args, **_kwargs):
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(h.core, "resolve_tier", broken)
+    with socket.create_connection(("127.0.0.1", h.port), timeout=10) as sock:
+        reply = _raw_exchange(sock, _post(COMPLETIONS, {"prompt": "Hi", "max_tokens": 2}))
+        assert reply.startswith(b"HTTP/1.1 500"), reply[:200]
+        error = json.loads(reply.partition(b"\r\n\r\n")[2])["error"]
+        assert error["type"] == "internal_error" and "a bug" not in error["message"]
+        monkeypatch.undo()
+        # the same connection serves the next request
+        reply = _raw_exchange(sock, _post(CHAT, {"messages": [{"role": "user", "content": "Hi"}]}))
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+        # and after a 400 too
+        reply = _raw_exchange(sock, _post(CHAT, {"messages": [{"role": ["user"], "content": "Hi"}]}))
+        assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+        reply = _raw_exchange(sock, _post(CHAT, {"messages": [{"role": "user", "content": "Hi"}]}))
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:200]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.gateway.openai_format import server_version
 from services.queue.cancel import cancel_key
 from tests.gateway.harness import MODEL_LEN, wait_for
 from tests.gateway.sse_client import chat_text, events
@@ -34,12 +36,39 @@ def test_models_and_tokenize(gateway):
         assert r["count"] == len(r["tokens"])
 
 
+def test_model_by_id(gateway):
+    """openai's models.retrieve: the served model's Model object, a 404 OpenAI error for another."""
+    import openai
+
+    h = gateway()
+    with openai.OpenAI(base_url=f"{h.url}/v1", api_key="unused", max_retries=0) as client:
+        model = client.models.retrieve(h.model.name)
+        assert (model.id, model.object, model.owned_by) == (h.model.name, "model", "pdserve")
+        with pytest.raises(openai.NotFoundError) as err:
+            client.models.retrieve("gpt-4o")
+        assert err.value.body["type"] == "model_not_found"
+
+
 def test_health(gateway):
     h = gateway()
     with httpx.Client(base_url=h.url, timeout=10) as http:
         assert http.get("/health/live").status_code == 200
         ready = http.get("/health/ready")
         assert ready.status_code == 200 and ready.json()["decode_workers"] == 1
+        # vLLM's probes: /health and /ping (GET and POST) answer 200 with an empty body
+        for method, path in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping")):
+            r = http.request(method, path)
+            assert (r.status_code, r.content) == (200, b""), (method, path)
+        assert http.get("/version").json() == {"version": server_version()}
+
+
+def test_health_is_503_without_a_ready_decode_worker(gateway):
+    h = gateway(decode_worker=False)
+    with httpx.Client(base_url=h.url, timeout=10) as http:
+        for method, path in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping")):
+            r = http.request(method, path)
+            assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
+            assert "no ready decode worker" in r.json()["error"]["message"]
 
 
 def test_metrics_count_outcomes_ttft_and_queue_depth(gateway):

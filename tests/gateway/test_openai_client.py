@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import openai
 import pytest
 
+from services.gateway.openai_format import server_version
 from tests.gateway.fake_router import DEFAULT_PIECES, Plan
 
 EXPECTED = "".join(DEFAULT_PIECES)
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-
-
-@pytest.fixture
-def client(gateway):
-    h = gateway()
-    c = openai.OpenAI(base_url=f"{h.url}/v1", api_key="unused", max_retries=0, timeout=20)
-    yield h, c
-    c.close()
 
 
 def test_streamed_chat_completion_has_the_scripted_text_and_usage(client):
@@ -27,6 +19,7 @@ def test_streamed_chat_completion_has_the_scripted_text_and_usage(client):
                                        extra_headers={"traceparent": TRACEPARENT})
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
+    assert {ch.system_fingerprint for ch in chunks} == {f"pdserve-{server_version()}"}
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == EXPECTED
     finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
@@ -74,6 +67,9 @@ def test_non_streamed_chat_and_completion(client):
                                                {"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
     assert chat.object == "chat.completion"
     assert chat.choices[0].message.content == EXPECTED and chat.choices[0].message.role == "assistant"
+    # OpenAI's schema requires the message's refusal (null here) and types system_fingerprint as a string
+    assert "refusal" in chat.choices[0].message.model_fields_set and chat.choices[0].message.refusal is None
+    assert chat.system_fingerprint == f"pdserve-{server_version()}"
     assert chat.choices[0].finish_reason == "stop"
     assert chat.usage.completion_tokens == len(DEFAULT_PIECES) and chat.usage.prompt_tokens > 0
     assert h.router.seen[0].sampling["max_tokens"] == 12

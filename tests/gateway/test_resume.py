@@ -33,8 +33,8 @@ def test_resume_after_a_mid_stream_disconnect_has_no_gap_and_no_duplicate(gatewa
         assert rest[-1].done
         assert all(e.json["choices"][0]["delta"].get("role") is None for e in rest[:-1])  # no second opening
         assert chat_text(first) + chat_text(rest) == "".join(PIECES)
-        ids = [e.id for e in first + rest if e.id]
-        assert len(ids) == len(set(ids)) == len(PIECES) + 1
+        ids = [e.id for e in first + rest if not e.done]
+        assert len(ids) == len(set(ids)) == len(PIECES) + 2  # the opening, the tokens, the final
         # the same via the query parameter, and from the final event: only [DONE] is left
         with http.stream("GET", f"/v1/requests/{rid}/events?last_event_id={ids[-1]}") as r:
             assert [e.data for e in events(r)] == ["[DONE]"]
@@ -121,3 +121,19 @@ def test_a_finished_stream_does_not_cancel(gateway, sync_redis):
             assert events(r)[-1].done
     time.sleep(0.3)
     assert not sync_redis.exists(cancel_key(rid))
+
+
+def test_resuming_after_any_event_gives_exactly_the_events_after_it(gateway):
+    """Every event has an id (the opening and the finish chunk before usage too): a client cut off
+    right after any of them resumes with nothing repeated and nothing missing."""
+    h = gateway(disconnect_grace_s=5.0)
+    body = {**CHAT, "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=h.url, timeout=10) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            rid = r.headers["x-request-id"]
+            whole = events(r)
+        assert all(e.id for e in whole), [e.id for e in whole]
+        for i, event in enumerate(whole[:-1]):
+            with http.stream("GET", f"/v1/requests/{rid}/events", headers={"Last-Event-ID": event.id}) as r:
+                rest = events(r)
+            assert [e.data for e in rest] == [e.data for e in whole[i + 1:]], f"after event {i} ({event.id})"

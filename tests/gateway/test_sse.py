@@ -28,16 +28,18 @@ def test_chat_stream_format(gateway):
     body = [e.json for e in evs[:-1]]
     assert all(b["object"] == "chat.completion.chunk" and b["id"] == f"chatcmpl-{rid}" for b in body)
     assert body[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert evs[0].id is None  # nothing to resume after: a resumed stream from the start repeats it
+    assert evs[0].id == "0-0"  # resuming after the opening skips it
     content = body[1:1 + len(DEFAULT_PIECES)]
     assert [c["choices"][0]["delta"] for c in content] == [{"content": p} for p in DEFAULT_PIECES]
     assert all(c["choices"][0]["finish_reason"] is None for c in body[:-2])
     assert body[-2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
     assert body[-1]["choices"] == [] and body[-1]["usage"]["completion_tokens"] == len(DEFAULT_PIECES)
-    # every event from the result stream carries its entry id, increasing; the final one on its last event
-    ids = [e.id for e in evs[1:-1] if e.id]
-    assert len(ids) == len(DEFAULT_PIECES) + 1 and evs[-2].id == ids[-1] and evs[-3].id is None
-    keys = [tuple(int(x) for x in i.split("-")) for i in ids]
+    # every event carries an id: the stream entry's, increasing; the final entry's two events
+    # <entry>.0 then <entry>; [DONE] repeats the last one (nothing follows it)
+    assert all(e.id for e in evs)
+    entries = [e.id for e in evs[1:-3]] + [evs[-2].id]
+    assert len(entries) == len(DEFAULT_PIECES) + 1 and evs[-3].id == f"{evs[-2].id}.0" and evs[-1].id == evs[-2].id
+    keys = [tuple(int(x) for x in i.split("-")) for i in entries]
     assert keys == sorted(set(keys))
 
 

@@ -120,3 +120,30 @@ def test_missing_or_stalled_streams_give_clear_errors(with_redis):
             await collect(reader, "stalled", last_id="abc")
 
     with_redis(go)
+
+
+def test_a_gateway_tagged_request_has_its_events_copied_to_that_gateways_delivery_stream(with_redis):
+    # one slot per gateway: the request's stream and the gateway's inbox are written in one script
+    from services.queue.keys import delivery_tag, inbox_stream
+    from services.queue.message import text
+
+    async def go(r):
+        writer = ResultWriter(r, ttl_s=120)
+        ours, theirs, plain = "gw-0a1b2c3d.r1", "gw-99999999.r2", "r3"
+        assert delivery_tag(ours) == "gw-0a1b2c3d" and delivery_tag(plain) is None
+        assert result_stream(ours) == "pd:res:{gw-0a1b2c3d}:gw-0a1b2c3d.r1"
+        trips = RoundTrips(r)
+        ids = await writer.append_chunks([(ours, {"token_ids": [1], "text": "a"}),
+                                          (theirs, {"token_ids": [2], "text": "b"}),
+                                          (plain, {"token_ids": [3], "text": "c"})])
+        assert trips.count == 1  # still one round trip per engine step
+        final_id = await writer.finish(ours, {"finish_reason": "stop"})
+        inbox = await r.xrange(inbox_stream("gw-0a1b2c3d"))
+        assert [(f[b"rid"].decode(), f[b"id"].decode(), f[b"type"].decode()) for _, f in inbox] == \
+            [(ours, ids[0], "chunk"), (ours, final_id, "final")]
+        assert [e[0] for e in await collect(ResultReader(r), ours)] == [ids[0], final_id]
+        assert len(await r.xrange(inbox_stream("gw-99999999"))) == 1
+        assert [text(e[0]) for e in await r.xrange(result_stream(plain))] == [ids[2]]  # no inbox for it
+        assert 0 < await r.ttl(inbox_stream("gw-0a1b2c3d")) <= 120
+
+    with_redis(go)

@@ -85,8 +85,8 @@ def test_resume_after_disconnect_equals_an_uninterrupted_run(stack, reference_te
         with http.stream("GET", f"/v1/requests/{rid}/events", headers={"Last-Event-ID": last_id}) as r:
             rest = events(r)
     assert rest[-1].done
-    ids = [e.id for e in first + rest if e.id]
-    assert len(ids) == len(set(ids))
+    ids = [e.id for e in first + rest if not e.done]  # [DONE] repeats the final event's id
+    assert all(ids) and len(ids) == len(set(ids))
     assert chat_text(first) + chat_text(rest) == reference_text(messages, 24)
 
 
@@ -114,3 +114,52 @@ def test_overload_gets_429_with_retry_after_and_loses_nothing(stack):
     r = redis.Redis.from_url(stack.redis_url)
     assert sum(r.xlen(k) for k in r.scan_iter("pd:{q}:req:*")) == 0
     assert json.loads(httpx.get(f"{base}/health/ready").text)  # still serving
+
+
+def test_logprobs_cover_every_generated_token_the_first_included(stack):
+    """The first token is sampled on the prefill worker; its logprobs travel with it to the decode worker
+    (they were missing: chat had 5 entries for 6 tokens, completions' text_offset was off by the first)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://{stack.gateway_address}/v1", api_key="none", max_retries=0)
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token for t in content)  # greedy
+
+    done = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0,
+                                     logprobs=1)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == done.usage.completion_tokens
+    assert "".join(lp.tokens) == done.choices[0].text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+
+    stream = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, temperature=0,
+                                                 logprobs=True, stream=True,
+                                                 stream_options={"include_usage": True}))
+    with_text = [c for c in stream if c.choices and c.choices[0].delta.content]
+    assert with_text and with_text[0].choices[0].logprobs.content  # the first streamed token has them too
+    streamed = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert len(streamed) == stream[-1].usage.completion_tokens
+
+
+def test_responses_api_through_the_stack_equals_chat(stack, reference_text):
+    """responses.create and its stream, with the official client, give the chat path's greedy text; a
+    follow-up with previous_response_id sees the first turn."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://{stack.gateway_address}/v1", api_key="none", max_retries=0)
+    first = client.responses.create(model=MODEL, input=QUESTION[0]["content"], max_output_tokens=16, temperature=0)
+    assert first.status in ("completed", "incomplete") and first.output_text == reference_text(QUESTION, 16)
+    streamed = list(client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=16, temperature=0,
+                                            stream=True))
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == first.output_text
+    assert streamed[-1].response.output_text == first.output_text
+    follow = [{"role": "user", "content": "And of Italy?"}]
+    second = client.responses.create(model=MODEL, input=follow, previous_response_id=first.id,
+                                      max_output_tokens=12, temperature=0)
+    conversation = QUESTION + [{"role": "assistant", "content": first.output_text}] + follow
+    assert second.output_text == reference_text(conversation, 12)
+    assert client.responses.retrieve(second.id).output_text == second.output_text

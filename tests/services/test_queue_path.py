@@ -14,7 +14,7 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from services.queue import AdmissionQueue, QueueConfig, QueuedRequest, ResultReader
+from services.queue import AdmissionQueue, QueuedRequest, ResultReader
 from services.queue.cancel import request_cancel
 from services.queue.dead_letters import DeadLetters
 from tests.services.stack import Proc, Stack

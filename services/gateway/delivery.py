@@ -1,0 +1,284 @@
+"""Result delivery: the events of every open request of this gateway, over one Redis connection.
+
+Waiting requests cost memory, not connections. The gateway's request ids carry
+its tag (``gw-<hex>``, keys.py), so every writer (decode workers, the router,
+the dead-letter path) copies each event of its requests to the gateway's
+delivery stream ``pd:res:{<tag>}:inbox`` in the same Lua script that appends it
+to the request's own result stream (results.py). One reader task here follows
+that stream with a blocking XREAD and hands each event to the subscription of
+its request, an in-memory buffer; events of requests nobody here follows
+(their client left) are dropped. The request's own stream stays the record:
+its entry ids are the SSE ids, resumes and the router's re-drive read it.
+
+    writers --Lua: XADD pd:res:{gw-a}:<rid> + XADD pd:res:{gw-a}:inbox--> Redis
+    reader (one connection, XREAD BLOCK on the inbox) --> subscriptions[rid] --> follow()
+
+A subscription first catches up from the request's stream (XRANGE after the
+id it resumes from), holding back what the reader delivers meanwhile, then
+merges the two by entry id, so no event is lost or repeated whichever came
+first. The same catch-up runs again when the reader reconnects after a Redis
+error (whatever was written while it was away is in the streams; a Redis that
+restarted empty has neither) and when a subscription heard nothing for a while
+(``quiet_check``, before each heartbeat, batched with every other subscription's).
+A request another gateway queued (a client
+resuming here after that gateway went away, or through another replica) is not
+in this inbox: its subscription is caught up by polling its stream every
+``foreign_poll_s``, all such requests in one pipelined round trip.
+
+Nothing here holds a connection per request: the reader holds one, catch-ups
+and polls borrow one from the pool for one round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+from services.queue.keys import delivery_tag, inbox_stream, result_stream, state_key
+from services.queue.message import text
+from services.queue.results import decode_event
+
+log = logging.getLogger(__name__)
+
+Event = tuple[str, str, Any]  # (entry id, type, data)
+_TRIM_EVERY = 1024  # entries read between two trims of the inbox
+
+
+def id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class Subscription:
+    """One follower's events of one request, in entry-id order, each once."""
+
+    def __init__(self, request_id: str, last_id: str):
+        self.request_id = request_id
+        self.last = id_key(last_id)
+        self._ready: list[Event] = []
+        self._held: list[Event] | None = None  # while catching up: what the reader delivered meanwhile
+        self._wake = asyncio.Event()
+
+    def push(self, event: Event) -> None:
+        if self._held is not None:
+            self._held.append(event)
+        else:
+            self._accept([event])
+
+    def _accept(self, events: Iterable[Event]) -> None:
+        for event in events:
+            key = id_key(event[0])
+            if key > self.last:
+                self.last = key
+                self._ready.append(event)
+        if self._ready:
+            self._wake.set()
+
+    def hold(self) -> None:
+        if self._held is None:
+            self._held = []
+
+    def release(self, caught_up: list[Event]) -> None:
+        """End a catch-up: its events, then what the reader delivered meanwhile, in id order, once."""
+        held, self._held = self._held or [], None
+        self._accept(sorted([*caught_up, *held], key=lambda e: id_key(e[0])))
+
+    @property
+    def last_id(self) -> str:
+        return f"{self.last[0]}-{self.last[1]}"
+
+    async def next(self, timeout_s: float) -> list[Event]:
+        """The events that arrived (waiting up to ``timeout_s`` for one); [] when none came."""
+        if not self._ready:
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout_s)
+        events, self._ready = self._ready, []
+        return events
+
+
+class ResultDelivery:
+    def __init__(self, redis, tag: str | None = None, block_ms: int = 1000, batch: int = 1024,
+                 foreign_poll_s: float = 0.1):
+        self.redis = redis
+        self.tag = tag or f"gw-{uuid.uuid4().hex[:12]}"
+        if delivery_tag(f"{self.tag}.x") != self.tag:
+            raise ValueError(f"a delivery tag is gw- and 8-32 lowercase hex digits; got {self.tag!r}")
+        self.inbox = inbox_stream(self.tag)
+        self.block_ms = block_ms
+        self.batch = batch
+        self.foreign_poll_s = foreign_poll_s
+        self._subs: dict[str, set[Subscription]] = {}
+        self._foreign: set[Subscription] = set()
+        self._tasks: list[asyncio.Task] = []
+        self._foreign_wake = asyncio.Event()
+        self._checks: list[tuple[Subscription, asyncio.Future]] = []
+        self._flushes: set[asyncio.Task] = set()
+        self._stopping = False
+        self.reader_errors = 0  # times the reader lost Redis (a test and the logs read it)
+
+    def new_request_id(self) -> str:
+        return f"{self.tag}.{uuid.uuid4().hex}"
+
+    @property
+    def open_requests(self) -> int:
+        return len(self._subs)
+
+    def start(self) -> None:
+        if not self._tasks:
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._read(), name="result-delivery"),
+                           loop.create_task(self._poll_foreign(), name="result-delivery-foreign")]
+
+    async def close(self) -> None:
+        """Stop reading. redis-py can swallow a cancellation landing while it reconnects: the flag ends the
+        loops anyway, and the cancel is repeated until they are gone."""
+        self._stopping = True
+        self._foreign_wake.set()
+        pending = set(self._tasks)
+        while pending:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=1.0)
+        self._tasks = []
+
+    # -- subscriptions ------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def subscribe(self, request_id: str, last_id: str = "0"):
+        """A ``Subscription`` to the request's events after ``last_id``, caught up from its stream."""
+        self.start()
+        sub = Subscription(request_id, last_id)
+        own = delivery_tag(request_id) == self.tag
+        if own:
+            self._subs.setdefault(request_id, set()).add(sub)
+        try:
+            sub.hold()  # registered first: whatever is written from now on reaches it one way or the other
+            await self.catch_up([sub])
+            if not own:
+                self._foreign.add(sub)
+                self._foreign_wake.set()
+            yield sub
+        finally:
+            self._foreign.discard(sub)
+            subs = self._subs.get(request_id)
+            if subs is not None:
+                subs.discard(sub)
+                if not subs:
+                    del self._subs[request_id]
+
+    async def catch_up(self, subs: list[Subscription]) -> None:
+        """Read each subscription's stream after its last id (one pipelined round trip for all of them)."""
+        for sub in subs:
+            sub.hold()
+        replies: list = []
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for sub in subs:
+                    pipe.xrange(result_stream(sub.request_id), f"({sub.last_id}", "+")
+                replies = await pipe.execute()
+        finally:
+            for sub, entries in zip(subs, replies or [[]] * len(subs)):
+                sub.release([(text(entry_id), *decode_event(fields)) for entry_id, fields in entries])
+
+    async def quiet_check(self, sub: Subscription) -> tuple[bool, str | None]:
+        """For a subscription that heard nothing for a while: catch it up, and say whether its result stream
+        exists and the request's queue status (None: unknown). Every check asked for in the same moment
+        goes in one pipelined round trip: ten thousand queued requests' heartbeats cost Redis a few
+        pipelines, not thirty thousand round trips."""
+        future = asyncio.get_running_loop().create_future()
+        self._checks.append((sub, future))
+        if len(self._checks) == 1:  # the first of a batch flushes it, on the loop's next turn
+            task = asyncio.get_running_loop().create_task(self._flush_checks())
+            self._flushes.add(task)
+            task.add_done_callback(self._flushes.discard)
+        return await future
+
+    async def _flush_checks(self) -> None:
+        batch, self._checks = self._checks, []
+        for sub, _ in batch:
+            sub.hold()
+        replies: list = []
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for sub, _ in batch:
+                    key = result_stream(sub.request_id)
+                    pipe.xrange(key, f"({sub.last_id}", "+")
+                    pipe.exists(key)
+                    pipe.hget(state_key(sub.request_id), "status")
+                replies = await pipe.execute()
+        except Exception as exc:  # each follower decides what Redis trouble means for its client
+            for sub, future in batch:
+                sub.release([])
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for i, (sub, future) in enumerate(batch):
+            entries, exists, status = replies[3 * i:3 * i + 3]
+            sub.release([(text(entry_id), *decode_event(fields)) for entry_id, fields in entries])
+            if not future.done():
+                future.set_result((bool(exists), None if status is None else text(status)))
+
+    # -- the reader ---------------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        # from the start, not "$": the tag is this process's, so everything in its inbox is for it, and a
+        # subscription made before this first read (it caught up already) must still get what follows
+        last, unread_since_trim, failing = "0-0", 0, False
+        while not self._stopping:
+            try:
+                reply = await self.redis.xread({self.inbox: last}, count=self.batch, block=self.block_ms)
+                if failing:  # back after an outage: whatever was written meanwhile is in the result streams
+                    failing = False
+                    log.info("result delivery: reading %s again", self.inbox)
+                    await self.catch_up([s for subs in self._subs.values() for s in subs])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away or restarting: one line, not one per request
+                self.reader_errors += 1
+                if not failing:
+                    log.warning("result delivery: reading %s failed (%s: %s); retrying", self.inbox,
+                                type(exc).__name__, exc)
+                failing = True
+                await asyncio.sleep(0.5)
+                continue
+            for _, entries in reply or ():
+                for entry_id, fields in entries:
+                    last = text(entry_id)
+                    self._dispatch(fields)
+                unread_since_trim += len(entries)
+            if unread_since_trim >= _TRIM_EVERY:
+                unread_since_trim = 0
+                with contextlib.suppress(Exception):  # the cap bounds it anyway
+                    await self.redis.xtrim(self.inbox, minid=last, approximate=True)
+
+    def _dispatch(self, fields: dict) -> None:
+        f = {text(k): v for k, v in fields.items()}
+        subs = self._subs.get(text(f.get("rid", b"")))
+        if not subs:
+            return  # nobody here follows it (its client left): the result stream keeps it
+        try:
+            event = (text(f["id"]), *decode_event(f))
+        except (KeyError, ValueError) as exc:
+            log.warning("result delivery: skipping a malformed inbox entry: %s", exc)
+            return
+        for sub in subs:
+            sub.push(event)
+
+    async def _poll_foreign(self) -> None:
+        while not self._stopping:
+            if not self._foreign:
+                self._foreign_wake.clear()
+                await self._foreign_wake.wait()
+                continue
+            await asyncio.sleep(self.foreign_poll_s)
+            try:
+                await self.catch_up(list(self._foreign))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # their followers time out if this lasts
+                log.debug("result delivery: polling foreign streams failed: %s", exc)

@@ -1,0 +1,248 @@
+"""``pdserve bench frontdoor``: the gateway under a burst of N concurrent clients, and what it adds per chunk.
+
+Brings up the stack with ``pdserve up``'s defaults (embedded Redis, one prefill
+and one decode worker, router, gateway) and runs two phases with the shared
+load generator (services/bench/load.py):
+
+1. **Burst**: N clients at once (``--clients``), half streaming and half waiting
+   for JSON, chat requests with short outputs, priorities cycling through the
+   tiers. Each request ends ``completed``, ``refused`` (429 or 503 with
+   Retry-After: the client was told when to come back) or ``other`` (anything
+   else: an error, a stream without its final event, a dropped connection).
+   Meanwhile a watch (process_watch.py) samples every process's Redis
+   connections (CLIENT LIST) and the gateway's memory and CPU, keeping the peaks.
+2. **Added latency per chunk** at ``--latency-streams`` open streams: that
+   many streaming clients in a closed loop (each opens its next stream when its
+   last one ends), so that many streams stay open. Every chunk's SSE ``id:`` (its
+   entry id in the request's result stream) is matched with the moment a
+   separate process reading the result streams straight from Redis
+   (result_tap.py) got the same entry; the difference is what the gateway adds
+   (delivery stream, fan-out, formatting, HTTP). The figures count the chunks
+   written once every client had its first stream open (the ramp is reported
+   apart). Both clocks are this machine's.
+
+Goals on this machine: ``other`` = 0 at N = 10,000, the gateway on at most 32
+Redis connections, and an added p99 per chunk of at most 20 ms at 1,000 open
+streams.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+
+from services.bench import results as result_files
+from services.bench.http_client import Connection
+from services.bench.load import OpenAIClient, OpenAIRequest, closed_loop, open_loop, outcomes
+from services.bench.stats import percentile as pct
+from services.queue.config import DEFAULT_TIERS
+
+_WORDS = ("river stone light garden window paper engine market silver forest music winter harbor signal "
+          "letter mountain yellow planet bridge candle orange theory coffee island rocket").split()
+
+
+def workload(n: int, max_tokens: int, seed: int, stream_share: float = 0.5,
+             timeout_s: float | None = None) -> list[OpenAIRequest]:
+    """Short distinct chat prompts; every other request streams; priorities cycle through the tiers."""
+    rng = random.Random(seed)
+    every = max(1, round(1 / stream_share)) if stream_share > 0 else 0
+    return [OpenAIRequest("chat", f"Request {i}: name a {rng.choice(_WORDS)} and a {rng.choice(_WORDS)}.",
+                          max_tokens, stream=bool(every) and i % every == 0, priority=DEFAULT_TIERS[i % 3],
+                          timeout_s=timeout_s)
+            for i in range(n)]
+
+
+async def burst(args, stack, model: str, host: str, port: int) -> dict:
+    from services.bench.process_watch import ProcessWatch
+
+    pids = {name: p.proc.pid for name, p in stack.procs.items()}
+    client = OpenAIClient(host, port, model, timeout_s=args.timeout + 60)
+    items = workload(args.clients, args.max_tokens, args.seed, timeout_s=args.timeout)
+    watch = ProcessWatch(stack.redis_url, pids)
+    idle_rss = watch.rss_mib("gateway")
+    _log(f"burst: {args.clients} clients at once ({sum(i.stream for i in items)} streaming), "
+         f"max_tokens {args.max_tokens}")
+    with watch:
+        samples, wall = await open_loop(client.send, items, rate=args.ramp_rate or math.inf, seed=args.seed)
+    counts = outcomes(samples)
+    gw = watch.peaks.processes["gateway"]
+    done = [s for s in samples if s.ok]
+    result = {
+        "clients": args.clients, **counts, "wall_s": round(wall, 2),
+        "errors": sorted({s.error for s in samples if s.outcome == "other"})[:5],
+        "peak_open_requests": client.peak_open,
+        "redis_connections_peak": {name: p.redis_connections for name, p in watch.peaks.processes.items()},
+        "redis_connections_peak_other": watch.peaks.other_redis_connections,
+        "gateway_rss_mib_idle": round(idle_rss, 1), "gateway_rss_mib_peak": round(gw.rss_mib, 1),
+        "gateway_rss_kib_per_open_request": round((gw.rss_mib - idle_rss) * 1024 / max(1, client.peak_open), 1),
+        "gateway_cpu_percent_peak": round(gw.cpu_percent, 1),
+        "gateway_cpu_seconds": round(gw.cpu_seconds, 2),
+        "gateway_cpu_ms_per_request": round(gw.cpu_seconds * 1e3 / max(1, len(samples)), 2),
+        "requests_s": round(len(done) / wall, 2) if wall else None,
+        "ttft_ms_p50": pct([s.ttft for s in done], 50) * 1e3, "ttft_ms_p99": pct([s.ttft for s in done], 99) * 1e3,
+        "e2e_ms_p50": pct([s.e2e for s in done], 50) * 1e3, "e2e_ms_p99": pct([s.e2e for s in done], 99) * 1e3,
+        "watch_samples": watch.peaks.samples,
+    }
+    _log(f"  completed {counts['completed']}, refused {counts['refused']}, other {counts['other']} in {wall:.1f} s; "
+         f"gateway: {result['redis_connections_peak'].get('gateway')} Redis connections at peak, "
+         f"{gw.rss_mib:.0f} MiB, {gw.cpu_percent:.0f} % CPU at peak")
+    return result
+
+
+async def added_latency(args, stack, model: str, host: str, port: int) -> dict:
+    """A closed loop of ``latency_streams`` streaming clients (each opens its next stream when one ends), so
+    that many streams stay open; chunks written once every client had its first stream open are compared."""
+    from services.bench.result_tap import ResultTap
+
+    tap = ResultTap(stack.redis_url).start()
+    admitted = {"n": 0, "all_open_at": math.inf}
+
+    def on_request_id(rid: str) -> None:
+        tap.follow(rid)
+        admitted["n"] += 1
+        if admitted["n"] == args.latency_streams:
+            admitted["all_open_at"] = time.time()
+
+    client = OpenAIClient(host, port, model, record_chunks=True, on_request_id=on_request_id,
+                          timeout_s=args.timeout + 60)
+    n_requests = args.latency_requests or 2 * args.latency_streams
+    items = workload(n_requests, args.latency_max_tokens, args.seed + 1, stream_share=1.0, timeout_s=args.timeout)
+    _log(f"added latency: {args.latency_streams} streaming clients in a closed loop ({n_requests} requests, "
+         f"max_tokens {args.latency_max_tokens}), each chunk against a separate process reading the result streams")
+    await asyncio.sleep(1.0)  # the tap's process is up
+    samples, wall = await closed_loop(client.send, items, clients=args.latency_streams)
+    direct = await asyncio.to_thread(tap.stop)
+    steady, every, via_gateway, via_redis = [], [], [], []
+    for s in samples:
+        for entry_id, read_at in s.chunks:
+            tapped = direct.get((s.request_id, entry_id))
+            if tapped is None:
+                continue
+            written = int(entry_id.split("-")[0]) / 1e3  # the entry id is Redis's clock at the XADD, in ms
+            added = (read_at - tapped) * 1e3
+            every.append(added)
+            if written >= admitted["all_open_at"]:
+                steady.append(added)
+                via_gateway.append((read_at - written) * 1e3)
+                via_redis.append((tapped - written) * 1e3)
+    counts = outcomes(samples)
+    result = {
+        "streams": args.latency_streams, "requests": n_requests, **counts, "peak_open_streams": client.peak_open,
+        "errors": sorted({s.error for s in samples if s.outcome == "other"})[:5],
+        "wall_s": round(wall, 2), "chunks_compared": len(steady),
+        "added_ms_p50": pct(steady, 50), "added_ms_p90": pct(steady, 90), "added_ms_p99": pct(steady, 99),
+        "gateway_since_write_ms_p50": pct(via_gateway, 50), "gateway_since_write_ms_p99": pct(via_gateway, 99),
+        "direct_since_write_ms_p50": pct(via_redis, 50), "direct_since_write_ms_p99": pct(via_redis, 99),
+        "chunks_compared_incl_ramp": len(every), "added_ms_p50_incl_ramp": pct(every, 50),
+        "added_ms_p99_incl_ramp": pct(every, 99),
+    }
+    _log(f"  {len(steady)} chunks with every client's stream open: added p50 {result['added_ms_p50']:.1f} ms, "
+         f"p99 {result['added_ms_p99']:.1f} ms (incl. the ramp: p99 {result['added_ms_p99_incl_ramp']:.1f} ms)")
+    return result
+
+
+async def _bench(args, stack) -> dict:
+    from services.open_files import raise_open_file_limit
+
+    limit = raise_open_file_limit()
+    if 0 < limit < args.clients + 100:
+        _log(f"warning: this process may open {limit} files; {args.clients} clients need more")
+    host, port = stack.gateway_address.rsplit(":", 1)
+    probe = await Connection(host, int(port)).request("GET", "/v1/models")
+    model = json.loads(probe.body)["data"][0]["id"]
+    out = {"burst": await burst(args, stack, model, host, int(port))}
+    if args.latency_streams:
+        out["latency"] = await added_latency(args, stack, model, host, int(port))
+    b, lat = out["burst"], out.get("latency")
+    out["goals"] = {
+        "other_is_zero": b["other"] == 0,
+        "gateway_redis_connections_le_32": (b["redis_connections_peak"].get("gateway") or 0) <= 32,
+        "added_p99_chunk_ms_le_20": None if lat is None or math.isnan(lat["added_ms_p99"])
+        else lat["added_ms_p99"] <= 20.0,
+    }
+    out["config"] = {"clients": args.clients, "max_tokens": args.max_tokens, "ramp_rate": args.ramp_rate,
+                     "client_timeout_s": args.timeout,
+                     "latency_streams": args.latency_streams, "latency_requests": args.latency_requests,
+                     "latency_max_tokens": args.latency_max_tokens,
+                     "model": args.model, "dtype": args.dtype, "threads_per_worker": args.threads,
+                     "seed": args.seed, "stack": "pdserve up defaults: 1 prefill, 1 decode, router, gateway"}
+    return out
+
+
+def run(args) -> int:
+    from services.launcher import LocalStack, StackSpec
+
+    if args.clients < 1 or args.max_tokens < 1 or args.latency_streams < 0 or args.latency_max_tokens < 1:
+        raise ValueError("clients and max-tokens must be >= 1, latency-streams >= 0")
+    if args.latency_requests and args.latency_requests < args.latency_streams:
+        raise ValueError("latency-requests must be at least latency-streams (every client sends one)")
+    spec = StackSpec(prefill=1, decode=1, model=args.model, dtype=args.dtype, threads=args.threads,
+                     transport=args.transport, gateway=True)
+    _log("starting the stack (pdserve up defaults: embedded Redis, 1 prefill, 1 decode, router, gateway)")
+    started = time.perf_counter()
+    with LocalStack(spec) as stack:
+        _log(f"  ready in {time.perf_counter() - started:.0f} s")
+        result = asyncio.run(_bench(args, stack))
+        trouble = stack.trouble()
+    result["log_trouble_lines"] = len(trouble)  # WARNING / ERROR / Traceback lines the stack printed
+    result["log_trouble_sample"] = trouble[:5]
+    result_files.save("frontdoor", result, args)
+    print(json.dumps(result) if args.json else format_table(result))
+    return 0
+
+
+def format_table(result: dict) -> str:
+    b = result["burst"]
+    lines = [f"burst of {b['clients']} clients: completed {b['completed']}, refused {b['refused']}, "
+             f"other {b['other']} in {b['wall_s']} s ({b['requests_s']} req/s)",
+             f"  peak open requests {b['peak_open_requests']}; Redis connections at peak: "
+             + ", ".join(f"{k} {v}" for k, v in b["redis_connections_peak"].items()),
+             f"  gateway: RSS {b['gateway_rss_mib_idle']} -> {b['gateway_rss_mib_peak']} MiB "
+             f"({b['gateway_rss_kib_per_open_request']} KiB per open request), CPU peak "
+             f"{b['gateway_cpu_percent_peak']} % ({b['gateway_cpu_ms_per_request']} ms per request)",
+             f"  TTFT p50/p99 {b['ttft_ms_p50']:.0f}/{b['ttft_ms_p99']:.0f} ms, "
+             f"E2E p50/p99 {b['e2e_ms_p50']:.0f}/{b['e2e_ms_p99']:.0f} ms"]
+    if b["errors"]:
+        lines.append(f"  other: {b['errors']}")
+    lat = result.get("latency")
+    if lat:
+        lines.append(f"added latency per chunk at {lat['peak_open_streams']} open streams ({lat['chunks_compared']} "
+                     f"chunks): p50 {lat['added_ms_p50']:.1f} ms, p90 {lat['added_ms_p90']:.1f} ms, "
+                     f"p99 {lat['added_ms_p99']:.1f} ms (since the write: gateway p99 "
+                     f"{lat['gateway_since_write_ms_p99']:.1f} ms, direct p99 {lat['direct_since_write_ms_p99']:.1f} ms)")
+    lines.append(f"goals: {result['goals']}")
+    return "\n".join(lines)
+
+
+def _log(msg: str) -> None:
+    print(f"[bench frontdoor] {msg}", file=sys.stderr, flush=True)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("frontdoor", help="the gateway under N concurrent clients: outcomes, Redis connections, "
+                                         "memory, CPU, added latency per chunk",
+                       description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--clients", type=int, default=2000, help="concurrent clients in the burst (half streaming)")
+    p.add_argument("--max-tokens", type=int, default=8, help="output tokens per burst request")
+    p.add_argument("--ramp-rate", type=float, default=0.0,
+                   help="clients started per second (0: all at once)")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="x-pdserve-timeout of every request: how long its client will wait (the gateway's "
+                        "default deadline, 600 s, is shorter than a 10,000-request burst takes on a small CPU)")
+    p.add_argument("--latency-streams", type=int, default=1000,
+                   help="open streams while the added latency per chunk is measured (0: skip that phase)")
+    p.add_argument("--latency-requests", type=int, default=0,
+                   help="requests in the added-latency phase (0: twice --latency-streams)")
+    p.add_argument("--latency-max-tokens", type=int, default=16)
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    p.add_argument("--transport", default="ucx", choices=["ucx", "tcp"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)

@@ -1,0 +1,87 @@
+"""The endpoints that say what this server is: models, health, version (as the OpenAI API and vLLM have them).
+
+    GET  /v1/models, /v1/models/{model}   the served model (OpenAI's Model object; 404 for another)
+    GET  /health, GET|POST /ping           200 (empty body) while Redis answers and a decode worker
+                                           is ready, else 503 with an OpenAI error and Retry-After:
+                                           what vLLM's /health and /ping answer, and what load
+                                           tools (guidellm, aiperf) probe before they start
+    GET  /health/live, /health/ready       liveness (always) and readiness with the reason
+    GET  /version                          {"version": pdserve's version}
+    GET  /openapi.json, /docs              pdserve's own OpenAPI document (openapi_doc.py), Swagger UI
+                                           (its script and style come from a CDN, as FastAPI's do)
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request, Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import JSONResponse
+
+from services.errors import ModelNotFoundError, NoWorkerError
+from services.gateway.http_errors import error_response, retry_headers
+from services.gateway.openai_format import server_version
+from services.gateway.openapi_doc import openapi_document
+
+
+def model_object(core, created: int) -> dict:
+    return {"id": core.model.name, "object": "model", "created": created, "owned_by": "pdserve"}
+
+
+def info_router(core) -> APIRouter:
+    router = APIRouter()
+    started_at = int(time.time())
+
+    @router.get("/v1/models")
+    async def models(request: Request):
+        core.authenticate(request.headers.get("authorization"))
+        return {"object": "list",
+                "data": [{**model_object(core, started_at), "max_model_len": await core.max_model_len()}]}
+
+    @router.get("/v1/models/{model:path}")  # a path: Hugging Face names have a slash (org/name)
+    async def model(model: str, request: Request):
+        core.authenticate(request.headers.get("authorization"))
+        if model != core.model.name:
+            raise ModelNotFoundError(f"the model {model[:200]!r} does not exist; this server serves "
+                                     f"{core.model.name!r}", param="model")
+        return {**model_object(core, started_at), "max_model_len": await core.max_model_len()}
+
+    async def health() -> Response:
+        ok, why, _ = await core.readiness()
+        if ok:
+            return Response(status_code=200)
+        exc = NoWorkerError(f"not ready: {why}")
+        exc.retry_after_s = core.config.retry_after_s
+        return error_response(exc)
+
+    router.add_api_route("/health", health, methods=["GET"])
+    router.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @router.get("/health/live")
+    async def live():
+        return {"status": "alive"}
+
+    @router.get("/health/ready")
+    async def ready():
+        ok, why, workers = await core.readiness()
+        if ok:
+            return {"status": "ready", "decode_workers": workers}
+        return JSONResponse({"status": "not ready", "reason": why}, status_code=503,
+                            headers=retry_headers(core.config.retry_after_s))
+
+    @router.get("/version")
+    async def version():
+        return {"version": server_version()}
+
+    document = openapi_document()
+
+    @router.get("/openapi.json")
+    async def openapi():
+        return document
+
+    @router.get("/docs")
+    async def docs():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="pdserve gateway")
+
+    return router
