@@ -1,7 +1,8 @@
 """The set of fused ops the model calls, and which implementation backs them.
 
-The model holds one ``Ops`` and never imports a kernel directly, so the torch
-references (CPU) and Triton kernels (CUDA) are interchangeable per engine.
+The model holds one ``Ops`` and never imports a kernel directly, so the three sets
+are interchangeable per engine: the torch references (any device), the C kernels
+(CPU) and the Triton kernels (CUDA).
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ TORCH_OPS = Ops(
     prefill_attention=paged_prefill_attention_ref,
 )
 
-# CPU: C kernels (kernels/*_cpu.c: decode attention in place on the paged cache, bf16
-# projections on fp32 FMAs, one-pass small ops), prefill attention on torch's fp32 flash.
-# Each falls back to its torch reference where it does not apply.
+# CPU: the C kernels (kernels/*_cpu.c): decode and prefill attention in place on the paged
+# cache, one-pass RMSNorm / rotary / SiLU-and-mul / KV write, and bf16 projections on fp32
+# FMAs (packs_linears). Each falls back to its torch path where it does not apply (no
+# compiler or AVX-512, a dtype or shape it does not take).
 CPU_OPS = Ops(
     name="cpu",
     rms_norm=rms_norm_cpu,
@@ -73,9 +75,9 @@ TRITON_OPS = Ops(
 
 
 def select_ops(device: str, backend: str = "auto") -> Ops:
-    """``auto``: Triton on CUDA when triton imports; on CPU the references with the C
-    decode-attention kernel (which itself falls back to the reference where it
-    cannot run). ``torch``: the pure torch references everywhere.
+    """``auto``: Triton on CUDA when triton imports (else the references); on CPU the C
+    kernels (each falling back to its torch path where it cannot run). ``torch``: the
+    pure torch references everywhere.
 
     Forcing ``triton`` off CUDA is allowed only under ``TRITON_INTERPRET=1``
     (triton's CPU interpreter, for tests; far too slow to serve).

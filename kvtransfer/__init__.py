@@ -2,7 +2,7 @@
 
 Decode side (owns the destination blocks)::
 
-    receiver = Receiver(kv_cache, kv_spec, namespace, owner, TransferConfig(...))
+    receiver = Receiver(kv_cache, namespace, owner, TransferConfig(...))
     await receiver.start()
     pending = receiver.reserve(transfer_id, num_blocks, timeout_s)   # owner.reserve()
     send pending.descriptor.to_bytes() to the prefill side
@@ -10,15 +10,17 @@ Decode side (owns the destination blocks)::
 
 Prefill side (reads its own blocks, holds nothing past a call)::
 
-    sender = Sender(kv_cache, kv_spec, namespace, TransferConfig(...))
+    sender = Sender(kv_cache, namespace, TransferConfig(...))
     desc = TransferDescriptor.from_bytes(data)
     await sender.send_blocks(desc, src_block_ids, dst_offset)   # per prefill chunk
     await sender.finish(desc, first_token, meta)                # or sender.abort(desc, reason)
 
-Transports (``TransferConfig.transport``): ``ucx`` (default, ucxx; its put
-scheme in ``ucx_puts.py``), ``tcp``, ``loopback``. Protocol: ``protocol.py``;
-ownership: ``ownership.py``, ``receiver.py`` and ``sender.py``; metrics:
-``stats.py``; benchmark: ``bench.py``.
+Transports (``TransferConfig.transport``, by name in ``registry.py``): ``ucx``
+(default, ucxx; its put scheme in ``ucx_puts.py``), ``tcp``, ``loopback``.
+Protocol: ``protocol.py``; ownership: ``ownership.py``, ``receiver.py`` and ``sender.py``; metrics:
+``stats.py``; errors: ``errors.py``. kvtransfer imports nothing from ``services``:
+the block shape is read off the cache tensor (``descriptor.BlockShape``). Its
+benchmark is ``services/bench/transfer.py`` (``pdserve bench kvtransfer``).
 
 What was verified where (November 2026):
 
@@ -35,15 +37,17 @@ What was verified where (November 2026):
 """
 
 from kvtransfer.config import TransferConfig
-from kvtransfer.descriptor import PeerInfo, TransferDescriptor
+from kvtransfer.descriptor import BlockShape, PeerInfo, TransferDescriptor
+from kvtransfer.errors import TransferError
 from kvtransfer.ownership import BlockOwner, Completion, PendingTransfer
 from kvtransfer.receiver import Receiver
+from kvtransfer.registry import make_transport
 from kvtransfer.sender import Sender
 from kvtransfer.stats import TransferStats
-from kvtransfer.transport import make_transport
 
 __all__ = [
     "BlockOwner",
+    "BlockShape",
     "Completion",
     "PeerInfo",
     "PendingTransfer",
@@ -51,6 +55,7 @@ __all__ = [
     "Sender",
     "TransferConfig",
     "TransferDescriptor",
+    "TransferError",
     "TransferStats",
     "make_transport",
 ]

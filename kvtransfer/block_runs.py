@@ -1,7 +1,7 @@
 """Byte views of whole KV blocks, and coalescing of adjacent block ids into runs.
 
 Because block ``b`` of the cache is the contiguous byte range
-``[b * block_bytes, (b + 1) * block_bytes)`` (see services/engine/kv_cache.py),
+``[b * block_bytes, (b + 1) * block_bytes)`` (the cache's layout: ``descriptor.LAYOUT``),
 a run of adjacent block ids is one contiguous range, moved as one message::
 
     src ids  7  8  9 | 12 13 | 14        coalesce(src=[7,8,9,12,13,14],
@@ -19,8 +19,6 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-
-from services.engine.kv_cache import KVCacheSpec
 
 
 class Run(NamedTuple):
@@ -46,16 +44,11 @@ def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
 class BlockBytes:
     """The KV cache seen as ``num_blocks`` rows of ``block_bytes`` bytes."""
 
-    def __init__(self, kv: torch.Tensor, spec: KVCacheSpec):
-        if tuple(kv.shape[1:]) != spec.shape(1)[1:]:
-            raise ValueError(f"KV tensor shape {tuple(kv.shape)} does not match {spec}")
-        if kv.dtype != spec.torch_dtype:
-            raise ValueError(f"KV tensor dtype {kv.dtype} does not match spec dtype {spec.dtype}")
+    def __init__(self, kv: torch.Tensor):
         if not kv.is_contiguous():
             raise ValueError("KV tensor must be contiguous: blocks are moved as byte ranges")
-        self.spec = spec
         self.num_blocks = kv.shape[0]
-        self.block_bytes = spec.block_bytes
+        self.block_bytes = kv[0].numel() * kv.element_size()
         self.device = kv.device
         # uint8 alias of the whole cache; slicing it is a view, never a copy.
         self._bytes = kv.view(-1).view(torch.uint8)

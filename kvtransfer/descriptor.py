@@ -19,19 +19,43 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from services.engine.kv_cache import KVCacheSpec
-from services.errors import TransferError
+from kvtransfer.errors import TransferError
 
-# Names the dimension order of services/engine/kv_cache.py. A peer that lays out
-# its cache differently must use another string, so a mix-up is refused at
-# connect time instead of silently scrambling layers and heads.
+# Names the dimension order of the KV cache tensor (services/engine/kv_cache.py):
+# kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]. A peer that
+# lays out its cache differently must use another string, so a mix-up is refused
+# at connect time instead of silently scrambling layers and heads.
 LAYOUT = "kv[block,layer,kv,slot,head,dim]"
+_SHAPE_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size")
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """What a KV block is, as both peers must see it; read off the cache tensor itself."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # torch's name without "torch.": "bfloat16", "float32", ...
+
+    def __post_init__(self) -> None:
+        if min(getattr(self, f) for f in _SHAPE_FIELDS) < 1 or not self.dtype:
+            raise ValueError(f"not a KV block shape: {self}")
+
+    @classmethod
+    def of(cls, kv) -> BlockShape:
+        """The shape of ``kv``'s blocks (a tensor laid out as ``LAYOUT``)."""
+        if kv.dim() != 6 or kv.shape[2] != 2:
+            raise ValueError(f"KV tensor of shape {tuple(kv.shape)} is not laid out as {LAYOUT}")
+        _, layers, _, block_size, heads, head_dim = kv.shape
+        return cls(layers, heads, head_dim, block_size, str(kv.dtype).removeprefix("torch."))
 
 
 @dataclass(frozen=True)
 class PeerInfo:
     namespace: str  # model identity (e.g. model name + revision, + LoRA); must match exactly
-    spec: KVCacheSpec
+    shape: BlockShape
     layout: str = LAYOUT
 
     def __post_init__(self) -> None:
@@ -39,28 +63,14 @@ class PeerInfo:
             raise ValueError("PeerInfo.namespace must not be empty")
 
     def to_dict(self) -> dict:
-        s = self.spec
-        return {
-            "namespace": self.namespace,
-            "layout": self.layout,
-            "num_layers": s.num_layers,
-            "num_kv_heads": s.num_kv_heads,
-            "head_dim": s.head_dim,
-            "block_size": s.block_size,
-            "dtype": s.dtype,
-        }
+        return {"namespace": self.namespace, "layout": self.layout,
+                **{f: getattr(self.shape, f) for f in (*_SHAPE_FIELDS, "dtype")}}
 
     @classmethod
     def from_dict(cls, d: dict) -> PeerInfo:
         try:
-            spec = KVCacheSpec(
-                num_layers=int(d["num_layers"]),
-                num_kv_heads=int(d["num_kv_heads"]),
-                head_dim=int(d["head_dim"]),
-                block_size=int(d["block_size"]),
-                dtype=str(d["dtype"]),
-            )
-            return cls(namespace=str(d["namespace"]), spec=spec, layout=str(d["layout"]))
+            shape = BlockShape(*(int(d[f]) for f in _SHAPE_FIELDS), dtype=str(d["dtype"]))
+            return cls(namespace=str(d["namespace"]), shape=shape, layout=str(d["layout"]))
         except (KeyError, TypeError, ValueError) as e:
             raise TransferError(f"malformed peer description {d!r}: {e}") from None
 

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
+from kvtransfer.errors import TransferError
 from kvtransfer.protocol import payload_sizes
 from kvtransfer.transport import Connection, Listener, OnConnection, Transport, check_payload
-from services.errors import TransferError
 
 _listeners: dict[str, OnConnection] = {}
 _names = itertools.count(1)

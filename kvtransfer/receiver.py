@@ -10,7 +10,7 @@ timeout, ``cancel`` and ``close`` all resolve the pending transfer.
 
 Engine usage (decode worker)::
 
-    receiver = Receiver(engine.kv_cache, engine.kv_spec, namespace, owner=block_pool_adapter)
+    receiver = Receiver(engine.kv_cache, namespace, owner=block_pool_adapter)
     await receiver.start()
     pending = receiver.reserve(request_id, num_blocks, timeout_s=30)   # CapacityError if full
     ...hand pending.descriptor.to_bytes() to the prefill side...
@@ -27,14 +27,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtransfer.block_runs import BlockBytes
 from kvtransfer.config import TransferConfig
 from kvtransfer.descriptor import PeerInfo, TransferDescriptor
+from kvtransfer.endpoint import Endpoint
+from kvtransfer.errors import TransferError
 from kvtransfer.ownership import BlockOwner, Completion, PendingTransfer
 from kvtransfer.protocol import ABORT, BLOCKS, DONE, FAILED, FINISH, HELLO, REFUSED, WELCOME, payload_sizes
 from kvtransfer.stats import TransferStats
-from kvtransfer.transport import Connection, Listener, Transport, make_transport, split_address
-from services.errors import TransferError
+from kvtransfer.transport import Connection, Listener, Transport, split_address
 
 log = logging.getLogger(__name__)
 _OPEN, _FAILING, _ENDED = "open", "failing", "ended"
@@ -56,11 +56,10 @@ class _Transfer:
     timers: list = field(default_factory=list)
 
 
-class Receiver:
+class Receiver(Endpoint):
     def __init__(
         self,
         kv_cache: torch.Tensor,
-        spec,
         namespace: str,
         owner: BlockOwner,
         config: TransferConfig | None = None,
@@ -68,11 +67,7 @@ class Receiver:
         transport: Transport | None = None,
         stats: TransferStats | None = None,
     ):
-        self.config = config or TransferConfig()
-        self.transport = transport or make_transport(self.config)
-        self.stats = stats or TransferStats()
-        self.peer = PeerInfo(namespace, spec)
-        self._blocks = BlockBytes(kv_cache, spec)
+        super().__init__(kv_cache, namespace, config, transport, stats)
         self._owner = owner
         self._transfers: dict[str, _Transfer] = {}
         self._failed: collections.OrderedDict[str, str] = collections.OrderedDict()

@@ -2,7 +2,7 @@
 
 Engine usage (prefill worker), one descriptor per request::
 
-    sender = Sender(engine.kv_cache, engine.kv_spec, namespace)
+    sender = Sender(engine.kv_cache, namespace)
     desc = TransferDescriptor.from_bytes(request.kv_target)
     await sender.connect(desc.address)          # optional warm-up; compat check
     for chunk in prefill_chunks[:-1]:           # as each chunk's KV is written
@@ -36,13 +36,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtransfer.block_runs import BlockBytes, coalesce
+from kvtransfer.block_runs import coalesce
 from kvtransfer.config import TransferConfig
 from kvtransfer.descriptor import PeerInfo, TransferDescriptor
+from kvtransfer.endpoint import Endpoint
+from kvtransfer.errors import TransferError
 from kvtransfer.protocol import ABORT, BLOCKS, DONE, FAILED, FINISH, HELLO, REFUSED, WELCOME
 from kvtransfer.stats import TransferStats
-from kvtransfer.transport import Connection, Transport, make_transport
-from services.errors import TransferError
+from kvtransfer.transport import Connection, Transport
 
 log = logging.getLogger(__name__)
 _REMEMBER = 4096  # per-transfer bookkeeping kept for transfers never finished nor aborted
@@ -68,22 +69,17 @@ class _Progress:
     counted_failure: bool = False
 
 
-class Sender:
+class Sender(Endpoint):
     def __init__(
         self,
         kv_cache: torch.Tensor,
-        spec,
         namespace: str,
         config: TransferConfig | None = None,
         *,
         transport: Transport | None = None,
         stats: TransferStats | None = None,
     ):
-        self.config = config or TransferConfig()
-        self.transport = transport or make_transport(self.config)
-        self.stats = stats or TransferStats()
-        self.peer = PeerInfo(namespace, spec)
-        self._blocks = BlockBytes(kv_cache, spec)
+        super().__init__(kv_cache, namespace, config, transport, stats)
         self._links: dict[str, _Link] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
         self._progress: collections.OrderedDict[str, _Progress] = collections.OrderedDict()

@@ -33,9 +33,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvtransfer.errors import TransferError
 from kvtransfer.protocol import PREFIX_BYTES, decode_body, encode_header, header_length, payload_sizes
 from kvtransfer.transport import Connection, Listener, OnConnection, Transport, check_payload, split_address
-from services.errors import TransferError
 
 
 class _Worker:

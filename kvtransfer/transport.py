@@ -4,7 +4,8 @@ A transport moves *messages* (a JSON header plus zero or more payload byte
 buffers) between two processes; ``sender.py`` and ``receiver.py`` speak the
 block protocol (``protocol.py``) over it and never see sockets or UCX.
 
-Three implementations, chosen by ``TransferConfig.transport``:
+Three implementations, chosen by ``TransferConfig.transport`` (``registry.py``
+maps the name to one; this module imports none of them, they import it):
 
 - ``ucx`` (``ucx.py``, default): UCX through ``ucxx``; cma and shared memory
   on one host, RDMA or TCP between hosts, CUDA memory where UCX has
@@ -29,16 +30,12 @@ rest on it):
 
 from __future__ import annotations
 
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
-from kvtransfer.config import TransferConfig
-from services.errors import TransferError
-
-log = logging.getLogger(__name__)
+from kvtransfer.errors import TransferError
 
 
 class Connection(ABC):
@@ -102,33 +99,3 @@ def split_address(address: str, scheme: str) -> tuple[str, int]:
 def check_payload(dest: torch.Tensor | None, size: int) -> None:
     if dest is not None and (dest.dtype != torch.uint8 or dest.numel() != size or not dest.is_contiguous()):
         raise TransferError(f"payload of {size} bytes does not fit its destination ({dest.numel()} bytes)")
-
-
-def make_transport(config: TransferConfig) -> Transport:
-    """The configured transport; UCX missing falls back to TCP only if allowed."""
-    if config.transport == "loopback":
-        from kvtransfer.loopback import LoopbackTransport
-
-        return LoopbackTransport()
-    if config.transport == "tcp":
-        from kvtransfer.tcp import TcpTransport
-
-        return TcpTransport()
-    from kvtransfer.ucx import UcxTransport, UcxUnavailable
-    from kvtransfer.ucx_puts import PutPolicy
-
-    # A grant lets the sender start writing for half the receiver's drain grace:
-    # blocks of a failed transfer are released only after that grace.
-    policy = PutPolicy(config.ucx_put_share, config.ucx_put_min_bytes, config.drain_grace_s / 2)
-    try:
-        return UcxTransport(policy=policy)
-    except UcxUnavailable as e:
-        if not config.allow_fallback:
-            raise TransferError(
-                f"{e}. Install the UCX extra (pip install 'pdserve[ucx]'), or choose "
-                "the tcp transport, or allow falling back to it"
-            ) from None
-        log.warning("%s; falling back to the TCP KV transport (several times slower)", e)
-        from kvtransfer.tcp import TcpTransport
-
-        return TcpTransport()

@@ -94,12 +94,12 @@ from collections.abc import Sequence
 import torch
 
 from kvtransfer import ucx_rma
+from kvtransfer.errors import TransferError
 from kvtransfer.protocol import payload_sizes
 from kvtransfer.tcp import TcpConnection, TcpTransport
 from kvtransfer.transport import Connection, Listener, OnConnection, Transport, check_payload, split_address
 from kvtransfer.ucx_progress import EventLoopProgress, ensure_progress, progress_driver
 from kvtransfer.ucx_puts import PutPolicy, Puts, UcxTraffic, release
-from services.errors import TransferError
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtransfer import ucx_rma
-from services.errors import TransferError
+from kvtransfer.errors import TransferError
 
 
 @dataclass(frozen=True)

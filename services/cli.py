@@ -3,76 +3,85 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
-from services import env_defaults, generate
-from services.errors import PdserveError
+from services import env_defaults
+from services.errors import is_described
+
+# command -> the module whose add_parser(sub) defines it. A command's module is imported only when
+# that command runs (or when the full help is asked for): `pdserve router` and `pdserve gateway`
+# must not import the workers' modules, which pull in torch, the kernels and kvtransfer.
+COMMANDS = {
+    "generate": "services.generate",
+    "up": "services.up",
+    "prefill": "services.prefill.server",
+    "decode": "services.decode.server",
+    "router": "services.router.server",
+    "gateway": "services.gateway.server",
+    "client": "services.client",
+    "deadletters": "services.deadletters_cli",
+    "probe": "services.probe",
+    "bench": None,  # add_bench_parser below
+}
+BENCHES = {
+    "engine": "services.engine.bench",
+    "kvtransfer": "services.bench.transfer",
+    "gpu": "services.engine.gpu_bench",
+    "routing": "services.router.bench",
+    "serve": "services.gateway.bench",
+    "loadtools": "services.bench.loadtools",
+    "frontdoor": "services.gateway.frontdoor_bench",
+    "startup": "services.bench.startup",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    generate.add_parser(sub)
-    from services import client, deadletters_cli, probe, up
-    from services.decode import server as decode_server
-    from services.gateway import server as gateway_server
-    from services.prefill import server as prefill_server
-    from services.router import server as router_server
-
-    up.add_parser(sub)
-    prefill_server.add_parser(sub)
-    decode_server.add_parser(sub)
-    router_server.add_parser(sub)
-    gateway_server.add_parser(sub)
-    client.add_parser(sub)
-    deadletters_cli.add_parser(sub)
-    probe.add_parser(sub)
-    bench = sub.add_parser("bench", help="benchmarks that run pdserve and a baseline side by side")
-    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    from kvtransfer import bench as kvtransfer_bench
-    from services.bench import loadtools as loadtools_bench
-    from services.engine import bench as engine_bench
-    from services.engine import gpu_bench
-    from services.gateway import bench as serve_bench
-    from services.gateway import frontdoor_bench
-    from services.router import bench as routing_bench
-
-    engine_bench.add_parser(bench_sub)
-    kvtransfer_bench.add_parser(bench_sub)
-    gpu_bench.add_parser(bench_sub)
-    routing_bench.add_parser(bench_sub)
+def add_bench_parser(sub) -> None:
+    """``pdserve bench BENCH``; every bench takes --save."""
     from services.bench import results as result_files
 
-    serve_bench.add_parser(bench_sub)
-    loadtools_bench.add_parser(bench_sub)
-    frontdoor_bench.add_parser(bench_sub)
+    bench = sub.add_parser("bench", help="benchmarks that run pdserve and a baseline side by side")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for module in BENCHES.values():
+        importlib.import_module(module).add_parser(bench_sub)
     for bench_parser in bench_sub.choices.values():
         result_files.add_save_argument(bench_parser)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for ``argv``: only the named command's module is imported (all of them without one)."""
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    command = next((a for a in argv or () if not a.startswith("-")), None)
+    for name, module in COMMANDS.items():
+        if command in (None, name) or command not in COMMANDS:
+            (importlib.import_module(module).add_parser if module else add_bench_parser)(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["probe"]:
-        # Health checks run every few seconds in every container: skip the full parser, which
-        # imports the servers and torch (seconds of CPU each time).
+        # Health checks run every few seconds in every container: skip argparse's set-up entirely.
         from services import probe
 
         return probe.main(argv[1:])
-    parser = build_parser()
+    parser = build_parser(argv)
     env_defaults.apply(parser)  # PDSERVE_<FLAG> variables are the flags' defaults
     args = parser.parse_args(argv)
     env_defaults.check(parser, args)
     try:
         return args.func(args)
-    except PdserveError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        return 2 if exc.http_status < 500 else 1
-    except ValueError as exc:  # invalid configuration
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if is_described(exc):  # a pdserve error, or kvtransfer's TransferError
+            print(f"error: {exc.message}", file=sys.stderr)
+            return 2 if exc.http_status < 500 else 1
+        if isinstance(exc, ValueError):  # invalid configuration
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

@@ -7,6 +7,14 @@ what the HTTP and gRPC edges answer with.
 from __future__ import annotations
 
 
+def is_described(exc: BaseException) -> bool:
+    """Whether ``exc`` says how the edges answer it: a PdserveError, or an error of a layer below
+    services that carries the same ``code`` / ``http_status`` / ``grpc_status`` / ``message``
+    (``kvtransfer.TransferError``; kvtransfer imports nothing from services)."""
+    return isinstance(exc, PdserveError) or all(
+        hasattr(exc, name) for name in ("code", "http_status", "grpc_status", "message"))
+
+
 class PdserveError(Exception):
     code = "internal_error"
     http_status = 500
@@ -55,7 +63,9 @@ class RequestAbortedError(PdserveError):
 
 
 class TransferError(PdserveError):
-    """Moving KV blocks between processes failed (peer gone, timeout, mismatch)."""
+    """Moving KV blocks between processes failed (peer gone, timeout, mismatch): a worker said so
+    (UNAVAILABLE), or the hand-off itself failed. Inside a worker, kvtransfer raises its own
+    ``kvtransfer.TransferError`` with the same code and statuses."""
 
     code = "kv_transfer_error"
     http_status = 502

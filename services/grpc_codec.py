@@ -1,4 +1,4 @@
-"""Conversions between the protos and the engine's types, and errors -> gRPC status.
+"""Conversions between the protos and the engine's plain types (no torch), and errors -> gRPC status.
 
 The edges (servicers) call these and nothing else converts, so a field means
 the same thing at every hop.
@@ -12,9 +12,9 @@ from typing import Callable
 import grpc
 
 from proto.pdserve.v1 import common_pb2, worker_pb2
-from services.engine.engine import RequestOutput
+from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
-from services.errors import DeadlineExceededError, InvalidRequestError, PdserveError
+from services.errors import DeadlineExceededError, InvalidRequestError, PdserveError, is_described
 
 _OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
@@ -70,9 +70,31 @@ def chunk_from_output(out: RequestOutput, token_text: Callable[[int], str] | Non
     return chunk
 
 
+def load_message(stats: dict) -> worker_pb2.WorkerLoad:
+    """A worker's load (``WorkerRuntime.load()``) as the GetLoad answer; prefill and decode send the same."""
+    return worker_pb2.WorkerLoad(
+        num_running=int(stats.get("num_running", 0)), num_waiting=int(stats.get("num_waiting", 0)),
+        queued_prefill_tokens=int(stats.get("queued_prefill_tokens", 0)),
+        kv_blocks_total=int(stats.get("kv_blocks_total", 0)), kv_blocks_used=int(stats.get("kv_blocks_used", 0)),
+        prefix_cache_queries=int(stats.get("prefix_cache_queries", 0)),
+        prefix_cache_hits=int(stats.get("prefix_cache_hits", 0)),
+        num_preemptions=int(stats.get("num_preemptions", 0)), draining=bool(stats.get("draining")))
+
+
+def append_chunk(merged: common_pb2.TokenChunk, chunk: common_pb2.TokenChunk) -> None:
+    """A non-streamed reply is one chunk: every token, its text and its logprobs, in order."""
+    merged.token_ids.extend(chunk.token_ids)
+    merged.text += chunk.text
+    merged.logprobs.extend(chunk.logprobs)
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status an error is answered with (unknown errors are INTERNAL, with their message)."""
-    if isinstance(exc, PdserveError):
+    """The gRPC status an error is answered with (unknown errors are INTERNAL, with their message).
+
+    A pdserve error, or one raised below ``services`` that names its status the same way
+    (``kvtransfer.TransferError``: kvtransfer imports nothing from services).
+    """
+    if is_described(exc):
         return getattr(grpc.StatusCode, exc.grpc_status), exc.message
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
@@ -100,6 +122,6 @@ def error_from_rpc(exc: grpc.aio.AioRpcError) -> PdserveError:
 
 
 __all__ = [
-    "DeadlineExceededError", "InvalidRequestError", "abort_with", "check_deadline", "chunk_from_output",
-    "error_from_rpc", "sampling_from_proto", "sampling_to_proto", "status_of", "worker_request",
+    "DeadlineExceededError", "InvalidRequestError", "abort_with", "append_chunk", "check_deadline", "chunk_from_output",
+    "error_from_rpc", "load_message", "sampling_from_proto", "sampling_to_proto", "status_of", "worker_request",
 ]

@@ -48,12 +48,12 @@ class Process:
         self.metrics: str | None = None
         self.trouble: list[str] = []  # WARNING / ERROR / Traceback lines seen
 
-    def start(self, env: dict | None = None) -> None:
+    def start(self, env: dict | None = None, cwd: str | os.PathLike | None = None) -> None:
         # Every address is given as a flag; a PDSERVE_PORT meant for `pdserve up` must not reach them all.
         env = env_defaults.without_per_process(env or os.environ)
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=dict(env, PYTHONUNBUFFERED="1"), bufsize=1,
-                                     start_new_session=True)
+                                     start_new_session=True, cwd=cwd)
         threading.Thread(target=self._pump, daemon=True, name=f"out-{self.name}").start()
 
     def _pump(self) -> None:

@@ -17,8 +17,8 @@ import argparse
 import signal
 import sys
 import threading
-from pathlib import Path
 
+from services.engine.model_source import model_name
 from services.launcher import LocalStack, StackError, StackSpec
 
 
@@ -72,21 +72,13 @@ def run(args) -> int:
         print("[pdserve] stopped", flush=True)
 
 
-def _served_name(model: str | None) -> str:
-    """The model name the gateway serves (the loader's naming: GGUF file stem, or directory name)."""
-    if not model:
-        return "SmolLM2-135M-Instruct"
-    path = Path(model)
-    return path.stem if path.suffix == ".gguf" else path.name
-
-
 def _examples(args, stack: LocalStack) -> str:
     lines = ["", f"  gRPC:     pdserve client --address {stack.router_address} "
                  "--prompt \"What is the capital of France?\""]
     if stack.gateway_address:
         base = f"http://{stack.gateway_address}/v1"
         key = "YOUR_API_KEY" if args.api_keys else "none"
-        model = _served_name(getattr(args, "model", None))
+        model = model_name(getattr(args, "model", None))
         auth = f" -H 'Authorization: Bearer {key}'" if args.api_keys else ""
         lines += [
             "  curl:",

@@ -240,12 +240,27 @@ class WorkerRuntime:
             await asyncio.sleep(self.config.stats_interval_s)
 
 
-def run_worker(runtime: WorkerRuntime, add_servicers, setup, teardown) -> int:
+def run_worker(args, role: str, make_servicer, add_to_server, service: str) -> int:
+    """``pdserve prefill|decode``: the role's servicer (``make_servicer(runtime)``, with async ``setup`` /
+    ``teardown``) on the worker's gRPC server as ``service``, until SIGTERM."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    runtime = WorkerRuntime(*configs_from_args(args, role))
+    servicer = make_servicer(runtime)
+
+    def add(server: grpc.aio.Server) -> list[str]:
+        add_to_server(servicer, server)
+        return [service]
+
     started = time.monotonic()
-    asyncio.run(runtime.serve(add_servicers, setup, teardown))
+    asyncio.run(runtime.serve(add, servicer.setup, servicer.teardown))
     log.info("%s stopped after %.0f s", runtime.worker_id, time.monotonic() - started)
     return 0
+
+
+def add_worker_parser(sub, role: str, help: str, description: str, run) -> None:
+    p = sub.add_parser(role, help=help, description=description)
+    add_worker_args(p, role)
+    p.set_defaults(func=run)
 
 
 def add_worker_args(p, role: str) -> None:

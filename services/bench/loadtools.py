@@ -68,9 +68,9 @@ def ensure_tools(tools=tuple(TOOLS)) -> None:
 
 def tokenizer_cache(model: str | None) -> tuple[Path, str]:
     """(HF cache dir, repo id) holding only the served model's tokenizer: what the tools load offline."""
-    from services.engine.loader import resolve_model
+    from services.engine.model_source import model_card
 
-    resolved = resolve_model(model)
+    resolved = model_card(model)  # the tokenizer files only: no weights converted, no torch
     name = Path(resolved.tokenizer_dir).name.split(".")[0]
     repo = f"pdserve/{name}"
     cache = tools_dir() / "hf-cache"

@@ -23,6 +23,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,6 +108,15 @@ def add_save_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save", nargs="?", const=str(DEFAULT_DIR), default=None, metavar="DIR",
                         help="also write the full result with machine, versions, date and commit to "
                              "DIR/<bench>-<date>.json (default DIR: benchmarks/results)")
+
+
+def report(bench: str, result: dict, args: argparse.Namespace, print_table: Callable[[dict], None]) -> None:
+    """How every bench ends: the result file (``--save``), then one JSON object (``--json``) or its table."""
+    save(bench, result, args)
+    if getattr(args, "json", False):
+        print(json.dumps(result))
+    else:
+        print_table(result)
 
 
 def save(bench: str, result: dict, args: argparse.Namespace) -> Path | None:

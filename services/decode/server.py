@@ -1,6 +1,6 @@
 """``pdserve decode``: the DecodeWorker gRPC service around an engine.
 
-Ownership of a reservation (see services.engine.handoff)::
+Ownership of a reservation (see services.handoff)::
 
     Reserve  -> blocks held by this engine, transfer open in the Receiver
     Decode   -> claims it: waits for the KV, then joins the continuous batch
@@ -25,13 +25,12 @@ import grpc
 from kvtransfer import PendingTransfer, Receiver
 from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import telemetry
-from services.engine.handoff import EngineBlockOwner, decode_after_transfer, reserve_for_transfer
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError
-from services.grpc_codec import abort_with, check_deadline, chunk_from_output, sampling_from_proto
+from services.grpc_codec import abort_with, check_deadline, chunk_from_output, load_message, sampling_from_proto
 from services.decode.step_results import StepResultWriter
-from services.prefill.server import load_message
-from services.worker import WorkerRuntime, add_worker_args, configs_from_args, run_worker
+from services.handoff import EngineBlockOwner, decode_after_transfer, reserve_for_transfer
+from services.worker import WorkerRuntime, add_worker_parser, run_worker
 
 _CLAIM_GRACE_S = 10.0
 
@@ -58,7 +57,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
         engine = self.rt.engine
         self.owner = EngineBlockOwner(self.rt.aengine)
-        self.receiver = Receiver(engine.kv_cache, engine.kv_spec, engine.namespace, self.owner, self.rt.transfer)
+        self.receiver = Receiver(engine.kv_cache, engine.namespace, self.owner, self.rt.transfer)
         await self.receiver.start()
         tok = engine.tokenizer
         results_redis = aioredis.Redis.from_url(self.rt.config.redis_url, client_name=f"pdserve-decode-{os.getpid()}")
@@ -223,23 +222,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.AbortResponse(aborted=known)
 
     async def GetLoad(self, request, context):
-        return load_message(self.rt)
+        return load_message(self.rt.load())
 
 
 def run(args) -> int:
-    worker, engine, transfer = configs_from_args(args, "decode")
-    rt = WorkerRuntime(worker, engine, transfer)
-    servicer = DecodeServicer(rt)
-
-    def add(server: grpc.aio.Server) -> list[str]:
-        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
-        return ["pdserve.v1.DecodeWorker"]
-
-    return run_worker(rt, add, servicer.setup, servicer.teardown)
+    return run_worker(args, "decode", DecodeServicer, worker_pb2_grpc.add_DecodeWorkerServicer_to_server,
+                      "pdserve.v1.DecodeWorker")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("decode", help="run one decode worker (gRPC; registers in Redis)",
-                       description="Run one decode worker: reserves KV blocks, receives prefilled KV, decodes.")
-    add_worker_args(p, "decode")
-    p.set_defaults(func=run)
+    add_worker_parser(sub, "decode", "run one decode worker (gRPC; registers in Redis)",
+                      "Run one decode worker: reserves KV blocks, receives prefilled KV, decodes.", run)

@@ -14,7 +14,7 @@ import asyncio
 import logging
 from typing import Callable
 
-from services.engine.engine import RequestOutput
+from services.engine.outputs import RequestOutput
 from services.queue.results import ResultWriter
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,8 @@ import sys
 import threading
 from typing import AsyncIterator, Callable
 
-from services.engine.engine import Engine, RequestOutput
+from services.engine.engine import Engine
+from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError
 

@@ -91,7 +91,7 @@ def _engine(args, **overrides):
 def collect(args: argparse.Namespace) -> dict:
     from kernels import native
     from services.engine import bench_llamacpp
-    from services.engine.loader import default_model_path
+    from services.engine.model_source import default_model_path
     from services.engine.perplexity import TEXT_SOURCE, perplexity, text_tokens
 
     sections = set(args.sections)
@@ -171,7 +171,7 @@ def collect(args: argparse.Namespace) -> dict:
 
 
 def engine_dir(args):
-    from services.engine.loader import resolve_model
+    from services.engine.model_source import resolve_model
 
     return resolve_model(args.model).weights_dir
 

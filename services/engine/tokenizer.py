@@ -1,4 +1,10 @@
-"""The model's HF tokenizer, its chat template, and incremental detokenization.
+"""The model's tokenizer, its chat template, and incremental detokenization. No torch, no transformers.
+
+``Tokenizer`` reads ``tokenizer.json`` with the ``tokenizers`` library and the special tokens
+and chat template from ``tokenizer_config.json`` (``chat_template.py`` renders it as
+transformers does), so the gateway and the router tokenize without importing transformers,
+whose tokenizer classes import torch. Encoding and decoding match transformers' fast
+tokenizer on the same files (tests/engine/test_tokenizer.py checks it on the default model).
 
 ``IncrementalDetokenizer`` turns a growing list of token ids into text deltas
 that never end in a broken UTF-8 sequence: a byte-level token that is half of a
@@ -10,27 +16,61 @@ string never shows up half-emitted.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+from services.engine import chat_template
 from services.errors import InvalidRequestError, ModelLoadError
+
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# transformers' clean_up_tokenization, for the (WordPiece-era) tokenizers that ask for it
+_CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 class Tokenizer:
     def __init__(self, directory: Path):
+        directory = Path(directory)
         try:
-            from transformers import AutoTokenizer
+            from tokenizers import Tokenizer as Backend
 
-            self.hf = AutoTokenizer.from_pretrained(str(directory))
+            self.backend = Backend.from_file(str(directory / "tokenizer.json"))
+            config_file = directory / "tokenizer_config.json"
+            config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+            self.chat_template = chat_template.find_chat_template(directory, config)
+            if self.chat_template:
+                chat_template.compile_template(self.chat_template)
+        except ModelLoadError:
+            raise
         except Exception as exc:
             raise ModelLoadError(f"cannot load tokenizer from {directory}: {exc}") from exc
-        self.eos_token_id = self.hf.eos_token_id
+        self.special_tokens = {name: text for name in _SPECIAL_NAMES
+                               if (text := _token_text(config.get(name))) is not None}
+        eos = self.special_tokens.get("eos_token")
+        self.eos_token_id = self.backend.token_to_id(eos) if eos is not None else None
+        # transformers skips the clean-up for BPE vocabularies, where it would eat real spaces
+        self._clean_up = bool(config.get("clean_up_tokenization_spaces")) and type(self.backend.model).__name__ != "BPE"
 
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=True)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        text = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        if self._clean_up:
+            for old, new in _CLEANUPS:
+                text = text.replace(old, new)
+        return text
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         if not isinstance(messages, list) or not messages:
@@ -40,10 +80,10 @@ class Tokenizer:
                 raise InvalidRequestError(
                     "each message must be an object with string 'role' and 'content'", param="messages"
                 )
-        if not self.hf.chat_template:
+        if not self.chat_template:
             raise InvalidRequestError("this model has no chat template; send a raw prompt instead")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.hf.encode(text, add_special_tokens=False)
+        text = chat_template.render(self.chat_template, messages, self.special_tokens)
+        return self.encode(text, add_special_tokens=False)
 
 
 class IncrementalDetokenizer:

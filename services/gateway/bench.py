@@ -240,11 +240,7 @@ def run(args) -> int:
     _log("starting the stack (embedded Redis, 1 prefill, 1 decode, router, gateway)")
     with LocalStack(spec) as stack:
         result = asyncio.run(_bench(args, stack))
-    result_files.save("serve", result, args)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print_table(result)
+    result_files.report("serve", result, args, print_table)
     return 0
 
 

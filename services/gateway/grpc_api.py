@@ -29,7 +29,7 @@ from services.gateway.core import HEARTBEAT, GatewayCore
 from services.gateway.http_errors import as_pdserve
 from services.gateway.protocol import GenerationRequest
 from services.gateway.request_record import CHAT, COMPLETION
-from services.grpc_codec import abort_with, sampling_from_proto
+from services.grpc_codec import abort_with, append_chunk, sampling_from_proto
 from services.queue.results import CHUNK, ERROR, FINAL
 
 _STATUS_BY_HTTP = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
@@ -134,9 +134,7 @@ class GatewayGenerationServicer(generate_pb2_grpc.GenerationServicer):
                             if stream:
                                 yield generate_pb2.GenerateResponse(chunk=chunk, request_id=reply_id)
                             else:
-                                merged.token_ids.extend(chunk.token_ids)
-                                merged.text += chunk.text
-                                merged.logprobs.extend(chunk.logprobs)
+                                append_chunk(merged, chunk)
                         elif kind == FINAL:
                             finished = True
                             outcome = "aborted" if data.get("finish_reason") == "abort" else "ok"

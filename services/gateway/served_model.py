@@ -15,10 +15,11 @@ class ServedModel:
 
 
 def load_served_model(model: str | None) -> ServedModel:
-    """Tokenizer and name through the router's ``load_tokenizer``; the context length from the model config."""
-    from services.engine.loader import resolve_model
-    from services.router.server import load_tokenizer
+    """Name, tokenizer and context length from the model's card: no weights, and no torch even on a cold
+    cache (a GGUF's tokenizer is read from its metadata; services/engine/model_source.py)."""
+    from services.engine.model_source import model_card
+    from services.engine.tokenizer import Tokenizer
 
-    tokenizer, name = load_tokenizer(model)
-    config = resolve_model(model).config  # resolved twice: the second finds the cached conversion
-    return ServedModel(name, tokenizer, config.max_position_embeddings, getattr(config, "vocab_size", 0))
+    card = model_card(model)
+    tokenizer = Tokenizer(card.tokenizer_dir) if card.tokenizer_dir else None
+    return ServedModel(card.name, tokenizer, card.max_position_embeddings, card.vocab_size)

@@ -24,7 +24,10 @@ from dataclasses import dataclass
 from services.errors import InvalidRequestError
 
 DONE_DATA = "[DONE]"
-HEARTBEAT = b": keep-alive\n\n"  # a comment: clients ignore it, proxies see traffic
+# A comment line: clients ignore it, proxies see traffic. Not followed by a blank line: that would end
+# an "event" of no data, which the openai client (whose decoder keeps the last event id, as the SSE spec
+# says) hands on as an event and fails to parse as JSON mid-stream.
+HEARTBEAT = b": keep-alive\n"
 MEDIA_TYPE = "text/event-stream"
 # Not buffered anywhere on the way: nginx honours X-Accel-Buffering, caches honour no-cache.
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}

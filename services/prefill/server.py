@@ -2,7 +2,7 @@
 
 Prefill(request[, descriptor]) runs the prompt prefill-only (prefix-cache hits
 skip work) and writes its KV into the decode worker's reserved blocks as chunks
-finish (services.engine.handoff.prefill_and_send), then answers the first token.
+finish (services.handoff.prefill_and_send), then answers the first token.
 The call is a client stream: computing starts on its first message, and where
 that carries no descriptor the second one does (the router reserves decode
 blocks meanwhile); KV waits for it. The request's blocks here are released when
@@ -21,10 +21,10 @@ import grpc
 from kvtransfer import Sender, TransferDescriptor
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services import telemetry
-from services.engine.handoff import prefill_and_send
+from services.handoff import prefill_and_send
 from services.errors import InvalidRequestError
-from services.grpc_codec import abort_with, check_deadline, sampling_from_proto
-from services.worker import WorkerRuntime, add_worker_args, configs_from_args, run_worker
+from services.grpc_codec import abort_with, check_deadline, load_message, sampling_from_proto
+from services.worker import WorkerRuntime, add_worker_parser, run_worker
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -34,7 +34,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def setup(self) -> None:
         engine = self.rt.engine
-        self.sender = Sender(engine.kv_cache, engine.kv_spec, engine.namespace, self.rt.transfer)
+        self.sender = Sender(engine.kv_cache, engine.namespace, self.rt.transfer)
         self.rt.aengine.on_step = lambda outputs: telemetry.BATCH_SIZE.labels(role="prefill").observe(len(outputs))
 
     async def teardown(self) -> None:
@@ -82,7 +82,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.AbortResponse(aborted=known)
 
     async def GetLoad(self, request, context):
-        return load_message(self.rt)
+        return load_message(self.rt.load())
 
 
 def _descriptor(data: bytes, request_id: str) -> TransferDescriptor:
@@ -104,31 +104,11 @@ async def _next_descriptor(messages, request_id: str) -> TransferDescriptor:
     return _descriptor(message.descriptor, request_id)
 
 
-def load_message(rt: WorkerRuntime) -> worker_pb2.WorkerLoad:
-    s = rt.load()
-    return worker_pb2.WorkerLoad(
-        num_running=int(s.get("num_running", 0)), num_waiting=int(s.get("num_waiting", 0)),
-        queued_prefill_tokens=int(s.get("queued_prefill_tokens", 0)),
-        kv_blocks_total=int(s.get("kv_blocks_total", 0)), kv_blocks_used=int(s.get("kv_blocks_used", 0)),
-        prefix_cache_queries=int(s.get("prefix_cache_queries", 0)),
-        prefix_cache_hits=int(s.get("prefix_cache_hits", 0)),
-        num_preemptions=int(s.get("num_preemptions", 0)), draining=bool(s.get("draining")))
-
-
 def run(args) -> int:
-    worker, engine, transfer = configs_from_args(args, "prefill")
-    rt = WorkerRuntime(worker, engine, transfer)
-    servicer = PrefillServicer(rt)
-
-    def add(server: grpc.aio.Server) -> list[str]:
-        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
-        return ["pdserve.v1.PrefillWorker"]
-
-    return run_worker(rt, add, servicer.setup, servicer.teardown)
+    return run_worker(args, "prefill", PrefillServicer, worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
+                      "pdserve.v1.PrefillWorker")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("prefill", help="run one prefill worker (gRPC; registers in Redis)",
-                       description="Run one prefill worker: computes prompts' KV and sends it to decode workers.")
-    add_worker_args(p, "prefill")
-    p.set_defaults(func=run)
+    add_worker_parser(sub, "prefill", "run one prefill worker (gRPC; registers in Redis)",
+                      "Run one prefill worker: computes prompts' KV and sends it to decode workers.", run)

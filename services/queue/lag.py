@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from services import telemetry
+from services.loops import Loops
 from services.queue.config import QueueConfig
 from services.queue.keys import tier_stream
 
@@ -69,7 +70,7 @@ class LagMonitor:
 
     def __init__(self, redis, config: QueueConfig, interval_s: float = 1.0):
         self.redis, self.config, self.interval_s = redis, config, interval_s
-        self._task: asyncio.Task | None = None
+        self._loops = Loops()
 
     async def update(self) -> dict[str, TierLag]:
         lags = await read_lag(self.redis, self.config)
@@ -79,7 +80,7 @@ class LagMonitor:
         return lags
 
     async def _run(self) -> None:
-        while True:
+        while not self._loops.stopping:
             try:
                 await self.update()
             except asyncio.CancelledError:
@@ -89,10 +90,7 @@ class LagMonitor:
             await asyncio.sleep(self.interval_s)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="queue-lag")
+        self._loops.start({"queue-lag": self._run})
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await self._loops.stop(self.interval_s + 0.5)

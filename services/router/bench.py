@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import os
 import random
@@ -132,7 +131,7 @@ def _text_tokens(tokenizer, rng: random.Random, head: str, n: int) -> list[int]:
     words = [head]
     while True:
         words += [rng.choice(_WORDS) + ("." if rng.random() < 0.1 else "") for _ in range(n)]
-        ids = tokenizer.hf.encode(" ".join(words), add_special_tokens=False)
+        ids = tokenizer.encode(" ".join(words), add_special_tokens=False)
         if len(ids) >= n:
             return ids[:n]
 
@@ -180,7 +179,7 @@ def prefill_cache_blocks(cfg: RoutingBenchConfig, block_size: int) -> int:
 def kv_block_bytes(model: str | None, dtype: str, block_size: int) -> int:
     from services.config import EngineConfig
     from services.engine.kv_cache import KVCacheSpec
-    from services.engine.loader import resolve_model
+    from services.engine.model_source import resolve_model
 
     m = resolve_model(model).config
     return KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, block_size, EngineConfig(dtype=dtype).dtype).block_bytes
@@ -539,11 +538,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-    result_files.save("routing", result, args)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print_table(result)
+    result_files.report("routing", result, args, print_table)
     return 0
 
 

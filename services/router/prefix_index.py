@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from services.kv_events import CLEARED, REMOVED, STORED, STREAM_KEY, decode_entry
+from services.loops import Loops
 
 log = logging.getLogger(__name__)
 
@@ -199,25 +200,17 @@ class KVEventFollower:
         self.entries_applied = 0
         self._target: tuple[int, int] | None = None  # the stream's last entry id when we started
         self._caught_up = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self._stopping = False
+        self._loops = Loops()
+
+    @property
+    def running(self) -> bool:
+        return self._loops.running
 
     async def start(self) -> None:
-        if self._task is None:
-            self._stopping = False
-            self._task = asyncio.create_task(self._run(), name="kv-event-follower")
+        self._loops.start({"kv-event-follower": self._run})
 
     async def stop(self) -> None:
-        # redis-py can swallow a cancel that lands as a blocking read completes (redis-py
-        # issue #2028) and carry on reading; the flag ends the loop after that read, and
-        # cancelling again covers a read that is still blocked.
-        self._stopping = True
-        task, self._task = self._task, None
-        while task is not None and not task.done():
-            task.cancel()
-            await asyncio.wait([task], timeout=self.block_ms / 1000 + 0.5)
-        if task is not None and not task.cancelled() and task.exception() is not None:
-            log.error("KV event follower failed: %r", task.exception())
+        await self._loops.stop(self.block_ms / 1000 + 0.5)  # a blocked read returns within block_ms
 
     async def caught_up(self, timeout: float | None = None) -> bool:
         """True once everything in the stream at start has been applied; False on timeout."""
@@ -247,7 +240,7 @@ class KVEventFollower:
 
     async def _run(self) -> None:
         backoff = 0.1
-        while not self._stopping:
+        while not self._loops.stopping:
             try:
                 if not self._caught_up.is_set() and self._target is None:
                     await self._learn_target()

@@ -28,6 +28,7 @@ import time
 from services import telemetry
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError, PdserveError
+from services.loops import Loops
 from services.queue import QueueConfig, QueueConsumer
 from services.queue.cancel import CANCEL_CHANNEL, is_cancelled
 from services.queue.consumer import Delivery
@@ -50,27 +51,18 @@ class QueueWorker:
         self.results = ResultWriter(redis, self.config.result_ttl_s)
         self.max_inflight = max_inflight
         self.running: dict[str, tuple[Delivery, asyncio.Task]] = {}
-        self._tasks: list[asyncio.Task] = []
         self._room = asyncio.Event()
         self._room.set()
-        self._stopping = False
+        self._loops = Loops()
 
     async def start(self) -> None:
         await self.consumer.ensure_groups()
-        self._tasks = [asyncio.create_task(self._consume(), name="queue-consume"),
-                       asyncio.create_task(self._maintain(), name="queue-maintain"),
-                       asyncio.create_task(self._listen_cancels(), name="queue-cancels")]
+        self._loops.start({"queue-consume": self._consume, "queue-maintain": self._maintain,
+                             "queue-cancels": self._listen_cancels})
 
     async def stop(self, drain_s: float = 0.0) -> None:
         """Stop taking work; give running requests ``drain_s``, then cancel them (left pending: reclaimed)."""
-        self._stopping = True
-        # redis-py can swallow a cancellation that lands while it reconnects: the flag ends
-        # the loops anyway, and the cancel is repeated until they are gone
-        pending = set(self._tasks)
-        while pending:
-            for t in pending:
-                t.cancel()
-            _, pending = await asyncio.wait(pending, timeout=1.0)
+        await self._loops.stop(1.0)
         running = [task for _, task in self.running.values()]
         if running and drain_s > 0:
             await asyncio.wait(running, timeout=drain_s)
@@ -80,7 +72,7 @@ class QueueWorker:
 
     # ---- loops ----------------------------------------------------------
     async def _consume(self) -> None:
-        while not self._stopping:
+        while not self._loops.stopping:
             await self._room.wait()
             try:
                 deliveries = await self.consumer.next(count=self.max_inflight - len(self.running), block_ms=500)
@@ -109,7 +101,7 @@ class QueueWorker:
 
     async def _maintain(self) -> None:
         interval = self.config.claim_idle_ms / 3000
-        while not self._stopping:
+        while not self._loops.stopping:
             await asyncio.sleep(interval)
             try:
                 for d, _ in list(self.running.values()):  # reset their idle time: they are alive
@@ -125,7 +117,7 @@ class QueueWorker:
                 log.warning("queue maintenance failed: %s", exc)
 
     async def _listen_cancels(self) -> None:
-        while not self._stopping:
+        while not self._loops.stopping:
             pubsub = self.redis.pubsub()
             try:
                 await pubsub.subscribe(CANCEL_CHANNEL)

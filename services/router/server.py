@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from proto.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from services import telemetry
 from services.errors import InvalidRequestError, NoWorkerError
-from services.grpc_codec import abort_with, sampling_from_proto
+from services.grpc_codec import abort_with, append_chunk, sampling_from_proto
 from services.registry import connect_redis
 from services.router.dispatch import DispatchConfig, Dispatcher
 from services.router.policy import POLICY_NAMES, RouterPolicyConfig
@@ -82,9 +82,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                         if stream:
                             yield generate_pb2.GenerateResponse(chunk=item, request_id=rid)
                         else:
-                            merged.token_ids.extend(item.token_ids)
-                            merged.text += item.text
-                            merged.logprobs.extend(item.logprobs)
+                            append_chunk(merged, item)
                     else:
                         if not stream:
                             yield generate_pb2.GenerateResponse(chunk=merged, request_id=rid)
@@ -173,12 +171,12 @@ async def serve(args) -> None:
 
 
 def load_tokenizer(model: str | None):
-    """The served model's name and tokenizer; the router loads no weights."""
-    from services.engine.loader import resolve_model
+    """The served model's name and tokenizer (no weights, no torch: see services/engine/model_source.py)."""
+    from services.engine.model_source import model_card
     from services.engine.tokenizer import Tokenizer
 
-    source = resolve_model(model)
-    return (Tokenizer(source.tokenizer_dir) if source.tokenizer_dir else None), source.name
+    card = model_card(model)
+    return (Tokenizer(card.tokenizer_dir) if card.tokenizer_dir else None), card.name
 
 
 def run(args) -> int:

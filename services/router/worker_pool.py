@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from services.loops import Loops
 from services.registry import WorkerInfo, read_workers
 
 log = logging.getLogger(__name__)
@@ -81,28 +82,19 @@ class WorkerPool:
         self._tokens: dict[int, tuple[str, int]] = {}  # token id -> (worker id, prefill tokens)
         self._inflight: dict[str, list[int]] = {}  # worker id -> [requests, prefill tokens]
         self._ids = itertools.count()
-        self._task: asyncio.Task | None = None
-        self._stopping = False
+        self._loops = Loops()
 
     # ---- registry -------------------------------------------------------
     async def start(self) -> None:
         """First refresh now (errors propagate: a router without Redis cannot route), then in the background."""
         await self.refresh()
-        if self._task is None:
-            self._stopping = False
-            self._task = asyncio.create_task(self._run(), name="worker-pool-refresh")
+        self._loops.start({"worker-pool-refresh": self._run})
 
     async def stop(self) -> None:
-        # A flag as well as cancel: redis-py can swallow a cancel that lands as a reply
-        # arrives (redis-py issue #2028), so cancel until done and let the loop see the flag.
-        self._stopping = True
-        task, self._task = self._task, None
-        while task is not None and not task.done():
-            task.cancel()
-            await asyncio.wait([task], timeout=self.refresh_s + 0.5)
+        await self._loops.stop(self.refresh_s + 0.5)
 
     async def _run(self) -> None:
-        while not self._stopping:
+        while not self._loops.stopping:
             await asyncio.sleep(self.refresh_s)
             try:
                 await self.refresh()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from services.engine.engine import Engine, RequestOutput
+from services.engine.engine import Engine
+from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 
 

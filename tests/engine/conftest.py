@@ -9,9 +9,9 @@
   through ``default_model``, which checks that it is idle before and after.
 - ``default_tokenizer``: the default model's tokenizer, without loading weights.
 
-Every engine a test touches is leak-checked at teardown (no requests, no used
-blocks); a test that fails mid-way has its leftovers aborted so later tests
-start clean.
+Every engine is leak-checked after every test by tests/conftest.py (no requests,
+no used blocks); a test that fails mid-way has its leftovers aborted so later
+tests start clean.
 """
 
 from __future__ import annotations
@@ -23,29 +23,11 @@ from services.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.kv_cache import KVCacheSpec
 from services.engine.model_config import preset_config
-from tests.engine.checks import assert_no_leaks, drain
 
 _tiny = preset_config("tiny")
 # bytes of one KV block of dummy:tiny in fp32 at block size 16: pass multiples as kv_cache_bytes
 TINY_BLOCK_BYTES = KVCacheSpec(_tiny.num_layers, _tiny.num_kv_heads, _tiny.head_dim, 16, "float32").block_bytes
 DEFAULT_KV_BYTES = 64 << 20
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item, call):
-    report = yield
-    if report.when == "call":
-        item.call_failed = report.failed or hasattr(report, "wasxfail")
-    return report
-
-
-def _check_and_clean(request, engine: Engine) -> None:
-    """Leak check after a passing test; after a failing one, only clean up (its failure says enough)."""
-    try:
-        if not getattr(request.node, "call_failed", True):
-            assert_no_leaks(engine)
-    finally:
-        drain(engine)
 
 
 @pytest.fixture
@@ -59,19 +41,13 @@ def one_thread():
 
 
 @pytest.fixture
-def tiny_engine(request, one_thread):
-    engines: list[Engine] = []
-
+def tiny_engine(one_thread):
     def make(num_blocks: int = 256, **config) -> Engine:
         """``num_blocks`` counts the null block too (usable = num_blocks - 1)."""
         config.setdefault("kv_cache_bytes", num_blocks * TINY_BLOCK_BYTES)
-        engine = Engine(EngineConfig(model="dummy:tiny", dtype="fp32", **config))
-        engines.append(engine)
-        return engine
+        return Engine(EngineConfig(model="dummy:tiny", dtype="fp32", **config))
 
-    yield make
-    for engine in engines:
-        _check_and_clean(request, engine)
+    return make
 
 
 @pytest.fixture(scope="session")
@@ -80,16 +56,15 @@ def default_engine() -> Engine:
 
 
 @pytest.fixture
-def default_model(request, default_engine: Engine) -> Engine:
-    assert_no_leaks(default_engine)
-    yield default_engine
-    _check_and_clean(request, default_engine)
+def default_model(default_engine: Engine) -> Engine:
+    """The session engine, idle (every test before this one ended with the leak check)."""
+    return default_engine
 
 
 @pytest.fixture(scope="session")
 def default_tokenizer():
     """The default model's tokenizer alone (no weights loaded)."""
-    from services.engine.loader import resolve_model
+    from services.engine.model_source import model_card
     from services.engine.tokenizer import Tokenizer
 
-    return Tokenizer(resolve_model(None).tokenizer_dir)
+    return Tokenizer(model_card(None).tokenizer_dir)

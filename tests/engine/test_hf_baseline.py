@@ -12,7 +12,8 @@ from kernels.ops import TORCH_OPS
 from services.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.hf_baseline import DeviceGenerate, hf_config, hf_twin
-from services.engine.loader import ModelSource, load_model
+from services.engine.loader import load_model
+from services.engine.model_source import ModelSource
 from services.engine.model_config import ModelConfig, preset_config
 from services.engine.sampling_params import SamplingParams
 from tests.engine.checks import assert_no_leaks, generate, tokens

@@ -17,7 +17,8 @@ from services.config import EngineConfig
 from services.engine.attention_metadata import AttentionMetadata
 from services.engine.engine import Engine
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
-from services.engine.loader import load_model, resolve_model
+from services.engine.loader import load_model
+from services.engine.model_source import resolve_model
 from services.engine.model_config import PRESETS
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError, ModelLoadError, ModelNotFoundError

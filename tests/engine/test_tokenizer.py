@@ -19,7 +19,7 @@ MULTI_BYTE = {
 
 
 def ids_of(tok, s: str) -> list[int]:
-    return tok.hf.encode(s, add_special_tokens=False)
+    return tok.encode(s, add_special_tokens=False)
 
 
 def stream(tok, out_ids: list[int], stop: list[str] = (), prompt: str = "Text:") -> tuple[list[str], int | None]:
@@ -104,7 +104,7 @@ def test_held_back_text_is_flushed_when_no_stop_string_completes(default_tokeniz
 
 def test_chat_template_yields_chatml(default_tokenizer):
     tok = default_tokenizer
-    im_start, im_end = tok.hf.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    im_start, im_end = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi"},

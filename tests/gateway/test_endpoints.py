@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -105,6 +108,20 @@ def test_a_queued_request_gets_heartbeats_then_its_tokens(gateway):
             h.router.paused = False
             rest = events(lines)
     assert chat_text(rest) == "Hello, world!" and rest[-1].done
+
+
+def test_heartbeats_between_events_do_not_break_the_openai_client(gateway):
+    """openai's SSE decoder keeps the last event id, so a comment followed by a blank line after any
+    event read as an event with empty data and raised JSONDecodeError mid-stream (seen in a burst
+    where requests waited more than the heartbeat interval). A heartbeat is a comment line alone."""
+    h = gateway(sse_heartbeat_s=0.1)
+    h.router.pause()
+    threading.Timer(1.0, lambda: setattr(h.router, "paused", False)).start()  # ~10 heartbeats first
+    with openai.OpenAI(base_url=f"{h.url}/v1", api_key="unused", max_retries=0, timeout=20) as client:
+        stream = client.chat.completions.create(model=h.model.name, messages=[{"role": "user", "content": "Hi"}],
+                                                stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == "Hello, world!"
 
 
 def test_a_request_past_its_deadline_gets_a_deadline_error_and_is_cancelled(gateway, sync_redis):

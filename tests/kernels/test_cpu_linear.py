@@ -142,8 +142,9 @@ def test_portable_loop_matches_the_vector_kernels(weights):
 def test_bf16_model_on_cpu_packs_its_projections_and_keeps_its_weights_readable():
     from kernels.ops import CPU_OPS, TORCH_OPS
     from services.engine.hf_baseline import hf_twin
-    from services.engine.loader import ModelSource, load_model
+    from services.engine.loader import load_model
     from services.engine.model_config import preset_config
+    from services.engine.model_source import ModelSource
 
     source = ModelSource("tiny", preset_config("tiny"), None, None)
     packed = load_model(source, CPU_OPS, torch.bfloat16, "cpu", max_positions=64)

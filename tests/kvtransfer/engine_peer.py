@@ -19,7 +19,7 @@ from kvtransfer import Receiver, Sender, TransferConfig, TransferDescriptor
 from services.config import EngineConfig
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import Engine
-from services.engine.handoff import EngineBlockOwner, decode_after_transfer, prefill_and_send, reserve_for_transfer
+from services.handoff import EngineBlockOwner, decode_after_transfer, prefill_and_send, reserve_for_transfer
 from services.engine.sampling_params import SamplingParams
 
 
@@ -44,11 +44,11 @@ async def main(role: str, transport: str, dtype: str, kv_cache_dtype: str = "aut
                      daemon=True).start()
     if role == "decode":
         owner = EngineBlockOwner(aengine)
-        receiver = Receiver(engine.kv_cache, engine.kv_spec, engine.namespace, owner, config)
+        receiver = Receiver(engine.kv_cache, engine.namespace, owner, config)
         await receiver.start()
         reply({"address": receiver.address})
     else:
-        sender = Sender(engine.kv_cache, engine.kv_spec, engine.namespace, config)
+        sender = Sender(engine.kv_cache, engine.namespace, config)
         reply({"ready": True})
 
     async def decode(cmd: dict) -> None:

@@ -102,8 +102,8 @@ class Peer:
             self.kill()
 
 
-def block_digests(kv: torch.Tensor, spec: KVCacheSpec, ids) -> list[str]:
-    blocks = BlockBytes(kv, spec)
+def block_digests(kv: torch.Tensor, ids) -> list[str]:
+    blocks = BlockBytes(kv)
     return [hashlib.blake2b(blocks.run(b, 1).cpu().numpy().tobytes(), digest_size=8).hexdigest() for b in ids]
 
 
@@ -143,10 +143,10 @@ async def _serve(conn, role, transport, seed, spec, namespace, device, config) -
     outcomes: dict[str, asyncio.Future] = {}
     if role == "receiver":
         kv.zero_()
-        peer = Receiver(kv, spec, namespace, pool, cfg)
+        peer = Receiver(kv, namespace, pool, cfg)
         await peer.start()
     else:
-        peer = Sender(kv, spec, namespace, cfg)
+        peer = Sender(kv, namespace, cfg)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 
@@ -181,7 +181,7 @@ async def _serve(conn, role, transport, seed, spec, namespace, device, config) -
         if name == "free":
             return len(pool.free)
         if name == "digests":
-            return block_digests(kv, spec, args[0])
+            return block_digests(kv, args[0])
         if name == "send":
             await send_job(*args)
             return True

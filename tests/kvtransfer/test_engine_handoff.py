@@ -62,10 +62,10 @@ def peers(request):
 
 
 def _tokenize(text: str) -> list[int]:
-    from services.engine.loader import resolve_model
+    from services.engine.model_source import model_card
     from services.engine.tokenizer import Tokenizer
 
-    return Tokenizer(resolve_model(None).tokenizer_dir).encode(text)
+    return Tokenizer(model_card(None).tokenizer_dir).encode(text)
 
 
 PROMPTS = {

@@ -9,10 +9,10 @@ import asyncio
 import pytest
 import torch
 
-from kvtransfer import Receiver, Sender, TransferConfig
+from kvtransfer import Receiver, Sender, TransferConfig, TransferError
 from kvtransfer.protocol import BLOCKS, FINISH, HELLO
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
-from services.errors import CapacityError, TransferError
+from services.errors import CapacityError
 
 pytestmark = pytest.mark.timeout(30)
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
@@ -40,9 +40,9 @@ async def _pair(**config):
     src = allocate_kv_cache(SPEC, N)
     src.copy_(torch.randn(src.shape))
     dst, pool = allocate_kv_cache(SPEC, N), Pool()
-    rx = Receiver(dst, SPEC, "m", pool, cfg)
+    rx = Receiver(dst, "m", pool, cfg)
     await rx.start()
-    tx = Sender(src, SPEC, "m", cfg, transport=rx.transport)
+    tx = Sender(src, "m", cfg, transport=rx.transport)
     return src, dst, pool, rx, tx
 
 

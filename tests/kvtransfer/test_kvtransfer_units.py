@@ -9,27 +9,36 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvtransfer import PeerInfo, TransferConfig, TransferDescriptor, TransferStats, make_transport
+from kvtransfer import BlockShape, PeerInfo, TransferConfig, TransferDescriptor, TransferError, TransferStats, make_transport
 from kvtransfer.block_runs import BlockBytes, Run, coalesce
 from kvtransfer.tcp import TcpTransport
 from kvtransfer.ucx_puts import PutPolicy, Puts, UcxTraffic, put_sizes
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
-from services.errors import TransferError
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
+SHAPE = BlockShape(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
+
+
+def test_block_shape_read_off_the_engine_cache_is_the_engine_spec():
+    # kvtransfer imports nothing from the engine: it reads the block shape off the tensor,
+    # so the engine's layout (services/engine/kv_cache.py) and descriptor.LAYOUT must agree
+    assert BlockShape.of(allocate_kv_cache(SPEC, 3)) == SHAPE
+    assert BlockShape.of(allocate_kv_cache(KVCacheSpec(3, 1, 16, 8, "float32"), 2)) == BlockShape(3, 1, 16, 8, "float32")
+    with pytest.raises(ValueError, match="not laid out"):
+        BlockShape.of(torch.zeros(4, 2, 3, 4, 2, 8))
 
 
 def test_descriptor_round_trips_through_bytes():
-    d = TransferDescriptor("ucx://10.0.0.5:4242", "req-1", (7, 3, 9), PeerInfo("smollm2", SPEC))
+    d = TransferDescriptor("ucx://10.0.0.5:4242", "req-1", (7, 3, 9), PeerInfo("smollm2", SHAPE))
     again = TransferDescriptor.from_bytes(d.to_bytes())
     assert again == d
-    assert again.peer.spec.block_bytes == SPEC.block_bytes
+    assert again.peer.shape == SHAPE
 
 
 @pytest.mark.parametrize("blocks", [(), (0, 1), (3, 3)])
 def test_descriptor_rejects_bad_block_lists(blocks):
     with pytest.raises(ValueError):
-        TransferDescriptor("tcp://h:1", "t", blocks, PeerInfo("m", SPEC))
+        TransferDescriptor("tcp://h:1", "t", blocks, PeerInfo("m", SHAPE))
 
 
 def test_malformed_descriptor_is_a_transfer_error():
@@ -40,19 +49,19 @@ def test_malformed_descriptor_is_a_transfer_error():
 
 
 def test_compatibility_check_names_every_mismatch():
-    ours = PeerInfo("smollm2", SPEC)
-    theirs = PeerInfo("llama", KVCacheSpec(2, 4, 8, 16, "float16"))
+    ours = PeerInfo("smollm2", SHAPE)
+    theirs = PeerInfo("llama", BlockShape(2, 4, 8, 16, "float16"))
     with pytest.raises(TransferError) as e:
         ours.check_compatible(theirs, peer="tcp://x:1")
     msg = str(e.value)
     for field in ("namespace", "num_kv_heads", "block_size", "dtype"):
         assert f"{field}: ours=" in msg
     assert "num_layers" not in msg and "head_dim" not in msg
-    ours.check_compatible(PeerInfo("smollm2", SPEC), peer="tcp://x:1")  # equal peers pass
+    ours.check_compatible(PeerInfo("smollm2", SHAPE), peer="tcp://x:1")  # equal peers pass
 
 
 def test_layout_string_is_part_of_the_check():
-    assert PeerInfo("m", SPEC).mismatches(PeerInfo("m", SPEC, layout="kv[layer,block,...]")) == [
+    assert PeerInfo("m", SHAPE).mismatches(PeerInfo("m", SHAPE, layout="kv[layer,block,...]")) == [
         "layout: ours='kv[block,layer,kv,slot,head,dim]' theirs='kv[layer,block,...]'"
     ]
 
@@ -68,7 +77,7 @@ def test_coalesce_breaks_runs_where_either_side_jumps():
 
 def test_block_bytes_views_alias_the_cache():
     kv = allocate_kv_cache(SPEC, 8)
-    blocks = BlockBytes(kv, SPEC)
+    blocks = BlockBytes(kv)
     view = blocks.run(2, 3)
     assert view.numel() == 3 * SPEC.block_bytes and view.dtype == torch.uint8
     view.fill_(0xFF)  # writing the view writes blocks 2..4 of the cache, nothing else
@@ -79,7 +88,7 @@ def test_block_bytes_views_alias_the_cache():
     with pytest.raises(ValueError):
         blocks.run(6, 3)
     with pytest.raises(ValueError, match="contiguous"):
-        BlockBytes(allocate_kv_cache(SPEC, 16)[::2], SPEC)
+        BlockBytes(allocate_kv_cache(SPEC, 16)[::2])
 
 
 def test_stats_histograms_are_cumulative():
@@ -123,6 +132,16 @@ def test_put_sizes_cut_a_message_once(sizes, share, want):
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         TransferConfig(**kwargs)
+
+
+def test_every_configurable_transport_is_registered_by_its_name():
+    from kvtransfer.config import TRANSPORTS as NAMES
+    from kvtransfer.loopback import LoopbackTransport
+    from kvtransfer.registry import TRANSPORTS
+
+    assert set(TRANSPORTS) == set(NAMES)
+    assert isinstance(make_transport(TransferConfig(transport="tcp")), TcpTransport)
+    assert isinstance(make_transport(TransferConfig(transport="loopback")), LoopbackTransport)
 
 
 def test_missing_ucx_is_a_clear_error_unless_fallback_allowed(monkeypatch, caplog):

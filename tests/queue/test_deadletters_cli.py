@@ -1,11 +1,9 @@
 """``pdserve deadletters`` against a real server: list, show, re-drive, and clear errors."""
 
 import argparse
-import asyncio
 import json
 
 import pytest
-import redis.asyncio as aioredis
 
 from services import deadletters_cli
 from services.errors import InvalidRequestError
@@ -28,23 +26,10 @@ def cli(*argv):
     return args.func(args)
 
 
-def run(redis_url, fn):
-    async def go():
-        client = aioredis.Redis.from_url(redis_url)
-        try:
-            return await fn(client)
-        finally:
-            await client.aclose()
-
-    return asyncio.run(go())
-
-
-def kill(redis_url, *requests, flush=True):
-    """Queue the requests and fail each for good; returns their dead-letter ids."""
+def kill(with_redis, *requests):
+    """Queue the requests (on an emptied database) and fail each for good; returns their dead-letter ids."""
 
     async def go(r):
-        if flush:
-            await r.flushdb()
         queue, consumer = AdmissionQueue(r), QueueConsumer(r, consumer="router-x")
         for req in requests:
             await queue.enqueue(req)
@@ -52,12 +37,12 @@ def kill(redis_url, *requests, flush=True):
             await consumer.fail(d, f"exploded on {d.request_id}", "decode-3", retryable=False)
         return [e[0].decode() for e in await r.xrange(DEAD_STREAM)]
 
-    return run(redis_url, go)
+    return with_redis(go)
 
 
-def test_list_show_and_redrive(redis_url, capsys):
+def test_list_show_and_redrive(redis_url, with_redis, capsys):
     req = make_request("interactive", tokens=7, deadline=4102444800.0)
-    [dead_id] = kill(redis_url, req)
+    [dead_id] = kill(with_redis, req)
 
     assert cli("list", "--redis-url", redis_url) == 0
     out = capsys.readouterr().out
@@ -84,17 +69,16 @@ def test_list_show_and_redrive(redis_url, capsys):
         [d] = await QueueConsumer(r).next()
         return d
 
-    d = run(redis_url, after)
+    d = with_redis(after, flush=False)
     assert d.request_id == req.request_id and d.delivery_count == 1 and d.tier == "interactive"
     assert d.request.token_ids == req.token_ids and d.request.deadline > req.deadline  # budget from now
 
 
-def test_redrive_resets_delivery_history(redis_url):
+def test_redrive_resets_delivery_history(redis_url, with_redis):
     cfg = QueueConfig(max_deliveries=2)
     req = make_request("batch")
 
     async def go(r):
-        await r.flushdb()
         queue, consumer = AdmissionQueue(r, cfg), QueueConsumer(r, config=cfg)
         await queue.enqueue(req)
         while deliveries := await consumer.next():
@@ -102,7 +86,7 @@ def test_redrive_resets_delivery_history(redis_url):
         [(dead_id, _)] = await r.xrange(DEAD_STREAM)
         return dead_id.decode()
 
-    dead_id = run(redis_url, go)
+    dead_id = with_redis(go)
     assert cli("redrive", dead_id, "--redis-url", redis_url, "--json") == 0
 
     async def again(r):
@@ -113,11 +97,11 @@ def test_redrive_resets_delivery_history(redis_url):
         await consumer.ack((await consumer.next())[0])
         assert (await AdmissionQueue(r, cfg).depth()).requests == 0
 
-    run(redis_url, again)
+    with_redis(again, flush=False)
 
 
-def test_redrive_all(redis_url, capsys):
-    dead_ids = kill(redis_url, make_request("standard"), make_request("batch"), make_request("standard"))
+def test_redrive_all(redis_url, with_redis, capsys):
+    dead_ids = kill(with_redis, make_request("standard"), make_request("batch"), make_request("standard"))
     assert len(dead_ids) == 3
     assert cli("redrive", "--all", "--redis-url", redis_url, "--json") == 0
     redriven = json.loads(capsys.readouterr().out)["redriven"]
@@ -127,13 +111,13 @@ def test_redrive_all(redis_url, capsys):
         assert await r.xlen(DEAD_STREAM) == 0
         return await r.xlen(tier_stream("standard")), await r.xlen(tier_stream("batch"))
 
-    assert run(redis_url, check) == (2, 1)
+    assert with_redis(check, flush=False) == (2, 1)
     assert cli("list", "--redis-url", redis_url) == 0
     assert "no dead letters" in capsys.readouterr().out
 
 
-def test_errors_are_clear(redis_url):
-    kill(redis_url, make_request())
+def test_errors_are_clear(redis_url, with_redis):
+    kill(with_redis, make_request())
     with pytest.raises(NotFoundError, match="no dead letter with id '1-1'") as info:
         cli("show", "1-1", "--redis-url", redis_url)
     assert info.value.http_status == 404  # services.cli: exit 2

@@ -222,7 +222,7 @@ def test_stop_always_ends_the_follower(with_redis):
             await follower.start()
             await asyncio.sleep(0.02 + 0.013 * i)
             await asyncio.wait_for(follower.stop(), 3)
-            assert follower._task is None
+            assert not follower.running
 
     with_redis(go)
 

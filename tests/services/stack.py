@@ -58,6 +58,29 @@ class Proc:
         return "\n".join(self.lines)
 
 
+async def worker_load(name: str, address: str) -> worker_pb2.WorkerLoad:
+    """GetLoad of the worker ``name`` (``prefill-*`` or ``decode-*``) at ``address``."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = (worker_pb2_grpc.PrefillWorkerStub if name.startswith("prefill") else worker_pb2_grpc.DecodeWorkerStub)(ch)
+        return await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+
+
+def wait_idle(workers: dict[str, str], timeout_s: float = 30) -> dict[str, int]:
+    """KV blocks still in use per worker (name -> address) once nothing runs: 0 everywhere is no leak."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        used = {n: asyncio.run(worker_load(n, a)).kv_blocks_used for n, a in workers.items()}
+        if not any(used.values()) or time.monotonic() > deadline:
+            return used
+        time.sleep(0.2)
+
+
+def live_workers(procs: dict) -> dict[str, str]:
+    """name -> address of the stack's worker processes still running (a Stack's or a LocalStack's)."""
+    return {n: p.address for n, p in procs.items()
+            if n.startswith(("prefill", "decode")) and p.proc is not None and p.proc.poll() is None}
+
+
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
@@ -135,22 +158,14 @@ class Stack:
         return asyncio.run(self.agenerate(req, timeout_s))
 
     async def aload(self, name: str) -> worker_pb2.WorkerLoad:
-        async with grpc.aio.insecure_channel(self.procs[name].address) as ch:
-            stub = (worker_pb2_grpc.PrefillWorkerStub if name.startswith("prefill")
-                    else worker_pb2_grpc.DecodeWorkerStub)(ch)
-            return await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+        return await worker_load(name, self.procs[name].address)
 
     def load(self, name: str) -> worker_pb2.WorkerLoad:
         return asyncio.run(self.aload(name))
 
     def wait_idle(self, names: list[str], timeout_s: float = 30) -> dict[str, int]:
         """Blocks still in use per worker once nothing runs (0 everywhere = no leak)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            used = {n: self.load(n).kv_blocks_used for n in names}
-            if not any(used.values()) or time.monotonic() > deadline:
-                return used
-            time.sleep(0.2)
+        return wait_idle({n: self.procs[n].address for n in names}, timeout_s)
 
     def metrics(self, name: str) -> str:
         address = self.procs[name].metrics

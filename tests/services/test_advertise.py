@@ -38,9 +38,9 @@ def test_a_receiver_on_a_wildcard_names_its_advertised_address_and_a_sender_reac
         cfg = TransferConfig(transport="tcp", host="0.0.0.0", advertise_host="127.0.0.1", op_timeout_s=10)
         src, dst = allocate_kv_cache(SPEC, 16), allocate_kv_cache(SPEC, 16)
         src.copy_(torch.randn(src.shape))
-        rx = Receiver(dst, SPEC, "m", Pool(), cfg)
+        rx = Receiver(dst, "m", Pool(), cfg)
         address = await rx.start()
-        tx = Sender(src, SPEC, "m", TransferConfig(transport="tcp", op_timeout_s=10))
+        tx = Sender(src, "m", TransferConfig(transport="tcp", op_timeout_s=10))
         try:
             assert address.startswith("tcp://127.0.0.1:") and rx.address == address
             pending = rx.reserve("r", 2, timeout_s=10)

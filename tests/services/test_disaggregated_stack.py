@@ -1,8 +1,8 @@
 """The disaggregated stack end to end: router -> prefill -> KV over UCX -> decode, as real processes.
 
 One stack (2 prefill workers, 1 decode worker, kv-aware router, fp32) serves
-every test in this module; each test ends with the leak check (no KV block in
-use on any worker once nothing runs).
+every test in this module; each test ends with the leak check of
+tests/services/conftest.py (no KV block in use on any worker once nothing runs).
 """
 
 from __future__ import annotations
@@ -28,42 +28,12 @@ PROMPTS = [
     "1, 2, 3, 4,",
     "The best way to learn a language is",
 ]
-WORKERS = ["prefill-0", "prefill-1", "decode-0"]
 
 
 @pytest.fixture(scope="module")
 def stack(redis_url):
     with Stack(redis_url, prefill=2, decode=1) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """Greedy tokens of an in-process engine (the single-engine run) for a prompt."""
-    from services.config import EngineConfig
-    from services.engine.engine import Engine
-    from services.engine.sampling_params import SamplingParams
-
-    engine = Engine(EngineConfig(dtype="float32"))
-
-    def run(prompt_ids: list[int], max_tokens: int) -> list[int]:
-        rid = f"ref-{len(engine.requests)}-{id(prompt_ids)}"
-        engine.add_request(rid, prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0))
-        tokens = []
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.request_id == rid:
-                    tokens.extend(out.new_token_ids)
-        return tokens
-
-    run.tokenizer = engine.tokenizer
-    return run
-
-
-@pytest.fixture(autouse=True)
-def no_leaks(stack):
-    yield
-    assert stack.wait_idle(WORKERS) == {w: 0 for w in WORKERS}
 
 
 def _counter(metrics: str, name: str, **labels) -> float:

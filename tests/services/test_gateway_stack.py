@@ -33,21 +33,15 @@ def stack(redis_url):
 
 
 @pytest.fixture(scope="module")
-def reference_text():
-    from services.config import EngineConfig
-    from services.engine.engine import Engine
+def reference_text(reference_engine):
+    """The single engine's greedy text for a chat (its streamed deltas joined, as a client sees them)."""
     from services.engine.sampling_params import SamplingParams
-
-    engine = Engine(EngineConfig(dtype="float32"))
+    from tests.engine.checks import generate, text
 
     def run(messages: list[dict], max_tokens: int) -> str:
-        rid = f"ref-{time.monotonic_ns()}"
-        engine.add_request(rid, engine.tokenizer.apply_chat_template(messages),
-                           SamplingParams(max_tokens=max_tokens, temperature=0))
-        text = ""
-        while engine.has_unfinished():
-            text += "".join(o.new_text for o in engine.step() if o.request_id == rid)
-        return text
+        prompt = reference_engine.tokenizer.apply_chat_template(messages)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+        return text(generate(reference_engine, {"reference": prompt}, params)["reference"])
 
     return run
 

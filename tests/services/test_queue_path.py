@@ -9,10 +9,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-import time
 
 import pytest
-import redis.asyncio as aioredis
 
 from services.queue import AdmissionQueue, QueuedRequest, ResultReader
 from services.queue.cancel import request_cancel
@@ -28,26 +26,6 @@ def stack(redis_url):
     with Stack(redis_url, prefill=1, decode=1,
                router_args=("--max-inflight", "2", "--claim-idle-ms", "1500")) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def engine():
-    from services.config import EngineConfig
-    from services.engine.engine import Engine
-
-    return Engine(EngineConfig(dtype="float32"))
-
-
-def reference(engine, prompt: list[int], max_tokens: int, **kw) -> list[int]:
-    from services.engine.sampling_params import SamplingParams
-
-    rid = f"ref-{time.monotonic_ns()}"
-    engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, **kw))
-    tokens = []
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens.extend(out.new_token_ids if out.request_id == rid else [])
-    return tokens
 
 
 def request(rid: str, prompt: list[int], tier: str = "standard", max_tokens: int = 8, **sampling) -> QueuedRequest:
@@ -66,33 +44,23 @@ async def collect(r, rid: str, timeout_s: float = 120) -> tuple[list[int], str, 
     raise AssertionError("the result stream ended without a terminal event")
 
 
-def run(coro_fn, redis_url):
-    async def main():
-        r = aioredis.Redis.from_url(redis_url)
-        try:
-            return await coro_fn(r)
-        finally:
-            await r.aclose()
-    return asyncio.run(main())
-
-
-def test_queued_request_streams_the_single_engine_tokens(stack, engine):
-    prompt = engine.tokenizer.encode("The capital of France is")
+def test_queued_request_streams_the_single_engine_tokens(stack, reference_engine, reference, with_redis):
+    prompt = reference_engine.tokenizer.encode("The capital of France is")
 
     async def go(r):
         await AdmissionQueue(r).enqueue(request("q-basic", prompt, max_tokens=10))
         return await collect(r, "q-basic")
 
-    tokens, text, final = run(go, stack.redis_url)
+    tokens, text, final = with_redis(go, flush=False, timeout_s=300)
     assert final["type"] == "final" and final["finish_reason"] in ("stop", "length")
-    assert tokens == reference(engine, prompt, 10)
-    assert text == engine.tokenizer.decode(tokens)
+    assert tokens == reference(prompt, 10)
+    assert text == reference_engine.tokenizer.decode(tokens)
     assert final["usage"]["completion_tokens"] == len(tokens) and final["usage"]["prompt_tokens"] == len(prompt)
     assert final["timings"]["queue_ms"] >= 0 and final["timings"]["e2e_ms"] > 0
 
 
-def test_interactive_overtakes_batch_and_batch_still_completes(stack, engine):
-    prompt = engine.tokenizer.encode("Tell me about the weather.")
+def test_interactive_overtakes_batch_and_batch_still_completes(stack, reference_engine, with_redis):
+    prompt = reference_engine.tokenizer.encode("Tell me about the weather.")
 
     async def go(r):
         q = AdmissionQueue(r)
@@ -110,13 +78,13 @@ def test_interactive_overtakes_batch_and_batch_still_completes(stack, engine):
         await asyncio.gather(*(wait(f"q-batch-{i}") for i in range(6)), *(wait(f"q-inter-{i}") for i in range(3)))
         return order
 
-    order = run(go, stack.redis_url)
+    order = with_redis(go, flush=False, timeout_s=300)
     assert len(order) == 9  # every batch request completed too
     last_interactive = max(order.index(f"q-inter-{i}") for i in range(3))
     assert last_interactive < 6, f"interactive requests did not overtake the batch backlog: {order}"
 
 
-def test_request_that_always_fails_is_dead_lettered_and_its_client_told(stack, engine):
+def test_request_that_always_fails_is_dead_lettered_and_its_client_told(stack, reference_engine, with_redis):
     async def go(r):
         await AdmissionQueue(r).enqueue(request("q-bad", [10**7], max_tokens=4))  # outside the vocabulary
         _, _, final = await collect(r, "q-bad")
@@ -128,13 +96,13 @@ def test_request_that_always_fails_is_dead_lettered_and_its_client_told(stack, e
             await asyncio.sleep(0.05)
         return final, dead
 
-    final, dead = run(go, stack.redis_url)
+    final, dead = with_redis(go, flush=False, timeout_s=300)
     assert final["type"] == "error" and final["status"] == 400 and "vocabulary" in final["message"]
     assert len(dead) == 1 and "vocabulary" in dead[0].last_error
 
 
-def test_cancel_reaches_the_workers_and_frees_blocks(stack, engine):
-    prompt = engine.tokenizer.encode("Count from one to a thousand:")
+def test_cancel_reaches_the_workers_and_frees_blocks(stack, reference_engine, with_redis):
+    prompt = reference_engine.tokenizer.encode("Count from one to a thousand:")
 
     async def go(r):
         await AdmissionQueue(r).enqueue(request("q-cancel", prompt, max_tokens=500, ignore_eos=True))
@@ -146,16 +114,16 @@ def test_cancel_reaches_the_workers_and_frees_blocks(stack, engine):
         events = [kind async for _, kind, _ in ResultReader(r).read("q-cancel", timeout_s=30)]
         return events
 
-    events = run(go, stack.redis_url)
+    events = with_redis(go, flush=False, timeout_s=300)
     assert events[-1] == "final"
     assert events.count("chunk") < 500
     assert stack.wait_idle(["prefill-0", "decode-0"]) == {"prefill-0": 0, "decode-0": 0}
 
 
-def test_a_second_router_reclaims_what_a_dead_router_held(stack, engine):
+def test_a_second_router_reclaims_what_a_dead_router_held(stack, reference_engine, reference, with_redis):
     """The stack's router is killed holding two requests; a new router resumes them without gaps."""
-    prompt = engine.tokenizer.encode("Write a long list of animals:")
-    expected = reference(engine, prompt, 40, ignore_eos=True)
+    prompt = reference_engine.tokenizer.encode("Write a long list of animals:")
+    expected = reference(prompt, 40, ignore_eos=True)
 
     async def go(r):
         q = AdmissionQueue(r)
@@ -171,7 +139,7 @@ def test_a_second_router_reclaims_what_a_dead_router_held(stack, engine):
         await asyncio.to_thread(second.wait_ready)
         return [await collect(r, f"q-orphan-{i}") for i in range(2)]
 
-    for tokens, _, final in run(go, stack.redis_url):
+    for tokens, _, final in with_redis(go, flush=False, timeout_s=300):
         assert final["type"] == "final"
         assert tokens == expected  # resumed after the streamed tokens: no duplicate, no gap
     assert stack.wait_idle(["prefill-0", "decode-0"]) == {"prefill-0": 0, "decode-0": 0}

@@ -15,6 +15,8 @@ import time
 import httpx
 import pytest
 
+from tests.services.stack import wait_idle
+
 pytestmark = pytest.mark.slow
 
 
@@ -75,6 +77,10 @@ def test_up_serves_grpc_and_http_then_stops_on_ctrl_c():
                     choices = json.loads(line[6:]).get("choices") or [{}]
                     text += choices[0].get("delta", {}).get("content") or ""
         assert done and "Paris" in text
+
+        # the leak check: both workers' KV blocks are free again once the requests are done
+        workers = {name: re.search(rf"^  {name}\s+(\S+)", out, re.M).group(1) for name in ("prefill-0", "decode-0")}
+        assert wait_idle(workers) == {"prefill-0": 0, "decode-0": 0}
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
         try:

@@ -28,28 +28,6 @@ def stack(redis_url):
         yield s
 
 
-@pytest.fixture(scope="module")
-def reference():
-    from services.config import EngineConfig
-    from services.engine.engine import Engine
-    from services.engine.sampling_params import SamplingParams
-
-    engine = Engine(EngineConfig(dtype="float32"))
-    counter = iter(range(10**6))
-
-    def run(text: str, max_tokens: int, **kw) -> list[int]:
-        rid = f"ref-{next(counter)}"
-        engine.add_request(rid, engine.tokenizer.encode(text), SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                                              **kw))
-        tokens = []
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens.extend(out.new_token_ids if out.request_id == rid else [])
-        return tokens
-
-    return run
-
-
 def _alive(stack: Stack, names: list[str]) -> list[str]:
     return [n for n in names if stack.procs[n].proc.poll() is None]
 

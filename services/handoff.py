@@ -3,7 +3,7 @@
 Decode side::
 
     owner = EngineBlockOwner(async_engine)
-    receiver = Receiver(engine.kv_cache, engine.kv_spec, engine.namespace, owner)
+    receiver = Receiver(engine.kv_cache, engine.namespace, owner)
     pending = await reserve_for_transfer(async_engine, owner, receiver, rid, prompt, params, timeout_s)
     ...give pending.descriptor.to_bytes() to the prefill side...
     async for out in decode_after_transfer(async_engine, rid, await pending): ...
@@ -29,8 +29,7 @@ from dataclasses import dataclass
 
 from kvtransfer import Completion, PendingTransfer, Receiver, Sender, TransferDescriptor
 from services.engine.async_engine import AsyncEngine
-from services.engine.engine import RequestOutput
-from services.engine.sampler import TokenLogprobs
+from services.engine.outputs import RequestOutput, TokenLogprobs
 from services.engine.sampling_params import SamplingParams
 from services.errors import TransferError
 

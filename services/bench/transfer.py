@@ -16,10 +16,10 @@ hurts them alike) and the median is reported:
   message, to compare against.
 
 Both UCX paths run with pdserve's UCX settings and progress driver
-(``ucx.py``, ``ucx_progress.py``; override them through the environment):
+(``kvtransfer/ucx.py``, ``kvtransfer/ucx_progress.py``; override them through the environment):
 with them, one large tag message is a single copy that the receiver pulls.
 pdserve's ``ucx`` path can beat ``raw``: it also has the sender put part of
-each chunk at the same time (``ucx_puts.py``) and waits without polling. The
+each chunk at the same time (``kvtransfer/ucx_puts.py``) and waits without polling. The
 first measured round of each size checks that the receiver's blocks hold
 exactly the sender's bytes. The JSON also records the 1-minute load average
 before and after the run: on a shared 2-core machine the figures mean little
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -43,11 +42,11 @@ import time
 
 import torch
 
-from kvtransfer.bench_peer import NAMESPACE, RAW_ACK_TAG, RAW_DATA_TAG, digest, receiver_process
 from kvtransfer.block_runs import BlockBytes
 from kvtransfer.config import TransferConfig
 from kvtransfer.descriptor import TransferDescriptor
 from kvtransfer.sender import Sender
+from services.bench.transfer_peer import NAMESPACE, RAW_ACK_TAG, RAW_DATA_TAG, digest, receiver_process
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 
 # The default model, SmolLM2-135M: 30 layers, 3 KV heads of 64, bf16, blocks of
@@ -90,11 +89,7 @@ def run_cli(args: argparse.Namespace) -> int:
         serve_peer(args.serve_peer)
         return 0
     result = run(args)
-    result_files.save("kvtransfer", result, args)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print_table(result)
+    result_files.report("kvtransfer", result, args, print_table)
     return 0 if result["verified"] else 1
 
 
@@ -172,7 +167,7 @@ async def _run(sizes, chunk_tokens, repeats, transports, paths, ucx_why, device,
     call = lambda *msg: loop.run_in_executor(None, _ask, parent_end, msg)
     try:
         addresses = await call("addresses")
-        senders = {t: Sender(kv, spec, NAMESPACE, TransferConfig(transport=t)) for t in transports}
+        senders = {t: Sender(kv, NAMESPACE, TransferConfig(transport=t)) for t in transports}
         raw_host = _split(peer)[0] if peer else "127.0.0.1"
         raw_ep = await _raw_connect(addresses["raw"], raw_host) if "raw" in paths else None
         samples: dict[int, dict[str, list[float]]] = {n: {p: [] for p in paths} for n in sizes}
@@ -220,7 +215,7 @@ async def _pdserve_once(sender, call, path, tokens, nblocks, chunk_tokens, kv, s
     seconds = time.perf_counter() - start
     ok = True
     if check:
-        ok = await call("digest", desc.block_ids) == digest(BlockBytes(kv, spec), src)
+        ok = await call("digest", desc.block_ids) == digest(BlockBytes(kv), src)
         _progress(f"{path} {_label(tokens)}: receiver's blocks {'match' if ok else 'DIFFER FROM'} the sender's")
     await call("free", tid)
     return seconds, ok
@@ -231,7 +226,7 @@ async def _raw_once(ep, call, kv, spec, nbytes) -> float:
 
     from kvtransfer.ucx import ucx_buffer
 
-    data = ucx_buffer(BlockBytes(kv, spec).run(1, nbytes // spec.block_bytes))
+    data = ucx_buffer(BlockBytes(kv).run(1, nbytes // spec.block_bytes))
     ack = np.empty(1, dtype=np.uint8)
     await call("raw_expect", nbytes)
     start = time.perf_counter()

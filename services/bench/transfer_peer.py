@@ -51,9 +51,9 @@ def receiver_process(conn, spec, num_blocks, transports, raw, device, host="127.
 
 async def _receiver_main(conn, spec, num_blocks, transports, raw, device, host, advertise) -> None:
     kv = allocate_kv_cache(spec, num_blocks, device)
-    blocks = BlockBytes(kv, spec)
+    blocks = BlockBytes(kv)
     pool = _FreeList(num_blocks)
-    receivers = {t: Receiver(kv, spec, NAMESPACE, pool, TransferConfig(transport=t, host=host, advertise_host=advertise))
+    receivers = {t: Receiver(kv, NAMESPACE, pool, TransferConfig(transport=t, host=host, advertise_host=advertise))
                  for t in transports}
     addresses = {t: await r.start() for t, r in receivers.items()}
     raw_eps: list = []  # the raw benchmark's endpoint, once the sender connected
