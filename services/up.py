@@ -6,8 +6,10 @@
     the gateway (OpenAI HTTP API, public gRPC)      `pdserve gateway`
 
 Each child's output is forwarded with its name in front. ``up`` waits until
-every child says it is ready, prints where each listens, and on Ctrl-C (or
-SIGTERM, or any child dying) stops them all: SIGTERM first (they drain), then
+every child says it is ready, prints where each listens, and then supervises
+them: a child that dies is started again with backoff (services/supervisor.py),
+said on the console (``--no-restart``: a dying child stops the stack instead).
+On Ctrl-C (or SIGTERM) it stops them all: SIGTERM first (they drain), then
 SIGKILL after ``--stop-timeout``.
 """
 
@@ -20,6 +22,7 @@ import threading
 
 from services.engine.model_source import model_name
 from services.launcher import LocalStack, StackError, StackSpec
+from services.supervisor import Supervisor
 
 
 def spec_from_args(args) -> StackSpec:
@@ -55,9 +58,14 @@ def run(args) -> int:
         print("\n[pdserve] the stack is up:", flush=True)
         print(f"  redis     {stack.redis_url}{'  (embedded)' if stack.server else ''}")
         for p in stack.procs.values():
-            print(f"  {p.name:<9} {p.address}")
+            print(f"  {p.name:<9} {p.address:<21} pid {p.proc.pid}")
         print(_examples(args, stack), flush=True)
+        supervisor = Supervisor(stack, lambda line: print(f"[pdserve] {line}", flush=True),
+                                max_backoff_s=args.max_restart_backoff)
         while not stopping.wait(0.5):
+            if not args.no_restart:
+                supervisor.check()
+                continue
             dead = stack.dead()
             if dead:
                 print(f"[pdserve] {dead[0].name} exited (status {dead[0].proc.returncode}); stopping the stack",
@@ -128,5 +136,9 @@ def add_parser(sub) -> None:
                    help="extra argument for the gateway (repeatable), e.g. --gateway-arg=--max-queued-requests=100")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for every process")
     p.add_argument("--stop-timeout", type=float, default=30.0, help="seconds each process gets to drain")
+    p.add_argument("--no-restart", action="store_true",
+                   help="stop the whole stack when a child dies (default: restart it, with backoff)")
+    p.add_argument("--max-restart-backoff", type=float, default=30.0,
+                   help="seconds at most between restarts of a child that keeps dying")
     p.add_argument("--quiet", action="store_true", help="only show the processes' ready lines")
     p.set_defaults(func=run)

@@ -44,7 +44,8 @@ from services.engine.sampling_params import SamplingParams
 from services.errors import CapacityError, InvalidRequestError, NoWorkerError, PdserveError
 from services.grpc_codec import check_deadline, error_from_rpc, worker_request
 from services.registry import WorkerInfo
-from services.router.policy import RouterPolicyConfig, decode_is_busy, policy_from_config, should_prefill_locally
+from services.router.placement import begin_prefill, place
+from services.router.policy import RouterPolicyConfig, policy_from_config
 from services.router.prefix_index import PrefixIndex
 from services.router.worker_pool import WorkerPool
 
@@ -59,6 +60,9 @@ class DispatchConfig:
     # No decode worker has room for the prompt's KV right now: wait (backing off) this long for
     # running requests to finish before answering RESOURCE_EXHAUSTED. Waiting is not an attempt.
     capacity_wait_s: float = 30.0
+    # No decode worker is ready (one restarting, heartbeats missed under load): wait this long for one
+    # to come back before answering UNAVAILABLE (capped by capacity_wait_s).
+    no_worker_wait_s: float = 10.0
     disaggregation: str = "auto"  # auto (conditional) | always | never
 
     def __post_init__(self) -> None:
@@ -83,16 +87,17 @@ class _Served:
 class _AttemptFailed(Exception):
     """``blame`` is the worker to avoid next time (None: nobody in particular)."""
 
-    def __init__(self, error: PdserveError, blame: WorkerInfo | None, retryable: bool = True):
+    def __init__(self, error: PdserveError, blame: WorkerInfo | None, retryable: bool = True, wait: bool = False):
         super().__init__(error.message)
         self.error = error
         self.blame = blame
         self.retryable = retryable
+        self.wait = wait  # a moment without decode workers (restarting, missed heartbeats): wait like no room
 
     @property
     def no_room(self) -> bool:
-        """Every decode worker is full for now: wait, it is nobody's fault."""
-        return isinstance(self.error, CapacityError) and self.retryable
+        """Every decode worker is full (or gone) for now: wait, it is nobody's fault."""
+        return (self.wait or isinstance(self.error, CapacityError)) and self.retryable
 
 
 class _PrefillFailed(Exception):
@@ -158,6 +163,7 @@ class Dispatcher:
         outcome = "error"
         attempt = 0
         waited_until = time.monotonic() + self.config.capacity_wait_s
+        no_worker_until = time.monotonic() + min(self.config.no_worker_wait_s, self.config.capacity_wait_s)
         backoff = 0.02
         try:
             while attempt < self.config.max_attempts:
@@ -209,7 +215,8 @@ class Dispatcher:
                     raise _AttemptFailed(NoWorkerError("the decode worker ended its stream without a finish"),
                                          None)
                 except _AttemptFailed as failed:
-                    if failed.no_room and time.monotonic() + backoff < waited_until:
+                    if failed.no_room and time.monotonic() + backoff < (no_worker_until if failed.wait
+                                                                         else waited_until):
                         attempt -= 1  # same attempt number: its worker request id was never used
                         await asyncio.sleep(backoff)
                         backoff = min(backoff * 2, 0.5)
@@ -233,7 +240,7 @@ class Dispatcher:
                        avoid_prefill: set[str], avoid_decode: set[str], results_to: str = ""):
         decode_workers = self.pool.decode_workers()
         if not decode_workers:
-            raise _AttemptFailed(NoWorkerError("no decode worker is ready"), None, retryable=False)
+            raise _AttemptFailed(NoWorkerError("no decode worker is ready"), None, wait=True)
         sample = decode_workers[0]
         block_size, namespace = sample.block_size, sample.namespace
         if len(prompt) >= sample.max_model_len:
@@ -241,23 +248,22 @@ class Dispatcher:
                 f"prompt has {len(prompt)} tokens, but the model's context is {sample.max_model_len} tokens "
                 "(including at least one generated token); shorten the prompt", param="prompt"), None, False)
         hashes = hash_prompt_blocks(prompt, block_size, namespace)
-        blocks_needed = -(-len(prompt) // block_size)
-        try:
-            d = self.policy.choose_decode(decode_workers, blocks_needed, self.pool, exclude=avoid_decode)
-        except PdserveError as exc:
-            fits_somewhere = blocks_needed <= max(w.kv_blocks_total for w in decode_workers)
-            raise _AttemptFailed(exc, None, retryable=isinstance(exc, CapacityError) and fits_somewhere) from None
-        decode = d.worker
         prefill_workers = [w for w in self.pool.prefill_workers()
                            if w.namespace == namespace and w.worker_id not in avoid_prefill]
+        try:
+            placement = place(self.policy, self.policy_config, self.config.disaggregation, self.pool, self.index,
+                              decode_workers, prefill_workers, hashes, len(prompt), block_size, avoid_decode)
+        except PdserveError as exc:
+            blocks_needed = -(-len(prompt) // block_size)
+            fits_somewhere = blocks_needed <= max(w.kv_blocks_total for w in decode_workers)
+            raise _AttemptFailed(exc, None, retryable=isinstance(exc, CapacityError) and fits_somewhere) from None
+        d = placement.decode
+        decode = d.worker
         request = worker_request(wrid, prompt, params, priority, deadline, results_to)
         decode_stub = worker_pb2_grpc.DecodeWorkerStub(self.channels.get(decode.address))
         metadata = telemetry.grpc_metadata()
 
-        choice = None
-        if prefill_workers and self.config.disaggregation != "never":
-            choice = self.policy.choose_prefill(prefill_workers, hashes, block_size, self.pool, self.index)
-        if choice is None or self._prefill_locally(decode, prompt, hashes, choice):
+        if placement.prefill is None:
             self._count(d.worker, "local_prefill")
             token = self.pool.begin(decode.worker_id, len(prompt))
             try:
@@ -271,13 +277,11 @@ class Dispatcher:
                 self.pool.end(token)
             return
 
+        choice = placement.prefill
         prefill = choice.worker
         self._count(prefill, choice.reason)
         self._count(decode, d.reason)
-        # Predict the worker's cache: the next request with this prefix goes there even before
-        # its KV events arrive (they confirm this, or remove what it evicts).
-        self.index.touch(prefill.worker_id, hashes, prefill.kv_blocks_total)
-        token = self.pool.begin(prefill.worker_id, len(prompt) - choice.overlap_blocks * block_size)
+        token = begin_prefill(self.pool, self.index, choice, hashes, len(prompt), block_size)
         prefill_task: asyncio.Task | None = None
         call = None
         try:
@@ -318,14 +322,6 @@ class Dispatcher:
                 prefill_task.cancel()
             if call is not None and not call.done():
                 call.cancel()
-
-    def _prefill_locally(self, decode: WorkerInfo, prompt: list[int], hashes: list[int], choice) -> bool:
-        if self.config.disaggregation == "always":
-            return False
-        uncached = len(prompt) - self.index.overlap(decode.worker_id, hashes) * decode.block_size
-        queue = self.pool.load(choice.worker.worker_id).pending_prefill_tokens
-        busy = decode_is_busy(self.pool.load(decode.worker_id), self.policy_config)
-        return should_prefill_locally(uncached, queue, True, self.policy_config, decode_busy=busy)
 
     def _count(self, worker: WorkerInfo, reason: str) -> None:
         telemetry.ROUTING_DECISIONS.labels(policy=self.policy_config.policy, role=worker.role,
@@ -372,7 +368,8 @@ class Dispatcher:
 
     def _abort_quietly(self, stub, request_id: str, metadata) -> None:
         """Free a reservation nobody will claim (best effort: unclaimed ones also expire)."""
-        task = asyncio.create_task(stub.Abort(worker_pb2.AbortRequest(request_id=request_id), metadata=metadata))
+        # a grpc.aio call is awaitable but not a coroutine: create_task would raise TypeError
+        task = asyncio.ensure_future(stub.Abort(worker_pb2.AbortRequest(request_id=request_id), metadata=metadata))
         self._background.add(task)
         task.add_done_callback(lambda t: self._background.discard(t) or t.cancelled() or t.exception())
 

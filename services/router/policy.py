@@ -171,15 +171,27 @@ class KVAwarePolicy(RoutingPolicy):
         return uncached_tokens + c.load_weight * pending + c.request_tokens * requests
 
     def _pick_prefill(self, candidates, overlaps, num_tokens, block_size, pool, block_hashes, index):
-        scored = []  # (cost, worker, overlap), candidates already sorted by id
-        for w in candidates:
+        # The eviction charge only adds to a worker's cost, so it is computed in order of the cost
+        # without it, and only while that could still make the worker the best (or a near-tie):
+        # with hundreds of workers most are ruled out by their load alone, the same choice at a
+        # fraction of the work (the charge walks the worker's cache model).
+        base = []  # (cost without the eviction charge, position by id, worker, overlap)
+        for i, w in enumerate(candidates):  # candidates are sorted by id
             overlap = overlaps.get(w.worker_id, 0)
             uncached = max(0, num_tokens - overlap * block_size)
-            cost = self.cost(pool.load(w.worker_id), uncached)
+            base.append((self.cost(pool.load(w.worker_id), uncached), i, w, overlap))
+        base.sort(key=lambda s: (s[0], s[1]))
+        margin = self.config.tie_tokens if self.config.temperature > 0 else 0.0
+        scored = []  # (cost, position by id, worker, overlap)
+        best = math.inf
+        for cost, i, w, overlap in base:
+            if cost > best + margin:
+                break
             if index is not None and w.kv_blocks_total > 0:  # 0: the worker has not reported its cache yet
                 cost += block_size * index.reused_evictions(w.worker_id, block_hashes, w.kv_blocks_total)
-            scored.append((cost, w, overlap))
-        best = min(s[0] for s in scored)
+            scored.append((cost, i, w, overlap))
+            best = min(best, cost)
+        scored = [(cost, w, overlap) for cost, _, w, overlap in sorted(scored, key=lambda s: s[1])]
         if self.config.temperature == 0:
             cost, worker, overlap = next(s for s in scored if s[0] == best)
         else:

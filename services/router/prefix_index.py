@@ -79,8 +79,11 @@ class PrefixIndex:
         blocks of cache. Such blocks are likely wanted again (a shared prefix), so evicting one
         costs a recompute later; a block used once (a prompt's own suffix) costs nothing."""
         mine = self._blocks.get(worker_id) or OrderedDict()
+        free = max(0, capacity - len(mine))
+        if len(hashes) <= free:  # room for the whole prompt: nothing goes (the common case, and O(1))
+            return 0
         wanted = set(hashes)
-        evict = sum(1 for h in wanted if h not in mine) - max(0, capacity - len(mine))
+        evict = len(wanted) - len(mine.keys() & wanted) - free
         reused = 0
         for h, uses in mine.items():  # least recently used first
             if evict <= 0:

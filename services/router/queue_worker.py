@@ -154,7 +154,10 @@ class QueueWorker:
                 if await is_cancelled(self.redis, req.request_id):
                     await self._final(d, {"finish_reason": "abort", "usage": {}, "timings": {"queue_ms": queue_ms}})
                     return
-                params = SamplingParams(**req.sampling)
+                try:
+                    params = SamplingParams(**req.sampling)
+                except (TypeError, ValueError) as exc:  # an unknown field, a value out of range: bad input
+                    raise InvalidRequestError(f"bad sampling parameters: {exc}") from None
                 emitted = await self._emitted(req.request_id) if d.delivery_count > 1 else []
                 finish = None
                 async for item in self.dispatcher.generate(
@@ -176,13 +179,11 @@ class QueueWorker:
                     await asyncio.shield(self._final(d, {"finish_reason": "abort", "usage": {},
                                                          "timings": {"queue_ms": queue_ms}}))
                 raise
-            except (PdserveError, TypeError, ValueError) as exc:
-                if isinstance(exc, TypeError):  # SamplingParams got an unknown field
-                    exc = InvalidRequestError(f"bad sampling parameters: {exc}")
-                # bad input stays bad; anything else (no room, a worker or transfer failure) may pass later
-                retryable = isinstance(exc, PdserveError) and exc.http_status not in (400, 404)
-                message = exc.message if isinstance(exc, PdserveError) else str(exc)
-                code = exc.code if isinstance(exc, PdserveError) else "invalid_request_error"
+            except PdserveError as exc:
+                # bad input stays bad; anything else (no room, a worker or transfer failure) may pass later.
+                # A TypeError or ValueError from the dispatch is a bug, not bad input: retried below.
+                retryable = exc.http_status not in (400, 404)
+                message, code = exc.message, exc.code
                 outcome = await self.consumer.fail(d, message, self.consumer.consumer, retryable=retryable, code=code)
                 log.warning("request %s failed (%s): %s", req.request_id, outcome, message)
                 if outcome == "dead_lettered":

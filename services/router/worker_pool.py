@@ -82,6 +82,9 @@ class WorkerPool:
         self._tokens: dict[int, tuple[str, int]] = {}  # token id -> (worker id, prefill tokens)
         self._inflight: dict[str, list[int]] = {}  # worker id -> [requests, prefill tokens]
         self._ids = itertools.count()
+        # worker id -> its WorkerLoad until its heartbeat or in-flight counts change: a policy reads
+        # every worker's load for every request, and with hundreds of workers building them dominated
+        self._loads: dict[str, WorkerLoad] = {}
         self._loops = Loops()
 
     # ---- registry -------------------------------------------------------
@@ -107,6 +110,7 @@ class WorkerPool:
     def update(self, workers: Iterable[WorkerInfo]) -> None:
         """Replace the known set with ``workers`` (what the registry holds now)."""
         now = self._clock()
+        self._loads.clear()
         fresh = {w.worker_id: w for w in workers if self.model is None or w.model == self.model}
         for worker_id in [w for w in self._workers if w not in fresh]:
             del self._workers[worker_id]
@@ -171,6 +175,7 @@ class WorkerPool:
             raise ValueError(f"prefill_tokens must be >= 0, got {prefill_tokens}")
         token = InflightToken(next(self._ids), worker_id)
         self._tokens[token.id] = (worker_id, prefill_tokens)
+        self._loads.pop(worker_id, None)
         counts = self._inflight.setdefault(worker_id, [0, 0])
         counts[0] += 1
         counts[1] += prefill_tokens
@@ -180,6 +185,7 @@ class WorkerPool:
         """The request's prefill finished; it stays in flight (e.g. decoding after a local prefill)."""
         entry = self._tokens.get(token.id)
         if entry is not None and entry[1]:
+            self._loads.pop(entry[0], None)
             self._inflight[entry[0]][1] -= entry[1]
             self._tokens[token.id] = (entry[0], 0)
 
@@ -189,6 +195,7 @@ class WorkerPool:
         if entry is None:
             return
         worker_id, prefill_tokens = entry
+        self._loads.pop(worker_id, None)
         counts = self._inflight[worker_id]
         counts[0] -= 1
         counts[1] -= prefill_tokens
@@ -197,9 +204,13 @@ class WorkerPool:
 
     def load(self, worker_id: str) -> WorkerLoad:
         """Heartbeat fields plus this router's in-flight counts. KeyError for an unknown worker."""
+        cached = self._loads.get(worker_id)
+        if cached is not None:
+            return cached
         info = self._workers[worker_id].info
         requests, prefill_tokens = self._inflight.get(worker_id, (0, 0))
-        return WorkerLoad(worker_id=worker_id, num_running=info.num_running, num_waiting=info.num_waiting,
-                          queued_prefill_tokens=info.queued_prefill_tokens,
-                          kv_blocks_free=info.kv_blocks_free, inflight_requests=requests,
-                          inflight_prefill_tokens=prefill_tokens)
+        load = self._loads[worker_id] = WorkerLoad(
+            worker_id=worker_id, num_running=info.num_running, num_waiting=info.num_waiting,
+            queued_prefill_tokens=info.queued_prefill_tokens, kv_blocks_free=info.kv_blocks_free,
+            inflight_requests=requests, inflight_prefill_tokens=prefill_tokens)
+        return load

@@ -26,11 +26,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_up_serves_grpc_and_http_then_stops_on_ctrl_c():
-    http_port, grpc_port, router_port = _free_port(), _free_port(), _free_port()
+def start_up(*args: str) -> tuple[subprocess.Popen, list[str], threading.Event]:
+    """`pdserve up ARGS` in its own session: the process, its output lines as they come, and an event set once
+    it printed its examples (the stack is up)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--threads", "1", "--kv-cache-gb", "0.25",
-         "--port", str(http_port), "--grpc-port", str(grpc_port), "--router-port", str(router_port)],
+        [sys.executable, "-m", "services.cli", "up", "--threads", "1", "--kv-cache-gb", "0.25", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
         start_new_session=True)
     lines: list[str] = []
@@ -43,6 +43,23 @@ def test_up_serves_grpc_and_http_then_stops_on_ctrl_c():
                 up.set()
 
     threading.Thread(target=pump, daemon=True).start()
+    return proc, lines, up
+
+
+def ctrl_c(proc: subprocess.Popen) -> int:
+    """Stop `pdserve up` as a user does (SIGINT to its process group); its exit status."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        return proc.wait(90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
+def test_up_serves_grpc_and_http_then_stops_on_ctrl_c():
+    http_port, grpc_port, router_port = _free_port(), _free_port(), _free_port()
+    proc, lines, up = start_up("--port", str(http_port), "--grpc-port", str(grpc_port),
+                               "--router-port", str(router_port))
     try:
         deadline = time.monotonic() + 240
         while not up.wait(0.5):
@@ -82,12 +99,7 @@ def test_up_serves_grpc_and_http_then_stops_on_ctrl_c():
         workers = {name: re.search(rf"^  {name}\s+(\S+)", out, re.M).group(1) for name in ("prefill-0", "decode-0")}
         assert wait_idle(workers) == {"prefill-0": 0, "decode-0": 0}
     finally:
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
-        try:
-            rc = proc.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+        rc = ctrl_c(proc)
     assert rc == 0, "\n".join(lines[-40:])
     assert "[pdserve] stopped" in "\n".join(lines)
     # every child is gone with it

@@ -1,0 +1,106 @@
+"""``pdserve planner``'s command line: flags -> the planner, its signal reader and an actuator."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import shlex
+import signal
+
+from services import telemetry
+from services.planner.policy import Capacity, Planner, PlannerConfig
+from services.planner.service import EmitActuator, LocalActuator, run_loop
+from services.planner.signals import SignalReader
+from services.registry import connect_redis
+from services.sim.autoscale import capacity_of
+from services.sim.profiles import load_profile
+
+
+def _capacity(args) -> Capacity:
+    base = capacity_of(load_profile(args.profile))
+    return Capacity(prefill_tokens_per_s=args.prefill_tokens_per_s or base.prefill_tokens_per_s,
+                    kv_blocks=args.kv_blocks or base.kv_blocks, max_num_seqs=args.max_num_seqs or base.max_num_seqs)
+
+
+async def _main(args) -> int:
+    config = PlannerConfig(target_utilisation=args.target_utilisation, kv_target=args.kv_target,
+                           lag_target_s=args.lag_target_s, slo_target=args.slo_target,
+                           slo_min_requests=args.slo_min_requests,
+                           down_after_s=args.down_after_s, warm_fraction=args.warm_fraction,
+                           idle_to_zero_s=args.idle_to_zero_s, min_prefill=args.min_prefill,
+                           min_decode=args.min_decode, max_workers=args.max_workers)
+    planner = Planner(config, _capacity(args))
+    redis = await connect_redis(args.redis_url)
+    gauge = None
+    if args.metrics_port >= 0:
+        from prometheus_client import Gauge
+
+        gauge = Gauge("pdserve_planner_desired_replicas", "The planner's decision: workers wanted per role "
+                      "(prefill, decode) and warm standbys (warm).", ["role"])
+        address = telemetry.start_metrics_server(args.host, args.metrics_port)
+        print(f"planner metrics on {address}", flush=True)
+    model = args.model or "default"
+    if args.actuate == "local":
+        actuator = LocalActuator(redis, model, args.redis_url, shlex.split(args.worker_args), gauge,
+                                 echo=lambda name, line: print(f"[{name}] {line}", flush=True))
+    else:
+        actuator = EmitActuator(redis, model, gauge)
+    reader = SignalReader(redis, args.model, args.ttft_slo, args.itl_slo, args.scrape)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stopping.set)
+    try:
+        await run_loop(reader, planner, actuator, args.interval, args.ticks, stopping)
+    finally:
+        actuator.close()
+        await redis.aclose()
+    return 0
+
+
+def run(args) -> int:
+    if args.interval <= 0 or args.ticks < 0:
+        raise ValueError("--interval must be > 0 and --ticks >= 0")
+    return asyncio.run(_main(args))
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("planner", help="the autoscaling planner: decide prefill/decode/warm counts from Redis and "
+                                       "Prometheus signals; emit them (Kubernetes) or scale local workers",
+                       description=__doc__ + "\n\nSee docs/autoscaling.md for the rule and its KEDA mapping.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--model", default=None, help="plan for the workers serving this model (default: all)")
+    p.add_argument("--actuate", choices=["emit", "local"], default="emit",
+                   help="emit: print/publish decisions (KEDA scales on them); local: start and drain worker "
+                        "processes on this machine")
+    p.add_argument("--worker-args", default="", help="local: flags for the workers it starts, one quoted string "
+                                                     "(e.g. \"--kv-cache-gb 0.5 --threads 1\")")
+    p.add_argument("--interval", type=float, default=10.0, help="seconds between decisions")
+    p.add_argument("--ticks", type=int, default=0, help="stop after this many decisions (0: run until SIGTERM)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="/metrics port for pdserve_planner_desired_replicas (0: a free one; -1: off)")
+    p.add_argument("--scrape", action="append", default=[], metavar="HOST:PORT",
+                   help="more /metrics endpoints to read (the router's, for per-request TTFT); repeatable")
+    p.add_argument("--profile", default="cpu", help="worker capacities from this calibration profile (cpu, h100)")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=0.0, help="override: one prefill worker's rate")
+    p.add_argument("--kv-blocks", type=int, default=0, help="override: one decode worker's KV blocks")
+    p.add_argument("--max-num-seqs", type=int, default=0, help="override: one decode worker's batch limit")
+    p.add_argument("--ttft-slo", type=float, default=2.5, help="seconds (use a histogram bucket bound)")
+    p.add_argument("--itl-slo", type=float, default=0.1, help="seconds (use a histogram bucket bound)")
+    p.add_argument("--target-utilisation", type=float, default=0.6)
+    p.add_argument("--kv-target", type=float, default=0.7)
+    p.add_argument("--lag-target-s", type=float, default=1.0)
+    p.add_argument("--slo-target", type=float, default=0.99)
+    p.add_argument("--slo-min-requests", type=int, default=20,
+                   help="judge a window's SLO attainment only with at least this many requests in it")
+    p.add_argument("--down-after-s", type=float, default=300.0, help="hysteresis before scaling down")
+    p.add_argument("--warm-fraction", type=float, default=0.1)
+    p.add_argument("--idle-to-zero-s", type=float, default=900.0)
+    p.add_argument("--min-prefill", type=int, default=0)
+    p.add_argument("--min-decode", type=int, default=1)
+    p.add_argument("--max-workers", type=int, default=64)
+    p.set_defaults(func=run)

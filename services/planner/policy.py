@@ -1,0 +1,158 @@
+"""How many prefill and decode workers to run, and how many to keep warm.
+
+Inputs (``Signals``, one snapshot per tick; the live service reads them from Redis
+and Prometheus, the simulator from its cluster):
+
+* prefill demand: prompt tokens computed per second over the last window, plus the
+  queue's lag (tokens queued ahead of the prefill workers, in seconds of their work);
+* decode demand: KV blocks in use and running sequences;
+* SLO attainment over the last window (TTFT and ITL).
+
+Rule, per role::
+
+    need = ceil(demand / (per-worker capacity * target_utilisation))
+    prefill: + ceil(lag_s / lag_target_s) workers while the queue lags (clears the backlog)
+    attainment under slo_target: need *= boost (the estimate is missing something: add headroom)
+
+Scale up at once; scale down only after ``need`` stayed below the current count for
+``down_after_s`` (hysteresis), by at most ``down_step`` of it per tick. A warm pool of
+standby workers (model loaded, not registered) of ``warm_fraction`` of the active ones
+(at least ``warm_min``) hides cold starts: the next scale-up takes them first (a warm
+start of seconds instead of minutes). With no traffic for ``idle_to_zero_s`` a model
+scales to zero active workers and keeps ``warm_min`` warm.
+
+``ThresholdRule`` is the baseline: an HPA on utilisation (desired = ceil(current *
+utilisation / target)), with HPA's default 300 s scale-down stabilisation and no warm pool.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """One worker's capacity, from its profile (the simulator) or flags (the live service)."""
+
+    prefill_tokens_per_s: float
+    kv_blocks: int
+    max_num_seqs: int
+
+    def __post_init__(self) -> None:
+        if not self.prefill_tokens_per_s > 0 or self.kv_blocks < 1 or self.max_num_seqs < 1:
+            raise ValueError("capacities must be > 0")
+
+
+@dataclass
+class Signals:
+    now: float
+    prefill_workers: int
+    decode_workers: int
+    prefill_tokens_per_s: float  # computed (uncached) prompt tokens per second, last window
+    queued_prefill_tokens: float  # waiting in the admission queue and on prefill workers
+    kv_blocks_used: int
+    running_seqs: int
+    ttft_attainment: float | None = None  # fraction of the window's requests within the TTFT SLO
+    itl_attainment: float | None = None
+    requests_in_window: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    prefill: int
+    decode: int
+    warm: int  # standby workers to keep (model loaded, not registered), both roles together
+    reason: str = ""
+
+
+@dataclass
+class PlannerConfig:
+    target_utilisation: float = 0.6
+    kv_target: float = 0.7
+    lag_target_s: float = 1.0
+    slo_target: float = 0.99
+    slo_min_requests: int = 20  # fewer in a window: its attainment is noise (one slow request of 5 is 80%)
+    boost: float = 1.25
+    down_after_s: float = 300.0
+    down_step: float = 0.1
+    warm_fraction: float = 0.1
+    warm_min: int = 1
+    idle_to_zero_s: float = 900.0
+    min_prefill: int = 1
+    min_decode: int = 1
+    max_workers: int = 10_000
+
+    def __post_init__(self) -> None:
+        for name in ("target_utilisation", "kv_target", "slo_target", "down_step"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1]")
+        if self.boost < 1 or self.lag_target_s <= 0 or self.down_after_s < 0 or self.idle_to_zero_s <= 0:
+            raise ValueError("boost >= 1, lag_target_s > 0, down_after_s >= 0 and idle_to_zero_s > 0 needed")
+        if min(self.warm_min, self.min_prefill, self.min_decode) < 0 or self.warm_fraction < 0:
+            raise ValueError("minimums and warm_fraction must be >= 0")
+
+
+@dataclass
+class Planner:
+    config: PlannerConfig
+    capacity: Capacity
+    _below_since: dict = field(default_factory=dict)
+    _last_traffic: float | None = None  # idle is counted from the first decision
+
+    def decide(self, s: Signals) -> Decision:
+        c, cap = self.config, self.capacity
+        if self._last_traffic is None or s.requests_in_window or s.queued_prefill_tokens or s.running_seqs:
+            self._last_traffic = s.now
+        if s.now - self._last_traffic >= c.idle_to_zero_s:
+            self._below_since.clear()
+            return Decision(0, 0, c.warm_min, "idle: scaled to zero")
+        prefill = math.ceil(s.prefill_tokens_per_s / (cap.prefill_tokens_per_s * c.target_utilisation))
+        lag_s = s.queued_prefill_tokens / (cap.prefill_tokens_per_s * max(s.prefill_workers, 1))
+        reasons = []
+        if lag_s > c.lag_target_s:
+            prefill = max(prefill, s.prefill_workers) + math.ceil(lag_s / c.lag_target_s)
+            reasons.append(f"queue lag {lag_s:.1f} s")
+        decode = max(math.ceil(s.kv_blocks_used / (cap.kv_blocks * c.kv_target)),
+                     math.ceil(s.running_seqs / (cap.max_num_seqs * c.target_utilisation)))
+        judged = s.requests_in_window >= c.slo_min_requests
+        if judged and s.ttft_attainment is not None and s.ttft_attainment < c.slo_target:
+            prefill = max(prefill, math.ceil(s.prefill_workers * c.boost))
+            reasons.append(f"TTFT attainment {s.ttft_attainment:.3f}")
+        if judged and s.itl_attainment is not None and s.itl_attainment < c.slo_target:
+            decode = max(decode, math.ceil(s.decode_workers * c.boost))
+            reasons.append(f"ITL attainment {s.itl_attainment:.3f}")
+        prefill = self._hysteresis("prefill", s.now, s.prefill_workers, max(prefill, c.min_prefill))
+        decode = self._hysteresis("decode", s.now, s.decode_workers, max(decode, c.min_decode))
+        prefill = min(prefill, c.max_workers)
+        decode = min(decode, c.max_workers - prefill)
+        warm = max(c.warm_min, math.ceil(c.warm_fraction * (prefill + decode)))
+        return Decision(prefill, decode, warm, "; ".join(reasons) or "demand")
+
+    def _hysteresis(self, role: str, now: float, current: int, need: int) -> int:
+        if need >= current:
+            self._below_since.pop(role, None)
+            return need
+        since = self._below_since.setdefault(role, now)
+        if now - since < self.config.down_after_s:
+            return current
+        return max(need, current - max(1, math.floor(current * self.config.down_step)))
+
+
+@dataclass
+class ThresholdRule:
+    """An HPA on utilisation: desired = ceil(current * utilisation / target), 300 s scale-down window."""
+
+    target: float = 0.7
+    down_after_s: float = 300.0
+    minimum: int = 1
+    _history: dict = field(default_factory=dict)
+
+    def desired(self, role: str, now: float, current: int, utilisation: float) -> int:
+        want = max(self.minimum, math.ceil(max(current, 1) * utilisation / self.target))
+        history = self._history.setdefault(role, [])
+        history.append((now, want))
+        while history and history[0][0] < now - self.down_after_s:
+            history.pop(0)
+        # HPA's stabilisation: scale down only to the highest recommendation of the window
+        return want if want >= current else max(w for _, w in history)

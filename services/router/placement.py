@@ -1,0 +1,67 @@
+"""Where one request runs: its decode worker, and its prefill worker or a local prefill.
+
+The decisions of one dispatch attempt, apart from the RPCs that carry them out,
+so that the router (``dispatch.Dispatcher``) and the cluster simulator
+(``services/sim``) run the same code: the policy's decode choice, its prefill
+choice, conditional disaggregation, and the bookkeeping that follows a choice
+(the prefix index's prediction and the pool's in-flight count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from services.registry import WorkerInfo
+from services.router.policy import (
+    Decision,
+    RouterPolicyConfig,
+    RoutingPolicy,
+    decode_is_busy,
+    should_prefill_locally,
+)
+from services.router.prefix_index import PrefixIndex
+from services.router.worker_pool import InflightToken, WorkerPool
+
+
+@dataclass(frozen=True)
+class Placement:
+    decode: Decision
+    prefill: Decision | None  # None: the decode worker prefills the prompt itself
+
+
+def place(policy: RoutingPolicy, policy_config: RouterPolicyConfig, disaggregation: str, pool: WorkerPool,
+          index: PrefixIndex, decode_workers: Sequence[WorkerInfo], prefill_workers: Sequence[WorkerInfo],
+          hashes: Sequence[int], num_tokens: int, block_size: int, avoid_decode: Iterable[str] = ()) -> Placement:
+    """Choose the workers for a prompt of ``num_tokens`` tokens whose full blocks hash to ``hashes``.
+
+    ``disaggregation``: auto (conditional) | always | never. Raises what ``choose_decode``
+    raises (NoWorkerError, CapacityError) when no decode worker can take the prompt.
+    """
+    blocks_needed = -(-num_tokens // block_size)
+    decode = policy.choose_decode(decode_workers, blocks_needed, pool, exclude=avoid_decode)
+    if not prefill_workers or disaggregation == "never":
+        return Placement(decode, None)
+    prefill = policy.choose_prefill(prefill_workers, hashes, block_size, pool, index)
+    if disaggregation != "always" and _prefill_locally(policy_config, pool, index, decode.worker, num_tokens,
+                                                       hashes, prefill):
+        return Placement(decode, None)
+    return Placement(decode, prefill)
+
+
+def _prefill_locally(config: RouterPolicyConfig, pool: WorkerPool, index: PrefixIndex, decode: WorkerInfo,
+                     num_tokens: int, hashes: Sequence[int], prefill: Decision) -> bool:
+    uncached = num_tokens - index.overlap(decode.worker_id, hashes) * decode.block_size
+    queue = pool.load(prefill.worker.worker_id).pending_prefill_tokens
+    busy = decode_is_busy(pool.load(decode.worker_id), config)
+    return should_prefill_locally(uncached, queue, True, config, decode_busy=busy)
+
+
+def begin_prefill(pool: WorkerPool, index: PrefixIndex, prefill: Decision, hashes: Sequence[int], num_tokens: int,
+                  block_size: int) -> InflightToken:
+    """Record a disaggregated prefill sent to ``prefill.worker``: the index predicts the worker's
+    cache (the next request with this prefix goes there even before its KV events arrive; they
+    confirm this, or remove what it evicts) and the pool counts the tokens it will compute."""
+    worker = prefill.worker
+    index.touch(worker.worker_id, hashes, worker.kv_blocks_total)
+    return pool.begin(worker.worker_id, num_tokens - prefill.overlap_blocks * block_size)

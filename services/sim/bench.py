@@ -1,0 +1,183 @@
+"""``pdserve bench sim``: the router's real code at 1,000 workers, against modelled workers.
+
+Runs, in one command (each part can be skipped):
+
+1. **policies**: ``--workers`` (default 1,000; ``--prefill-share`` of them prefill) and
+   ``--requests`` (default 100,000) of the four-pattern mix (workloads.py) through
+   round-robin, least-load, kv-aware and kv-aware-lb, the same requests each;
+   prefix hit rate, TTFT / ITL percentiles, goodput under ``--ttft-slo`` / ``--itl-slo``,
+   utilisation, queue depth over time; wall time of each run.
+2. **layouts**: prefill:decode splits and conditional disaggregation on and off
+   (``--layout-workers`` workers, a tenth of the requests).
+3. **validation**: ``pdserve bench routing``'s setup at 2 workers on the CPU profile,
+   its ratios beside the last real run's (the calibration file's ``validation_reference``).
+4. **autoscale**: a diurnal trace with bursts (``--period-s``, two periods): static
+   provisioning at several sizes, the planner at several target utilisations and the
+   HPA-like threshold rule; SLO attainment against worker-hours.
+
+``--json`` prints one object (headline keys first); ``--plots DIR`` writes PNGs;
+``--save`` keeps the full result under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from services.bench import results as result_files
+from services.bench.stats import ratio
+from services.sim import experiments
+from services.sim.metrics import SLO
+from services.sim.plots import write_plots
+from services.sim.profiles import CALIBRATION, load_profile
+
+PARTS = ("policies", "layouts", "validation", "autoscale")
+
+
+def run(args: argparse.Namespace) -> int:
+    parts = set(args.parts.split(","))
+    unknown = parts - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    unknown = set(args.policies) - set(experiments.POLICY_VARIANTS)
+    if unknown or not {"kv-aware", "round-robin"} <= set(args.policies):
+        raise ValueError(f"--policies must include kv-aware and round-robin (the headline ratios) and name only "
+                         f"{', '.join(experiments.POLICY_VARIANTS)}")
+    if args.workers < 2 or args.requests < 1:
+        raise ValueError("--workers must be >= 2 and --requests >= 1")
+    profile = load_profile(args.profile, args.calibration)
+    slo = SLO(args.ttft_slo, args.itl_slo)
+    result: dict = {"workers": args.workers, "requests": args.requests, "profile": profile.name,
+                    "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s}, "seed": args.seed}
+    started = time.perf_counter()
+    if "policies" in parts or "layouts" in parts:
+        requests = experiments.scale_workload(args.seed, profile, args.workers, args.requests, args.rate_per_worker)
+        result["requests"] = len(requests)
+    if "policies" in parts:
+        prefill = max(1, round(args.workers * args.prefill_share))
+        policies = experiments.run_policies(profile, requests, prefill, args.workers - prefill, slo,
+                                            policies=args.policies)
+        result["policies"] = policies
+        result["wall_s"] = policies["kv-aware"]["wall_s"]
+        result["cpu_s"] = policies["kv-aware"]["cpu_s"]
+        result["hit_rate_ratio_kv_vs_rr"] = ratio(policies["kv-aware"]["hit_rate"], policies["round-robin"]["hit_rate"])
+        result["goodput_ratio_kv_vs_rr"] = ratio(policies["kv-aware"]["goodput_rps"],
+                                                 policies["round-robin"]["goodput_rps"])
+    if "layouts" in parts:
+        result["layouts"] = experiments.run_layouts(profile, requests[: max(1, len(requests) // 10)],
+                                                    args.layout_workers, slo)
+    if "validation" in parts:
+        path = Path(args.calibration) if args.calibration else CALIBRATION
+        reference = json.loads(path.read_text())["validation_reference"]
+        result["validation"] = experiments.run_validation(load_profile("cpu", args.calibration), reference,
+                                                          args.seed)
+    if "autoscale" in parts:
+        trace = experiments.diurnal_workload(args.seed, profile, args.autoscale_rate, 2, args.period_s)
+        auto = experiments.run_autoscale(profile, trace, slo, static_sizes=args.static_sizes,
+                                         planner_targets=args.planner_targets,
+                                         threshold_targets=args.threshold_targets)
+        headline = next((r for r in auto["planner"] if r["target_utilisation"] == args.headline_target),
+                        auto["planner"][0])
+        auto["headline_run"] = headline
+        auto["requests"] = len(trace)
+        result["autoscale"] = auto
+        result["autoscale_slo_attainment"] = headline["slo_attainment"]
+        result["autoscale_worker_hours_vs_static"] = ratio(headline["worker_hours"],
+                                                           auto["static_peak"]["worker_hours"])
+    result["total_wall_s"] = round(time.perf_counter() - started, 1)
+    if args.plots:
+        result["plots"] = write_plots(result, args.plots)
+    result_files.save("sim", result, args)
+    if args.json:
+        print(json.dumps(_headline_first(result)))
+    else:
+        print_table(result)
+    return 0
+
+
+HEADLINE = ("workers", "requests", "wall_s", "cpu_s", "hit_rate_ratio_kv_vs_rr", "goodput_ratio_kv_vs_rr",
+            "autoscale_slo_attainment", "autoscale_worker_hours_vs_static", "validation")
+
+
+def _headline_first(result: dict) -> dict:
+    def strip(value):  # time series stay in the saved file, not on stdout
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in ("series", "decisions")}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        return value
+
+    out = {k: result[k] for k in HEADLINE if k in result}
+    out.update({k: strip(v) for k, v in result.items() if k not in out})
+    return out
+
+
+def print_table(result: dict) -> None:
+    policies = result.get("policies")
+    if policies:
+        print(f"{result['workers']} workers ({result['profile']}), {result['requests']} requests; "
+              f"SLO TTFT {result['slo']['ttft_s']} s, ITL {result['slo']['itl_s']} s")
+        print(f"{'policy':<13}{'hit rate':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p99':>9}{'goodput':>9}"
+              f"{'SLO met':>9}{'wall s':>8}")
+        for name, s in policies.items():
+            print(f"{name:<13}{s['hit_rate']:>9.3f}{s['ttft_s']['p50']:>10.3f}{s['ttft_s']['p99']:>10.3f}"
+                  f"{s['itl_s']['p99']:>9.4f}{s['goodput_rps']:>9.1f}{s['slo_attainment']:>9.3f}{s['wall_s']:>8.1f}")
+        print(f"hit_rate_ratio_kv_vs_rr {result['hit_rate_ratio_kv_vs_rr']}  "
+              f"goodput_ratio_kv_vs_rr {result['goodput_ratio_kv_vs_rr']}")
+    for row in result.get("layouts", []):
+        print(f"layout {row['prefill']}:{row['decode']} disaggregation {row['disaggregation']:<6} goodput "
+              f"{row['goodput_rps']:.1f} req/s, p99 TTFT {row['ttft_s']['p99']:.3f} s, local prefills "
+              f"{row['local_prefill_share']:.2f}")
+    v = result.get("validation")
+    if v:
+        for key, real in v["real"].items():
+            print(f"validation {key}: simulated {v['sim'][key]} vs real {real} ({v['relative_error'][key]:+.1%})")
+    a = result.get("autoscale")
+    if a:
+        print(f"autoscale ({a['requests']} requests): static peak {a['static_peak']['workers']} workers = "
+              f"{a['static_peak']['worker_hours']} worker-h")
+        for r in a["planner"]:
+            print(f"  planner target {r['target_utilisation']}: SLO {r['slo_attainment']:.4f}, "
+                  f"{r['worker_hours']} worker-h")
+        for r in a["threshold"]:
+            print(f"  threshold {r['target']}: SLO {r['slo_attainment']:.4f}, {r['worker_hours']} worker-h")
+        print(f"autoscale_slo_attainment {result['autoscale_slo_attainment']}  "
+              f"autoscale_worker_hours_vs_static {result['autoscale_worker_hours_vs_static']}")
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("sim", help="the real router and queue code against modelled workers, at up to 1,000s",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated parts to run ({', '.join(PARTS)})")
+    p.add_argument("--workers", type=int, default=1000, help="workers in the policy comparison")
+    p.add_argument("--policies", type=lambda text: [x for x in text.split(",") if x],
+                   default=list(experiments.POLICY_VARIANTS),
+                   help=f"policies compared ({', '.join(experiments.POLICY_VARIANTS)})")
+    p.add_argument("--prefill-share", type=float, default=0.25, help="share of the workers that prefill")
+    p.add_argument("--requests", type=int, default=100_000)
+    p.add_argument("--rate-per-worker", type=float, default=0.3, help="session starts per second per worker")
+    p.add_argument("--layout-workers", type=int, default=100)
+    p.add_argument("--profile", default="h100", help="worker profile from the calibration file (h100, cpu)")
+    p.add_argument("--calibration", default=None, help=f"calibration file (default {CALIBRATION.name} in services/sim)")
+    p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
+    p.add_argument("--itl-slo", type=float, default=0.05, help="seconds")
+    p.add_argument("--period-s", type=float, default=1800.0, help="the autoscale trace's 'day' (two are run)")
+    p.add_argument("--autoscale-rate", type=float, default=1.5, help="mean session starts per second")
+    p.add_argument("--static-sizes", type=_ints, default=[4, 6, 8, 10, 12, 16])
+    p.add_argument("--planner-targets", type=_floats, default=[0.4, 0.5, 0.6, 0.7])
+    p.add_argument("--threshold-targets", type=_floats, default=[0.5, 0.7])
+    p.add_argument("--headline-target", type=float, default=0.6, help="the planner run the headline figures use")
+    p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots there")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)

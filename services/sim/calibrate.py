@@ -1,0 +1,123 @@
+"""``pdserve bench sim --calibrate``: measure this machine's worker costs for the simulator.
+
+The simulator's CPU profile comes from here: the real engine (the default model,
+bf16, one torch thread per worker as ``pdserve bench routing`` runs them) timed on
+
+* prefill of N new tokens (N = 16 .. 2048), with and without a cached prefix
+  ahead of them (a hit still attends over the cached tokens), fitted to
+  ``a + b * tokens + c * tokens * context``;
+* the engine's start (model load from the cached weights: a worker's cold start less
+  Python's imports and registration);
+* decode steps of B sequences at context L (B = 1 .. 64, L = 128 .. 1024),
+  fitted to ``a + b * B + c * B * L`` (weights once per step, per-sequence
+  work, attention over every cached token);
+
+The fit and the raw points go into the calibration file (``--calibration-out``,
+default ``services/sim/calibration.json``), beside the GPU profile, which is
+derived from published H100 figures (see ``profiles.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def _log(msg: str) -> None:
+    print(f"[calibrate] {msg}", file=sys.stderr, flush=True)
+
+
+def _prefill_s(engine, prompt: list[int], rid: str) -> float:
+    from services.engine.sampling_params import SamplingParams
+
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    t = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - t
+
+
+def measure(repeats: int = 3, threads: int = 1) -> dict:
+    import random
+
+    import torch
+
+    from services.config import EngineConfig
+    from services.engine.engine import Engine
+    from services.engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    engine = Engine(EngineConfig(max_num_batched_tokens=2048, long_prefill_chunk=2048, max_num_seqs=128))
+    load_s = time.perf_counter() - started  # the model load of a worker's start (cached weights)
+    _log(f"engine start (model load from the cache): {load_s:.2f} s")
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(0)
+
+    def fresh(n):
+        return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+    with torch.inference_mode():
+        _prefill_s(engine, fresh(256), "warm")
+        prefill = []  # (new tokens, context incl. cached, seconds)
+        for n in (16, 64, 128, 256, 512, 1024, 2048):
+            for r in range(repeats):
+                prefill.append((n, n, _prefill_s(engine, fresh(n), f"p{n}.{r}")))
+            _log(f"prefill {n} tokens: {min(p[2] for p in prefill if p[0] == n) * 1e3:.1f} ms")
+        for cached in (1024,):
+            base = fresh(cached)
+            _prefill_s(engine, base + fresh(16), f"seed{cached}")
+            for n in (16, 64, 256):
+                for r in range(repeats):
+                    prefill.append((n, cached + n, _prefill_s(engine, base + fresh(n), f"h{cached}.{n}.{r}")))
+                _log(f"prefill {n} tokens after {cached} cached: "
+                     f"{min(p[2] for p in prefill if p[0] == n and p[1] == cached + n) * 1e3:.1f} ms")
+        decode = []  # (batch, context, seconds per step)
+        for ctx in (128, 512, 1024):
+            for b in (1, 4, 16, 64):
+                ids = [f"d{ctx}.{b}.{i}" for i in range(b)]
+                for rid in ids:
+                    engine.add_request(rid, fresh(ctx), SamplingParams(max_tokens=10_000, temperature=0,
+                                                                        ignore_eos=True))
+                while any(engine.requests[r].num_output_tokens == 0 for r in ids):
+                    engine.step()
+                steps = []
+                for _ in range(8):
+                    t = time.perf_counter()
+                    engine.step()
+                    steps.append(time.perf_counter() - t)
+                for rid in ids:
+                    engine.abort(rid)
+                engine.step_outputs_discard()
+                decode.append((b, ctx, float(np.median(steps))))
+                _log(f"decode batch {b} context {ctx}: {decode[-1][2] * 1e3:.1f} ms/step")
+    return {"prefill_points": prefill, "decode_points": decode, "threads": threads, "engine_start_s": load_s,
+            "model": engine.model_name, "dtype": engine.config.dtype,
+            "kv_bytes_per_block": engine.kv_spec.block_bytes, "kv_blocks_default": engine.block_pool.num_blocks,
+            "block_size": engine.config.block_size}
+
+
+def fit(points: dict) -> dict:
+    """Least-squares fits of the two cost models (the minimum of the repeats of each point)."""
+    best: dict = {}
+    for n, ctx, s in points["prefill_points"]:
+        best[(n, ctx)] = min(s, best.get((n, ctx), s))
+    rows = [(1.0, n, n * ctx) for n, ctx in best]
+    (pa, pb, pc), *_ = np.linalg.lstsq(np.array(rows), np.array(list(best.values())), rcond=None)
+    rows = [(1.0, b, b * ctx) for b, ctx, _ in points["decode_points"]]
+    (da, db, dc), *_ = np.linalg.lstsq(np.array(rows), np.array([s for *_, s in points["decode_points"]]),
+                                       rcond=None)
+    return {"prefill_s": {"base": max(pa, 0.0), "per_token": pb, "per_token_context": max(pc, 0.0)},
+            "decode_step_s": {"base": da, "per_seq": max(db, 0.0), "per_seq_context": max(dc, 0.0)}}
+
+
+if __name__ == "__main__":
+    out = sys.argv[1] if len(sys.argv) > 1 else "calibration-cpu.json"
+    pts = measure()
+    pts["fit"] = fit(pts)
+    with open(out, "w") as f:
+        json.dump(pts, f, indent=1)
+    _log(json.dumps(pts["fit"]))

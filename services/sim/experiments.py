@@ -1,0 +1,164 @@
+"""The simulator's experiments: policy comparison at scale, the 2-worker validation, autoscaling.
+
+Each returns plain data (JSON-ready); ``bench.py`` prints and saves it, ``plots.py`` draws it.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+
+from services.planner.policy import PlannerConfig
+from services.sim.autoscale import SimAutoscaler
+from services.sim.cluster import ClusterConfig, ClusterSim
+from services.sim.metrics import SLO, summarize
+from services.sim.profiles import WorkerProfile
+from services.sim.workloads import (
+    ArrivalShape,
+    WorkloadGenerator,
+    routing_bench_workload,
+)
+
+# The comparison's policies: name -> (router policy, its options). "kv-aware-lb" is kv-aware that
+# weighs queued work as much as computed work and samples near-ties (several routers' setting).
+POLICY_VARIANTS = {
+    "round-robin": ("round-robin", {}),
+    "least-load": ("least-load", {}),
+    "kv-aware": ("kv-aware", {}),
+    "kv-aware-lb": ("kv-aware", {"load_weight": 1.0, "temperature": 1.0, "seed": 0}),
+}
+
+
+def _log(msg: str) -> None:
+    print(f"[bench sim] {msg}", file=sys.stderr, flush=True)
+
+
+def scale_workload(seed: int, profile: WorkerProfile, workers: int, requests: int, per_worker_rate: float):
+    """``requests`` requests from the four-pattern mix at a load proportional to ``workers``."""
+    rate = per_worker_rate * workers
+    # ~2.4 requests per session with the default mix; a little longer than needed, then cut (a small
+    # run's session count varies more: lengthen until there are enough)
+    duration = requests / (rate * 2.4) * 1.15
+    while True:
+        reqs = WorkloadGenerator(seed, profile.block_size).sessions(ArrivalShape(rate=rate, duration_s=duration))
+        if len(reqs) >= requests:
+            return reqs[:requests]
+        duration *= 1.25 * requests / max(len(reqs), 1)
+
+
+def run_policies(profile: WorkerProfile, requests, prefill: int, decode: int, slo: SLO,
+                 policies=tuple(POLICY_VARIANTS), disaggregation: str = "always", **config) -> dict:
+    out = {}
+    for name in policies:
+        policy, options = POLICY_VARIANTS[name]
+        reqs = copy.deepcopy(requests)
+        started, cpu = time.perf_counter(), time.process_time()
+        sim = ClusterSim(ClusterConfig(profile, prefill, decode, policy=policy, policy_options=options,
+                                       disaggregation=disaggregation, **config), reqs).run()
+        wall = time.perf_counter() - started
+        summary = summarize(sim, slo)
+        summary["wall_s"] = round(wall, 2)
+        # CPU seconds this process got: on a machine shared with other jobs, wall time overstates the cost
+        summary["cpu_s"] = round(time.process_time() - cpu, 2)
+        summary["series"] = sim.series
+        out[name] = summary
+        _log(f"{name}: {len(reqs)} requests on {prefill}+{decode} workers in {wall:.1f} s wall "
+             f"({summary['cpu_s']:.1f} s CPU): "
+             f"hit rate {summary['hit_rate']}, p99 TTFT {summary['ttft_s']['p99']} s, "
+             f"goodput {summary['goodput_rps']} req/s")
+    return out
+
+
+def run_layouts(profile: WorkerProfile, requests, workers: int, slo: SLO) -> list[dict]:
+    """Prefill:decode splits, and conditional disaggregation on and off, with kv-aware routing."""
+    rows = []
+    for prefill_share in (0.125, 0.25, 0.375, 0.5):
+        prefill = max(1, round(workers * prefill_share))
+        for disagg, options in (("always", {}), ("auto", {"local_prefill_max_tokens": 512,
+                                                           "prefill_queue_limit_tokens": 32_768})):
+            reqs = copy.deepcopy(requests)
+            sim = ClusterSim(ClusterConfig(profile, prefill, workers - prefill, policy="kv-aware",
+                                           policy_options=options, disaggregation=disagg), reqs).run()
+            s = summarize(sim, slo)
+            rows.append({"prefill": prefill, "decode": workers - prefill, "disaggregation": disagg,
+                         **{k: s[k] for k in ("hit_rate", "ttft_s", "itl_s", "goodput_rps", "slo_attainment",
+                                              "local_prefill_share", "utilisation")}})
+            _log(f"layout {prefill}:{workers - prefill} disaggregation {disagg}: goodput {s['goodput_rps']}, "
+                 f"p99 TTFT {s['ttft_s']['p99']} s, local prefills {s['local_prefill_share']}")
+    return rows
+
+
+def run_validation(profile: WorkerProfile, reference: dict, seed: int = 0) -> dict:
+    """``pdserve bench routing``'s setup in the simulator: 2 prefill workers of 280 blocks, 1 decode
+    worker, disaggregation always, 8 requests in flight, its workload; the ratios beside the real run's."""
+    prof = profile.with_kv_blocks(280)
+    out = {}
+    for policy in ("kv-aware", "least-load", "round-robin"):
+        reqs = routing_bench_workload(seed, prof.block_size)
+        sim = ClusterSim(ClusterConfig(prof, 2, 1, policy=policy, disaggregation="always", closed_loop=8),
+                         reqs)
+        # the decode worker keeps the default 2 GiB cache: only the prefill workers' caches are sized
+        decode = next(w for w in sim.workers.values() if w.role == "decode")
+        decode.profile = profile
+        decode.info.kv_blocks_total = profile.kv_blocks
+        sim.run()
+        out[policy] = summarize(sim, SLO(10.0, 1.0))
+    sim_ratios = {
+        "hit_rate_ratio_kv_vs_rr": round(out["kv-aware"]["hit_rate"] / out["round-robin"]["hit_rate"], 3),
+        "p99_ttft_ratio_kv_vs_rr": round(out["kv-aware"]["ttft_s"]["p99"] / out["round-robin"]["ttft_s"]["p99"], 3),
+        "mean_ttft_ratio_kv_vs_rr": round(out["kv-aware"]["ttft_s"]["mean"] / out["round-robin"]["ttft_s"]["mean"],
+                                          3),
+    }
+    real = reference["ratios"]
+    return {"sim": sim_ratios, "real": real, "source": reference["source"],
+            "relative_error": {k: round(sim_ratios[k] / real[k] - 1, 3) for k in real},
+            "per_policy": {p: {"hit_rate": s["hit_rate"], "ttft_s": s["ttft_s"]} for p, s in out.items()}}
+
+
+def diurnal_workload(seed: int, profile: WorkerProfile, rate: float, periods: float, period_s: float):
+    shape = ArrivalShape(rate=rate, duration_s=periods * period_s, period_s=period_s, diurnal_amplitude=0.8,
+                         bursts_per_period=2, burst_factor=2.0, burst_s=120.0)
+    return WorkloadGenerator(seed, profile.block_size).sessions(shape)
+
+
+def _autoscaled(profile, requests, slo, kind, planner_config=None, threshold=0.7):
+    sim = ClusterSim(ClusterConfig(profile, 1, 1), copy.deepcopy(requests))
+    scaler = SimAutoscaler(kind, profile, slo, planner_config=planner_config, threshold=threshold)
+    scaler.attach(sim)
+    sim.run()
+    s = summarize(sim, slo)
+    return {"slo_attainment": s["slo_attainment"], "worker_hours": round(scaler.worker_seconds / 3600, 3),
+            "ttft_s": s["ttft_s"], "itl_s": s["itl_s"], "decisions": scaler.decisions, "series": sim.series}
+
+
+def _static(profile, requests, slo, workers, prefill_share=0.25):
+    prefill = max(1, round(workers * prefill_share))
+    sim = ClusterSim(ClusterConfig(profile, prefill, workers - prefill), copy.deepcopy(requests)).run()
+    s = summarize(sim, slo)
+    return {"workers": workers, "slo_attainment": s["slo_attainment"],
+            "worker_hours": round(workers * sim.loop.now / 3600, 3), "ttft_s": s["ttft_s"], "itl_s": s["itl_s"]}
+
+
+def run_autoscale(profile: WorkerProfile, requests, slo: SLO, static_sizes, planner_targets, threshold_targets):
+    """Static provisioning at several sizes (static peak = the smallest meeting 99%), the planner at
+    several target utilisations, the threshold rule at several targets: the trade-off curve."""
+    static = []
+    for n in static_sizes:
+        static.append(_static(profile, requests, slo, n))
+        _log(f"static {n} workers: attainment {static[-1]['slo_attainment']}, {static[-1]['worker_hours']} worker-h")
+    meeting = [s for s in static if s["slo_attainment"] >= 0.99]
+    peak = min(meeting, key=lambda s: s["workers"]) if meeting else max(static, key=lambda s: s["workers"])
+    planner = []
+    for target in planner_targets:
+        run = _autoscaled(profile, requests, slo, "planner", PlannerConfig(target_utilisation=target))
+        run["target_utilisation"] = target
+        planner.append(run)
+        _log(f"planner target {target}: attainment {run['slo_attainment']}, {run['worker_hours']} worker-h")
+    threshold = []
+    for target in threshold_targets:
+        run = _autoscaled(profile, requests, slo, "threshold", threshold=target)
+        run["target"] = target
+        threshold.append(run)
+        _log(f"threshold rule target {target}: attainment {run['slo_attainment']}, {run['worker_hours']} worker-h")
+    return {"static": static, "static_peak": peak, "planner": planner, "threshold": threshold}

@@ -1,0 +1,100 @@
+"""What a modelled worker costs: prefill time, decode step time, KV capacity, transfer, start-up.
+
+A ``WorkerProfile`` is read from the calibration file (``calibration.json`` beside
+this module, ``--calibration`` to use another), one entry per hardware profile:
+
+* ``cpu``: measured on the project's CPU machine by ``python -m services.sim.calibrate``
+  (the real engine, the default model, one torch thread per worker, as ``pdserve bench
+  routing`` runs its workers), plus the KV transfer rate and hop latency of ``pdserve
+  bench kvtransfer`` / ``routing`` (BENCHMARKS.md).
+* ``h100``: Llama-3.1-8B in bf16 on one H100 SXM, a roofline from the published
+  datasheet figures (HBM3 3.35 TB/s, 989 dense bf16 TFLOP/s; ConnectX-7 400 Gb/s) at
+  stated efficiencies: derived, not measured (no GPU was lent to this work).
+
+Cost models (seconds)::
+
+    prefill(new, context) = base + per_token * new + per_token_context * new * context
+    decode_step(B, sum_ctx) = base + per_seq * B + per_seq_context * sum_ctx
+    transfer(tokens)      = latency + min(tokens, chunk_tokens) * kv_bytes_per_token / bytes_per_s
+
+(pdserve streams KV while the prefill computes, so only the last chunk's transfer is on the
+way to the first token.)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CALIBRATION = Path(__file__).with_name("calibration.json")
+
+
+@dataclass(frozen=True)
+class WorkerProfile:
+    name: str
+    prefill_base_s: float
+    prefill_per_token_s: float
+    prefill_per_token_context_s: float
+    decode_base_s: float
+    decode_per_seq_s: float
+    decode_per_seq_context_s: float
+    kv_blocks: int  # KV blocks per worker (prefill workers: their prefix cache)
+    block_size: int
+    kv_bytes_per_token: int
+    transfer_latency_s: float
+    transfer_bytes_per_s: float
+    transfer_chunk_tokens: int
+    max_num_seqs: int
+    cold_start_s: float  # process start to registered and ready (model load included)
+    warm_start_s: float  # a standby worker (model loaded, not registered) to ready
+    source: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_per_token_s", "decode_base_s", "transfer_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"profile {self.name}: {name} must be > 0")
+        if self.kv_blocks < 2 or self.block_size < 1 or self.max_num_seqs < 1:
+            raise ValueError(f"profile {self.name}: kv_blocks >= 2, block_size >= 1 and max_num_seqs >= 1 needed")
+
+    def prefill_s(self, new_tokens: int, context: int) -> float:
+        if new_tokens <= 0:
+            return self.prefill_base_s
+        return (self.prefill_base_s + self.prefill_per_token_s * new_tokens
+                + self.prefill_per_token_context_s * new_tokens * context)
+
+    def decode_step_s(self, batch: int, sum_context: float) -> float:
+        return self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_seq_context_s * sum_context
+
+    def transfer_s(self, tokens: int) -> float:
+        last = min(tokens, self.transfer_chunk_tokens)
+        return self.transfer_latency_s + last * self.kv_bytes_per_token / self.transfer_bytes_per_s
+
+    def with_kv_blocks(self, kv_blocks: int) -> WorkerProfile:
+        fields = {k: v for k, v in self.__dict__.items()}
+        fields["kv_blocks"] = kv_blocks
+        return WorkerProfile(**fields)
+
+
+def load_profiles(path: str | Path | None = None) -> dict[str, WorkerProfile]:
+    data = json.loads(Path(path or CALIBRATION).read_text())
+    out = {}
+    for name, p in data["profiles"].items():
+        out[name] = WorkerProfile(
+            name=name,
+            prefill_base_s=p["prefill_s"]["base"], prefill_per_token_s=p["prefill_s"]["per_token"],
+            prefill_per_token_context_s=p["prefill_s"]["per_token_context"],
+            decode_base_s=p["decode_step_s"]["base"], decode_per_seq_s=p["decode_step_s"]["per_seq"],
+            decode_per_seq_context_s=p["decode_step_s"]["per_seq_context"],
+            kv_blocks=p["kv_blocks"], block_size=p["block_size"], kv_bytes_per_token=p["kv_bytes_per_token"],
+            transfer_latency_s=p["transfer"]["latency_s"], transfer_bytes_per_s=p["transfer"]["bytes_per_s"],
+            transfer_chunk_tokens=p["transfer"]["chunk_tokens"], max_num_seqs=p["max_num_seqs"],
+            cold_start_s=p["cold_start_s"], warm_start_s=p["warm_start_s"], source=p.get("source", {}))
+    return out
+
+
+def load_profile(name: str, path: str | Path | None = None) -> WorkerProfile:
+    profiles = load_profiles(path)
+    if name not in profiles:
+        raise ValueError(f"unknown worker profile {name!r}; the calibration file has {', '.join(sorted(profiles))}")
+    return profiles[name]

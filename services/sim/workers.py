@@ -1,0 +1,257 @@
+"""Modelled workers: what a prefill and a decode worker do to a request, in virtual time.
+
+They stand in for the processes and their transports; what the router sees of
+them is what a real worker publishes: a ``WorkerInfo`` heartbeat (load, KV
+blocks) and KV events (blocks stored and evicted) applied to the router's real
+``PrefixIndex``.
+
+Prefill worker: requests in arrival order, one at a time (on the CPU a batch of
+prompts costs what they cost one by one; on a GPU a prompt of a few hundred
+tokens already fills the device). Its prefix cache is an LRU of block hashes
+with the worker's KV capacity; a request hits the leading run of its blocks
+that is cached when it starts (a request whose prefix the previous one is
+computing therefore hits it, as the engine's blocks-in-progress rule gives) and
+stores the rest when it ends.
+
+Decode worker: continuous batching modelled per batch, not per token. Between
+two changes of its batch (a request joins or finishes) every step costs the
+same ``decode_step_s(batch, context)``, so the worker keeps a step counter and
+each request the step at which it finishes; one event per change. A local
+prefill (conditional disaggregation) stalls the batch for its compute, as a
+prefill chunk in the batch does. KV blocks are reserved for the prompt plus the
+whole output when a request is placed (no preemption is modelled).
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from services.kv_events import REMOVED, STORED
+from services.registry import WorkerInfo
+from services.sim.profiles import WorkerProfile
+from services.sim.workloads import SimRequest
+
+
+@dataclass(slots=True)
+class Job:
+    """One request's journey through the modelled cluster (times in virtual seconds)."""
+
+    req: SimRequest
+    queued_at: float = 0.0
+    dispatched_at: float = -1.0
+    first_token_at: float = -1.0
+    joined_at: float = -1.0
+    finished_at: float = -1.0
+    cached_tokens: int = 0
+    blocks: int = 0
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    token: object = None  # the router's in-flight token
+    finish_step: float = 0.0
+    local: bool = False
+    attempts: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class SimWorker:
+    role = ""
+
+    def __init__(self, sim, worker_id: str, profile: WorkerProfile, model: str, max_model_len: int):
+        self.sim = sim
+        self.profile = profile
+        self.info = WorkerInfo(worker_id=worker_id, role=self.role, address=worker_id, model=model,
+                               namespace=model, block_size=profile.block_size, max_model_len=max_model_len,
+                               ready=True, kv_blocks_total=profile.kv_blocks)
+        self.busy_s = 0.0  # compute time spent (utilisation)
+        self.draining = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    def heartbeat(self, now: float) -> WorkerInfo:
+        """The registry entry a heartbeat now would write (a copy: the router sees it until the next)."""
+        info = copy.copy(self.info)
+        self.report(info)
+        info.draining = self.draining
+        info.heartbeat_at = now
+        return info
+
+    def report(self, info: WorkerInfo) -> None:
+        raise NotImplementedError
+
+    def idle(self) -> bool:
+        raise NotImplementedError
+
+
+class PrefillWorker(SimWorker):
+    role = "prefill"
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.cache: OrderedDict[int, None] = OrderedDict()  # block hash, least recently used first
+        self.queue: deque[Job] = deque()
+        self.queued_tokens = 0
+        self.running: Job | None = None
+
+    def report(self, info: WorkerInfo) -> None:
+        info.num_running = 1 if self.running else 0
+        info.num_waiting = len(self.queue)
+        info.queued_prefill_tokens = self.queued_tokens
+        info.kv_blocks_used = self.running.blocks if self.running else 0
+
+    def idle(self) -> bool:
+        return self.running is None and not self.queue
+
+    def submit(self, job: Job) -> None:
+        self.queue.append(job)
+        self.queued_tokens += job.req.num_tokens
+        if self.running is None:
+            self._start()
+
+    def _start(self) -> None:
+        job = self.queue.popleft()
+        self.running = job
+        req, bs, cache = job.req, self.profile.block_size, self.cache
+        hit = 0
+        for h in req.hashes:
+            if h not in cache:
+                break
+            hit += 1
+        for h in reversed(req.hashes[:hit]):  # the prompt's first block ends most recently used
+            cache.move_to_end(h)
+        job.cached_tokens = hit * bs
+        job.extra["hit_blocks"] = hit
+        new = req.num_tokens - hit * bs
+        duration = self.profile.prefill_s(new, req.num_tokens)
+        self.busy_s += duration
+        self.sim.loop.after(duration, self._finish, job)
+
+    def _finish(self, job: Job) -> None:
+        req, cache = job.req, self.cache
+        stored = [h for h in req.hashes[job.extra["hit_blocks"]:] if h not in cache]
+        for h in reversed(req.hashes):
+            cache[h] = None
+            cache.move_to_end(h)
+        removed = []
+        while len(cache) > self.profile.kv_blocks:
+            removed.append(cache.popitem(last=False)[0])
+        self.sim.kv_events(self.worker_id, [(STORED, stored), (REMOVED, removed)])
+        self.queued_tokens -= req.num_tokens
+        self.running = None
+        self.sim.prefilled(job, self)
+        if self.queue:
+            self._start()
+
+
+class DecodeWorker(SimWorker):
+    role = "decode"
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.blocks_used = 0
+        self.steps = 0.0
+        self.sum_ctx = 0.0
+        self.batch: list = []  # heap of (finish step, job id, job)
+        self.waiting: deque[Job] = deque()  # KV here, batch full
+        self.last = 0.0
+        self.stall_until = 0.0
+        self.pending_local_tokens = 0
+        self.version = 0
+
+    def report(self, info: WorkerInfo) -> None:
+        info.num_running = len(self.batch)
+        info.num_waiting = len(self.waiting)
+        info.queued_prefill_tokens = self.pending_local_tokens
+        info.kv_blocks_used = self.blocks_used
+
+    def idle(self) -> bool:
+        return not self.batch and not self.waiting and self.blocks_used == 0
+
+    def free_blocks(self) -> int:
+        return self.profile.kv_blocks - self.blocks_used
+
+    def reserve(self, job: Job) -> bool:
+        """Hold the request's blocks; False (RESOURCE_EXHAUSTED) when they do not fit."""
+        if job.blocks > self.free_blocks() or self.draining:
+            return False
+        self.blocks_used += job.blocks
+        return True
+
+    def step_s(self) -> float:
+        return self.profile.decode_step_s(len(self.batch), self.sum_ctx)
+
+    def _advance(self, now: float) -> None:
+        dt = now - self.last
+        if self.stall_until > self.last:
+            dt -= min(now, self.stall_until) - self.last
+        if self.batch and dt > 0:
+            step = self.step_s()
+            k = dt / step
+            self.steps += k
+            self.sum_ctx += len(self.batch) * k
+            self.busy_s += dt
+        self.last = now
+
+    def local_prefill(self, job: Job) -> None:
+        """Compute the prompt here: the batch stalls for it; the first token comes at its end."""
+        now = self.sim.loop.now
+        self._advance(now)
+        duration = self.profile.prefill_s(job.req.num_tokens, job.req.num_tokens)
+        self.busy_s += duration
+        self.pending_local_tokens += job.req.num_tokens
+        self.stall_until = max(self.stall_until, now) + duration
+        self.sim.loop.at(self.stall_until, self._local_done, job)
+        self._reschedule(now)
+
+    def _local_done(self, job: Job) -> None:
+        self.pending_local_tokens -= job.req.num_tokens
+        self.sim.first_token(job)
+        self.join(job)
+
+    def join(self, job: Job) -> None:
+        """The request's KV is here and its first token sent: it joins the batch (or waits for a slot)."""
+        now = self.sim.loop.now
+        self._advance(now)
+        if job.req.out_tokens <= 1:
+            self._done(job, now)
+        elif len(self.batch) >= self.profile.max_num_seqs:
+            self.waiting.append(job)
+        else:
+            self._add(job, now)
+        self._reschedule(now)
+
+    def _add(self, job: Job, now: float) -> None:
+        job.joined_at = now
+        job.finish_step = self.steps + job.req.out_tokens - 1
+        heapq.heappush(self.batch, (job.finish_step, job.req.id, job))
+        self.sum_ctx += job.req.num_tokens + 1
+
+    def _reschedule(self, now: float) -> None:
+        self.version += 1
+        if self.batch:
+            ahead = max(0.0, self.batch[0][0] - self.steps) * self.step_s()
+            self.sim.loop.at(max(now, self.stall_until) + ahead, self._on_finish, self.version)
+
+    def _on_finish(self, version: int) -> None:
+        if version != self.version:
+            return
+        now = self.sim.loop.now
+        self._advance(now)
+        while self.batch and self.batch[0][0] <= self.steps + 1e-6:
+            _, _, job = heapq.heappop(self.batch)
+            self.sum_ctx = max(0.0, self.sum_ctx - job.req.num_tokens - job.req.out_tokens)
+            self._done(job, now)
+        while self.waiting and len(self.batch) < self.profile.max_num_seqs:
+            self._add(self.waiting.popleft(), now)
+        if not self.batch:
+            self.sum_ctx = 0.0
+        self._reschedule(now)
+
+    def _done(self, job: Job, now: float) -> None:
+        self.blocks_used -= job.blocks
+        job.finished_at = now
+        self.sim.finished(job, self)

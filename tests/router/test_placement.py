@@ -1,0 +1,61 @@
+"""placement.place / begin_prefill: the dispatch attempt's decisions, shared with the simulator."""
+
+import pytest
+
+from services.errors import CapacityError
+from services.router.placement import begin_prefill, place
+from services.router.policy import RouterPolicyConfig, make_policy
+from services.router.prefix_index import PrefixIndex
+from tests.router.test_policy import BS, info, pool_of, prompt
+
+
+def setup(**policy_options):
+    pool = pool_of(info("p1"), info("p2"), info("d1", "decode"))
+    config = RouterPolicyConfig(**policy_options)
+    return pool, config, make_policy("kv-aware", **policy_options)
+
+
+def run_place(pool, config, policy, index, tokens, hashes, disaggregation="auto"):
+    return place(policy, config, disaggregation, pool, index, pool.decode_workers(), pool.prefill_workers(),
+                 hashes, len(tokens), BS)
+
+
+def test_disaggregated_by_default_and_local_only_where_configured():
+    tokens, hashes = prompt(4 * BS)
+    index = PrefixIndex()
+    pool, config, policy = setup()
+    p = run_place(pool, config, policy, index, tokens, hashes)
+    assert p.decode.worker.worker_id == "d1" and p.prefill.worker.worker_id == "p1"
+    assert run_place(pool, config, policy, index, tokens, hashes, "never").prefill is None
+
+    # a short prompt with local prefill opted in: the decode worker computes it ...
+    pool, config, policy = setup(local_prefill_max_tokens=8 * BS)
+    assert run_place(pool, config, policy, index, tokens, hashes).prefill is None
+    # ... unless disaggregation is forced, or the prompt is longer than the allowance
+    assert run_place(pool, config, policy, index, tokens, hashes, "always").prefill.worker.worker_id == "p1"
+    long_tokens, long_hashes = prompt(16 * BS)
+    assert run_place(pool, config, policy, index, long_tokens, long_hashes).prefill is not None
+    # what the decode worker caches counts: a long prompt it mostly holds is short enough
+    index.apply("d1", [("s", long_hashes[:12])])
+    assert run_place(pool, config, policy, index, long_tokens, long_hashes).prefill is None
+
+
+def test_no_room_on_any_decode_worker_is_a_capacity_error():
+    tokens, hashes = prompt(200 * BS)  # the decode worker has 100 blocks
+    pool, config, policy = setup()
+    with pytest.raises(CapacityError):
+        run_place(pool, config, policy, PrefixIndex(), tokens, hashes)
+
+
+def test_begin_prefill_predicts_the_cache_and_counts_uncached_tokens():
+    tokens, hashes = prompt(10 * BS + 3)
+    index = PrefixIndex()
+    index.apply("p2", [("s", hashes[:6])])
+    pool, config, policy = setup()
+    p = run_place(pool, config, policy, index, tokens, hashes)
+    assert (p.prefill.worker.worker_id, p.prefill.overlap_blocks) == ("p2", 6)
+    token = begin_prefill(pool, index, p.prefill, hashes, len(tokens), BS)
+    assert pool.load("p2").inflight_prefill_tokens == len(tokens) - 6 * BS
+    assert index.overlap("p2", hashes) == len(hashes)  # the prediction: it will hold every full block
+    pool.end(token)
+    assert pool.load("p2").inflight_requests == 0

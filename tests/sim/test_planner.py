@@ -1,0 +1,109 @@
+"""The autoscaling planner's decisions on small crafted signal traces."""
+
+import pytest
+
+from services.planner.policy import (
+    Capacity,
+    Planner,
+    PlannerConfig,
+    Signals,
+    ThresholdRule,
+)
+
+CAP = Capacity(prefill_tokens_per_s=10_000, kv_blocks=1000, max_num_seqs=100)
+
+
+def signals(t, prefill=2, decode=2, tokens_per_s=0.0, queued=0.0, kv=0, running=0, ttft=None, itl=None, reqs=10):
+    return Signals(now=t, prefill_workers=prefill, decode_workers=decode, prefill_tokens_per_s=tokens_per_s,
+                   queued_prefill_tokens=queued, kv_blocks_used=kv, running_seqs=running, ttft_attainment=ttft,
+                   itl_attainment=itl, requests_in_window=reqs)
+
+
+def planner(**config):
+    return Planner(PlannerConfig(**config), CAP)
+
+
+def test_demand_sets_the_counts():
+    p = planner(target_utilisation=0.5, kv_target=0.5)
+    d = p.decide(signals(0, tokens_per_s=42_000, kv=2600, running=120))
+    assert (d.prefill, d.decode) == (9, 6)  # 42k / (10k * 0.5) -> 9; 2600 / (1000 * 0.5) -> 6 beats 120 / 50 -> 3
+
+
+def test_queue_lag_adds_prefill_workers_at_once():
+    p = planner()
+    d = p.decide(signals(0, prefill=2, tokens_per_s=1000, queued=100_000))  # 5 s of their work queued
+    assert d.prefill == 2 + 5 and "queue lag" in d.reason
+
+
+def test_missed_slos_add_headroom():
+    d = planner(boost=1.5).decide(signals(0, prefill=4, decode=4, tokens_per_s=1000, ttft=0.9, itl=0.95, reqs=50))
+    assert (d.prefill, d.decode) == (6, 6)
+    assert "TTFT" in d.reason and "ITL" in d.reason
+
+
+def test_a_window_of_few_requests_is_not_judged_on_its_slos():
+    # 10 requests, one slow: 90% is noise, not a reason to add workers
+    d = planner(boost=1.5, slo_min_requests=20).decide(signals(0, prefill=4, decode=4, tokens_per_s=1000,
+                                                               ttft=0.9, itl=0.9, reqs=10))
+    assert (d.prefill, d.decode) == (4, 4) and "attainment" not in d.reason
+
+
+def test_scale_down_waits_then_steps():
+    p = planner(down_after_s=300, down_step=0.25)
+    # 20 prefill workers, demand for 2: held for 300 s, then 25% per decision
+    counts = []
+    current = 20
+    for t in range(0, 1500, 50):
+        d = p.decide(signals(t, prefill=current, decode=1, tokens_per_s=12_000))
+        counts.append(d.prefill)
+        current = d.prefill
+    assert counts[:6] == [20] * 6  # t = 0 .. 250
+    assert counts[6:9] == [15, 12, 9]  # t = 300, 350, 400
+    assert counts[-1] == 2
+
+
+def test_a_burst_resets_the_scale_down_clock():
+    p = planner(down_after_s=300)
+    p.decide(signals(0, prefill=10, tokens_per_s=1000))
+    p.decide(signals(200, prefill=10, tokens_per_s=60_000))  # demand back above the count
+    assert p.decide(signals(400, prefill=10, tokens_per_s=1000)).prefill == 10  # 200 s below, not 300
+
+
+def test_warm_pool_follows_the_active_count():
+    d = planner(warm_fraction=0.2, warm_min=1).decide(signals(0, tokens_per_s=60_000, kv=9000))
+    assert d.warm == round(0.2 * (d.prefill + d.decode) + 0.49)
+    assert planner(warm_fraction=0.0, warm_min=2).decide(signals(0)).warm == 2
+
+
+def test_idle_model_scales_to_zero_and_comes_back():
+    p = planner(idle_to_zero_s=600)
+    p.decide(signals(0, tokens_per_s=5000))
+    assert p.decide(signals(300, reqs=0)).prefill == 1  # idle, not for long enough
+    d = p.decide(signals(700, reqs=0))
+    assert (d.prefill, d.decode, d.warm) == (0, 0, 1) and "zero" in d.reason
+    d = p.decide(signals(710, prefill=0, decode=0, queued=5000, reqs=3))  # a request arrives
+    assert d.prefill >= 1 and d.decode >= 1
+
+
+def test_threshold_rule_is_an_hpa():
+    rule = ThresholdRule(target=0.5, down_after_s=300)
+    assert rule.desired("decode", 0, 4, 1.0) == 8
+    assert rule.desired("decode", 100, 8, 0.1) == 8  # the window still holds the 8
+    assert rule.desired("decode", 401, 8, 0.1) == 2
+
+
+def test_bad_planner_config_is_refused():
+    with pytest.raises(ValueError):
+        PlannerConfig(target_utilisation=0)
+    with pytest.raises(ValueError):
+        PlannerConfig(boost=0.5)
+    with pytest.raises(ValueError):
+        Capacity(0, 1, 1)
+
+
+def test_idle_time_counts_from_the_first_decision():
+    """A live planner's clock is the host's (large at start): no traffic yet is not idle yet."""
+    p = planner(idle_to_zero_s=600)
+    assert p.decide(signals(50_000, reqs=0)).decode >= 1
+    assert p.decide(signals(50_599, reqs=0)).decode >= 1
+    assert p.decide(signals(50_600, reqs=0)).decode == 0

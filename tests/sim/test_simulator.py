@@ -1,0 +1,167 @@
+"""The cluster simulator: deterministic, driven by the real router code, its worker model sane."""
+
+import copy
+import json
+
+import pytest
+
+from services.router import policy as router_policy
+from services.sim.admission import SimAdmission
+from services.sim.cluster import ClusterConfig, ClusterSim
+from services.sim.metrics import SLO, summarize
+from services.sim.profiles import load_profile
+from services.sim.workloads import (
+    ArrivalShape,
+    SimRequest,
+    WorkloadGenerator,
+    routing_bench_workload,
+)
+
+SLO_ = SLO(2.0, 0.05)
+
+
+def small_run(seed=1, policy="kv-aware", workers=(2, 4), rate=2.0, duration=60.0, **config):
+    profile = load_profile("h100")
+    reqs = WorkloadGenerator(seed, profile.block_size).sessions(ArrivalShape(rate=rate, duration_s=duration))
+    sim = ClusterSim(ClusterConfig(profile, workers[0], workers[1], policy=policy, **config), reqs).run()
+    return sim
+
+
+def fingerprint(sim):
+    return [(j.req.id, j.prefill_worker, j.decode_worker, round(j.first_token_at, 9), round(j.finished_at, 9),
+             j.cached_tokens) for j in sim.jobs]
+
+
+def test_a_seed_gives_the_same_run_and_another_seed_another():
+    a, b = small_run(seed=7), small_run(seed=7)
+    assert fingerprint(a) == fingerprint(b)
+    assert json.dumps(summarize(a, SLO_)) == json.dumps(summarize(b, SLO_))
+    assert fingerprint(small_run(seed=8)) != fingerprint(a)
+
+
+def test_every_request_finishes_and_every_block_comes_back():
+    sim = small_run()
+    assert sim.jobs and all(j.finished_at >= j.first_token_at > j.req.arrival for j in sim.jobs)
+    assert sim.inflight == 0 and not len(sim.admission)
+    for w in sim.workers.values():
+        assert w.idle()
+    assert all(load == 0 for load in (sim.pool.load(w).inflight_requests for w in sim.workers))
+
+
+def test_the_routing_policy_decides():
+    kv = summarize(small_run(policy="kv-aware"), SLO_)
+    rr = summarize(small_run(policy="round-robin"), SLO_)
+    assert kv["hit_rate"] > rr["hit_rate"]
+
+
+def test_it_is_the_router_code_that_runs(monkeypatch):
+    """Patch the production policy class: the simulator's choices follow the patch."""
+    before = small_run()
+    assert len({j.prefill_worker for j in before.jobs}) == 2
+
+    def always_last(self, candidates, *args):
+        return router_policy.Decision(candidates[-1], "load")
+
+    monkeypatch.setattr(router_policy.KVAwarePolicy, "_pick_prefill", always_last)
+    after = small_run()
+    assert {j.prefill_worker for j in after.jobs} == {"prefill-0002"}
+
+
+def test_one_request_costs_what_the_profile_says():
+    profile = load_profile("h100")
+    req = SimRequest(0, 1.0, "standard", list(range(100, 132)), 32 * 64, 101)
+    sim = ClusterSim(ClusterConfig(profile, 1, 1, disaggregation="always"), [req]).run()
+    job = sim.jobs[0]
+    prefill = profile.prefill_s(req.num_tokens, req.num_tokens)
+    assert job.first_token_at - req.arrival == pytest.approx(prefill + profile.transfer_s(req.num_tokens))
+    # 100 more tokens, one per decode step of a batch of one whose context grows from 2,049 to 2,148
+    steps = [profile.decode_step_s(1, req.num_tokens + 1 + k) for k in range(100)]
+    assert job.finished_at - job.first_token_at == pytest.approx(sum(steps), rel=1e-3)
+
+
+def test_a_full_decode_worker_makes_requests_wait_not_fail():
+    profile = load_profile("h100").with_kv_blocks(40)
+    reqs = [SimRequest(i, 0.0, "standard", [10_000 * i + k for k in range(16)], 16 * 64, 200) for i in range(4)]
+    sim = ClusterSim(ClusterConfig(profile, 1, 1, disaggregation="always"), reqs).run()
+    # 16 + 4 blocks each: two fit at a time, so the last two start only when the first two end
+    first = sorted(j.first_token_at for j in sim.jobs)
+    finished = sorted(j.finished_at for j in sim.jobs)
+    assert all(j.finished_at > 0 for j in sim.jobs)
+    assert first[2] > finished[0]
+
+
+def test_admission_runs_the_production_dequeue_script():
+    queue = SimAdmission()
+    for i in range(24):
+        queue.add(("i", i), "interactive")
+    for i in range(12):
+        queue.add(("s", i), "standard")
+        queue.add(("b", i), "batch")
+    order = "".join(queue.next()[0] for _ in range(24))
+    assert (order.count("i"), order.count("s"), order.count("b")) == (16, 6, 2)  # weights 8 / 3 / 1
+    assert order[:12] == "isiibisiiisi"
+    with pytest.raises(ValueError):
+        queue.add("x", "nope")
+
+
+def test_validation_workload_matches_bench_routing():
+    reqs = routing_bench_workload(0, 16)
+    assert len(reqs) == 200 and all(1024 + 16 <= r.num_tokens <= 1024 + 32 for r in reqs)
+    assert len({tuple(r.hashes[:64]) for r in reqs}) == 8  # eight shared 64-block system prompts
+
+
+def test_workload_mix_follows_its_parameters():
+    reqs = WorkloadGenerator(3, 16).sessions(ArrivalShape(rate=20, duration_s=300))
+    kinds = {r.kind for r in reqs}
+    assert kinds == {"chat", "system-prompt", "rag", "agent"}
+    rag = sorted(r.num_tokens for r in reqs if r.kind == "rag")
+    assert 5000 < sum(rag) / len(rag) < 10_000  # Mooncake's average input is 7,590 tokens
+    assert copy.deepcopy(reqs[0]).hashes == reqs[0].hashes
+
+
+def test_bad_configuration_is_a_clear_error():
+    profile = load_profile("h100")
+    with pytest.raises(ValueError, match="disaggregation"):
+        ClusterConfig(profile, 1, 1, disaggregation="sometimes")
+    with pytest.raises(ValueError, match="unknown worker profile"):
+        load_profile("tpu")
+    with pytest.raises(ValueError):
+        ArrivalShape(rate=0, duration_s=10)
+
+
+def test_bench_sim_command_prints_the_headline_and_writes_plots_and_results(tmp_path):
+    """``pdserve bench sim --json`` end to end at a small size: the acceptance keys, PNGs, the result file."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "bench", "sim", "--workers", "8", "--requests", "300",
+         "--parts", "policies,validation,autoscale", "--period-s", "300", "--autoscale-rate", "0.2",
+         "--static-sizes", "2,4", "--planner-targets", "0.6", "--threshold-targets", "0.7", "--json",
+         "--plots", str(tmp_path / "plots"), "--save", str(tmp_path / "results")],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    for key in ("workers", "requests", "wall_s", "hit_rate_ratio_kv_vs_rr", "goodput_ratio_kv_vs_rr",
+                "autoscale_slo_attainment", "autoscale_worker_hours_vs_static", "validation"):
+        assert key in out, key
+    assert (out["workers"], out["requests"]) == (8, 300)
+    assert set(out["policies"]) == {"round-robin", "least-load", "kv-aware", "kv-aware-lb"}
+    assert set(out["validation"]["real"]) == set(out["validation"]["sim"])
+    pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert pngs and all((tmp_path / "plots" / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
+    saved = list((tmp_path / "results").glob("sim-*.json"))
+    assert len(saved) == 1
+
+
+def test_bench_sim_rejects_an_unknown_part_or_policy_set():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "bench", "sim", "--parts", "policies,nope"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "unknown parts ['nope']" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "bench", "sim", "--policies", "kv-aware"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--policies must include kv-aware and round-robin" in proc.stderr
