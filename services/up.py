@@ -32,7 +32,19 @@ def spec_from_args(args) -> StackSpec:
                      transport=args.transport, threads=args.threads, kv_cache_gb=args.kv_cache_gb, host=args.host,
                      redis_url=args.redis_url, policy=args.policy, router_port=args.router_port,
                      gateway=not args.no_gateway, gateway_port=args.port, gateway_grpc_port=args.grpc_port,
-                     api_keys=args.api_keys, router_args=args.router_arg, gateway_args=args.gateway_arg)
+                     api_keys=args.api_keys, router_args=args.router_arg, gateway_args=args.gateway_arg,
+                     worker_args=_speculative_args(args))
+
+
+def _speculative_args(args) -> list[str]:
+    """Worker flags for speculative decoding (decode workers use them; prefill workers never decode).
+    Checked here, so a bad value fails before any process starts (ValueError: a usage error)."""
+    from services.generate import speculative_from_args
+
+    if speculative_from_args(args) is None:
+        return []
+    return ["--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens),
+            "--prompt-lookup-max", str(args.prompt_lookup_max), "--prompt-lookup-min", str(args.prompt_lookup_min)]
 
 
 def run(args) -> int:
@@ -130,6 +142,11 @@ def add_parser(sub) -> None:
     p.add_argument("--transport", default="ucx", choices=["ucx", "tcp"], help="KV transfer between workers")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache per worker")
+    p.add_argument("--speculative", default="off", choices=["off", "ngram"],
+                   help="speculative decoding on the decode workers (ngram: prompt lookup; see pdserve generate)")
+    p.add_argument("--num-speculative-tokens", type=int, default=5, help="draft tokens per step")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram matched (tried first)")
+    p.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram matched")
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for the router (repeatable), e.g. --router-arg=--temperature=0.5")
     p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",

@@ -38,6 +38,7 @@ import time
 import torch
 
 from services.bench import results as result_files
+from services.bench.args import at_least_one
 from services.bench.stats import ratio
 from services.config import EngineConfig
 from services.engine.bench_hf import hf_best
@@ -179,7 +180,12 @@ def engine_dir(args):
 def llama_cpp_section(gguf: str, workload, prompt, args, sections) -> dict:
     """llama.cpp's figures, each measured in a child process (bench_llamacpp.isolated): a
     llama-cpp-python build that crashes leaves ``error`` (why) instead of its figures."""
-    from services.engine.bench_llamacpp import isolated, measure_batched, measure_decode_b1, system_info
+    from services.engine.bench_llamacpp import (
+        isolated,
+        measure_batched,
+        measure_decode_b1,
+        system_info,
+    )
 
     threads = torch.get_num_threads()
     out: dict = {"runs": []}
@@ -287,16 +293,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _list(kind, choices=None):
     def parse(text: str) -> list:
         items = [x.strip() for x in text.split(",") if x.strip()]
@@ -320,20 +316,20 @@ def add_parser(sub) -> None:
     p.add_argument("--quantization", type=_list(str, ("none", "int8", "gguf")), default=["int8", "gguf"],
                    help="quantized variants of pdserve to measure besides --dtype (default int8,gguf; none: skip; "
                         "gguf only for the default model, whose GGUF file llama.cpp reads too)")
-    p.add_argument("--requests", type=_at_least_one, default=64)
+    p.add_argument("--requests", type=at_least_one, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-dtypes", type=_list(str, ("fp32", "bf16")), default=["fp32", "bf16"],
                    help="HF dtypes to try (default fp32,bf16: which is faster depends on the CPU)")
-    p.add_argument("--hf-batch-sizes", type=_list(_at_least_one), default=[16, 64],
+    p.add_argument("--hf-batch-sizes", type=_list(at_least_one), default=[16, 64],
                    help="HF static batch sizes to try per dtype, length-bucketed (default 16,64)")
-    p.add_argument("--llamacpp-seqs", type=_list(_at_least_one), default=[16, 64],
+    p.add_argument("--llamacpp-seqs", type=_list(at_least_one), default=[16, 64],
                    help="llama.cpp sequence slots to try for the mixed workload (default 16,64)")
     p.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp even if llama-cpp-python is installed")
-    p.add_argument("--decode-tokens", type=_at_least_one, default=128)
-    p.add_argument("--ppl-tokens", type=_at_least_one, default=4096, help="tokens of the perplexity text")
-    p.add_argument("--kv-context", type=_at_least_one, default=4096,
+    p.add_argument("--decode-tokens", type=at_least_one, default=128)
+    p.add_argument("--ppl-tokens", type=at_least_one, default=4096, help="tokens of the perplexity text")
+    p.add_argument("--kv-context", type=at_least_one, default=4096,
                    help="context of the int8-KV decode comparison, tokens of the perplexity text (default 4096)")
-    p.add_argument("--max-num-seqs", type=_at_least_one, default=128)
-    p.add_argument("--max-num-batched-tokens", type=_at_least_one, default=1024)
+    p.add_argument("--max-num-seqs", type=at_least_one, default=128)
+    p.add_argument("--max-num-batched-tokens", type=at_least_one, default=1024)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)

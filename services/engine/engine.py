@@ -31,9 +31,10 @@ from services.engine.model_source import resolve_model
 from services.engine.outputs import RequestOutput, TokenLogprobs
 from services.engine.request import Request, Status
 from services.engine.runner import ModelRunner
-from services.engine.sampler import Sampler
+from services.engine.sampler import Sampler, VerifiedOutput
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerConfig
+from services.engine.speculator import Speculator
 from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.errors import CapacityError, InvalidRequestError
 
@@ -75,6 +76,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, config.device)
         self.runner.cuda_graphs = capture_decode_graphs(config, self.model, self.kv_cache, self.max_model_len)
         self.sampler = Sampler()
+        # Speculative decoding (prompt lookup): decoding requests verify draft tokens each step
+        self.speculator = Speculator(config.speculative, self.max_model_len) if config.speculative else None
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # produced outside step() (abort, start_decode)
@@ -165,7 +168,7 @@ class Engine:
             raise InvalidRequestError(f"request {request_id!r} has no reservation", param="request_id")
         req.num_computed_tokens = req.num_tokens
         self.kv.cache_computed_blocks(req)
-        out = self._append_token(req, first_token_id, first_logprobs)
+        out = self._append_tokens(req, [first_token_id], [first_logprobs])
         if not req.is_finished:
             self.scheduler.add_running(req)
         self._pending.append(out)
@@ -202,48 +205,79 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if not sched:
             return outputs
         sampled, logits = self.runner.execute(sched)
+        drafts: dict[str, list[int]] = {}
         for s in sched.scheduled:
+            if s.spec_token_ids:  # computed once verified: only the accepted drafts count
+                drafts[s.request.request_id] = s.spec_token_ids
+                continue
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_computed_blocks(s.request)
-        result = self.sampler(logits, sampled) if sampled else None
+        if not sampled:
+            result = None
+        elif drafts:
+            result = self.sampler.verify(logits, sampled, [drafts.get(r.request_id, ()) for r in sampled])
+        else:
+            one = self.sampler(logits, sampled)
+            result = VerifiedOutput([[t] for t in one.token_ids], [[lp] for lp in one.logprobs])
         sampled_ids = {r.request_id for r in sampled}
         for s in sched.scheduled:  # prefill-only progress, for transfers that overlap compute
             req = s.request
             if req.prefill_only and req.request_id not in sampled_ids:
                 outputs.append(self._output(req, [], None))
         for i, req in enumerate(sampled):
+            tokens, logprobs = result.token_ids[i], result.logprobs[i]
             if req.prefill_only:
-                req.append_output(result.token_ids[i])
+                req.append_output(tokens[0])
                 req.status, req.finish_reason = Status.PREFILLED, "prefilled"
                 self.scheduler.remove(req)
                 self.sampler.forget(req.request_id)
-                out = self._output(req, [result.token_ids[i]], result.logprobs[i])
+                out = self._output(req, tokens, logprobs)
                 out.finished, out.finish_reason = True, "prefilled"
                 outputs.append(out)
-            else:
-                outputs.append(self._append_token(req, result.token_ids[i], result.logprobs[i]))
+                continue
+            draft = drafts.get(req.request_id)
+            if draft is not None:
+                # KV now holds the last token and the accepted drafts; slots past them hold
+                # rejected drafts, which the next step overwrites and nothing ever hashes
+                req.num_computed_tokens += len(tokens)
+            outputs.append(self._append_tokens(req, tokens, logprobs))
+            if draft is not None:
+                self.speculator.record(req, len(draft), len(tokens) - 1)
         return outputs
 
-    def _append_token(self, req: Request, token: int, logprob: TokenLogprobs | None) -> RequestOutput:
-        req.append_output(token)
+    def _append_tokens(self, req: Request, tokens: list[int],
+                       logprobs: list[TokenLogprobs | None]) -> RequestOutput:
+        """Append a step's tokens (one, or accepted drafts and one more) up to the first that
+        finishes the request; the rest are dropped."""
         p = req.params
         detok = self._detok.get(req.request_id)
         reason = None
-        if (token in p.stop_token_ids) or (not p.ignore_eos and token in req.eos_token_ids):
-            reason = "stop"
-        elif detok is not None and detok.add(token):
-            reason = "stop"
-        elif p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
-            reason = "length"
-        elif req.num_tokens >= self.max_model_len:
-            reason = "length"
+        n = 0
+        for token in tokens:
+            req.append_output(token)
+            n += 1
+            if (token in p.stop_token_ids) or (not p.ignore_eos and token in req.eos_token_ids):
+                reason = "stop"
+            elif detok is not None and detok.add(token):
+                reason = "stop"
+            elif p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
+                reason = "length"
+            elif req.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason:
+                break
+        if n > 1:  # accepted drafts completed blocks: publish them (before a finish frees them)
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+            self.kv.cache_computed_blocks(req)
         if reason:
             self._finish(req, reason)
-        return self._output(req, [token], logprob)
+        return self._output(req, tokens[:n], logprobs[:n])
 
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.remove(req)
@@ -251,8 +285,11 @@ class Engine:
         req.status, req.finish_reason = Status.FINISHED, reason
         self.requests.pop(req.request_id, None)
         self.sampler.forget(req.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(req.request_id)
 
-    def _output(self, req: Request, tokens: list[int], logprob: TokenLogprobs | None) -> RequestOutput:
+    def _output(self, req: Request, tokens: list[int],
+                logprobs: list[TokenLogprobs | None] | None) -> RequestOutput:
         finished = req.is_finished
         detok = self._detok.get(req.request_id)
         text = detok.delta(final=finished) if detok is not None else ""
@@ -264,7 +301,7 @@ class Engine:
             new_text=text,
             finished=finished,
             finish_reason=req.finish_reason if finished else None,
-            logprobs=[logprob] if logprob is not None else None,
+            logprobs=logprobs if logprobs and any(lp is not None for lp in logprobs) else None,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_prefix_hit_tokens,
@@ -287,4 +324,5 @@ class Engine:
             "prefix_cache_hits": pool.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "queued_prefill_tokens": self.scheduler.queued_prefill_tokens,
+            **(self.speculator.stats() if self.speculator else Speculator.no_stats()),
         }

@@ -38,6 +38,9 @@ class Request:
     num_claimed_blocks: int = 0
     num_prefix_hit_tokens: int = 0  # from the prefix cache at (latest) admission
     num_preemptions: int = 0
+    # Speculative decoding: draft tokens to verify in the next step (never part of all_token_ids
+    # until the model accepts them); set by the engine's Speculator, read by the scheduler.
+    spec_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     first_token_time: float | None = None
 

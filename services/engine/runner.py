@@ -1,5 +1,8 @@
 """Turns a SchedulerOutput into tensors, runs the model, returns logits of the rows that sample.
 
+A request that verifies draft tokens gets logits for its last token and every draft (one row
+each, in order); every other sampling request gets one row.
+
 The runner owns the KV-cache tensor (the block pool only knows ids). Single-token
 steps (decodes, and one-token prompt tails after a prefix hit) go first and use
 the decode attention path; longer chunks follow and use the prefill path.
@@ -31,28 +34,42 @@ class ModelRunner:
 
     def _prepare(self, batch: list[ScheduledRequest]):
         bs = self.block_size
-        decodes = [s for s in batch if s.num_new_tokens == 1]
-        prefills = [s for s in batch if s.num_new_tokens > 1]
+        # Single-token rows use the decode path. So does a speculative request's verification:
+        # its last token and its drafts are consecutive decode rows of one sequence, row j seeing
+        # the context up to its own position (every row's K/V is written before any row attends),
+        # which is causal attention over the chunk, computed as a plain decode step computes it.
+        decodes = [s for s in batch if s.num_new_tokens == 1 or s.spec_token_ids]
+        prefills = [s for s in batch if s.num_new_tokens > 1 and not s.spec_token_ids]
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
         sampled: list[Request] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         for s in decodes + prefills:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            ids.extend(req.all_token_ids[start : start + n])
+            ids.extend(req.all_token_ids[start : start + n - len(s.spec_token_ids)])
+            ids.extend(s.spec_token_ids)
             pos = range(start, start + n)
             positions.extend(pos)
             blocks = req.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
-            if s.samples:
+            if s.spec_token_ids:  # every row is scored: the sampler verifies each draft against it
+                sample_rows.extend(range(len(ids) - n, len(ids)))
+                sampled.append(req)
+            elif s.samples:
                 sample_rows.append(len(ids) - 1)
                 sampled.append(req)
+            if s.num_new_tokens == 1 or s.spec_token_ids:
+                for p in pos:
+                    decode_tables.append(blocks[: p // bs + 1])
+                    decode_lens.append(p + 1)
         dev = self.device
         meta = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_decode_tokens=len(decodes),
+            num_decode_tokens=len(decode_lens),
             decode_block_tables=None,
             decode_context_lens=None,
             prefill_block_tables=None,
@@ -60,12 +77,8 @@ class ModelRunner:
             prefill_context_lens=None,
         )
         if decodes:
-            meta.decode_block_tables = _block_table(
-                [s.request.block_ids[: -(-(s.request.num_computed_tokens + 1) // bs)] for s in decodes], dev
-            )
-            meta.decode_context_lens = torch.tensor(
-                [s.request.num_computed_tokens + 1 for s in decodes], dtype=torch.int32, device=dev
-            )
+            meta.decode_block_tables = _block_table(decode_tables, dev)
+            meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.int32, device=dev)
         if prefills:
             ends = [s.request.num_computed_tokens + s.num_new_tokens for s in prefills]
             meta.prefill_block_tables = _block_table(

