@@ -44,6 +44,7 @@ _FLAGS = {
 }
 
 _forced: str | None = None
+_default: str | None = None  # $PDSERVE_CPU_ISA's level, or the best: set on first use
 
 
 def cpu_flags() -> set[str]:
@@ -95,10 +96,14 @@ def check(level: str) -> str:
 
 
 def selected() -> str:
-    """The level in use: ``force``'s, else ``$PDSERVE_CPU_ISA``, else the best."""
+    """The level in use: ``force``'s, else ``$PDSERVE_CPU_ISA`` (read once per process: every
+    kernel call asks, hundreds of times per engine step), else the best."""
+    global _default
     if _forced is not None:
         return _forced
-    return _from_env(os.environ.get(ENV) or None)
+    if _default is None:
+        _default = _from_env(os.environ.get(ENV) or None)
+    return _default
 
 
 @lru_cache(maxsize=8)

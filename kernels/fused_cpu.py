@@ -10,6 +10,8 @@ rotates q and k in place (the model's q and k are fresh slices of the qkv projec
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from kernels import native
@@ -23,7 +25,12 @@ _BF16 = torch.bfloat16
 
 def _lib():
     lib = native.library()
-    return lib if lib is not None and lib.pdserve_fused_available() else None
+    return lib if lib is not None and _fused_available(lib) else None
+
+
+@lru_cache(maxsize=None)
+def _fused_available(lib) -> bool:  # asked once per library, not on every op
+    return bool(lib.pdserve_fused_available())
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor | None:
