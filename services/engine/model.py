@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.decode_layers_cpu import DecodeLayers
 from kernels.gguf_linear import GGUFLinear
 from kernels.linear_cpu import PackedLinear
 from kernels.ops import Ops
@@ -118,11 +119,22 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""
         x = self.embed_tokens(input_ids)
+        if not meta.has_prefill and x.device.type == "cpu":
+            fused = self._decode_layers(meta.kv_cache)
+            if fused is not None and (out := fused(x, positions, meta)) is not None:
+                return out
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, meta, self.ops, self.cos_sin_cache)
         x, _ = self.ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)
         return x
+
+    def _decode_layers(self, kv_cache: torch.Tensor) -> DecodeLayers | None:
+        """The C driver of decode-only steps over this cache (kernels/decode_layers_cpu.py), built once."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape))
+        if getattr(self, "_fused_key", None) != key:
+            self._fused_key, self._fused = key, DecodeLayers.build(self, kv_cache)
+        return self._fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.logits_proj is not None:
