@@ -108,6 +108,8 @@ class StackSpec:
     decode: int = 1
     model: str | None = None
     dtype: str = "bf16"
+    quantization: str | None = None  # workers' --quantization (None: unquantized)
+    kv_cache_dtype: str = "auto"  # workers' --kv-cache-dtype
     transport: str = "ucx"
     threads: int | None = None  # torch threads per worker
     kv_cache_gb: float | None = None
@@ -158,6 +160,10 @@ class LocalStack:
                   "--transport", spec.transport]
         if spec.model:
             common += ["--model", spec.model]
+        if spec.quantization:
+            common += ["--quantization", spec.quantization]
+        if spec.kv_cache_dtype != "auto":
+            common += ["--kv-cache-dtype", spec.kv_cache_dtype]
         if spec.threads:
             common += ["--threads", str(spec.threads)]
         profiling = ["--enable-profiling"] if spec.profiling else []

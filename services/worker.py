@@ -322,6 +322,7 @@ def configs_from_args(args, role: str) -> tuple[WorkerConfig, EngineConfig, Tran
         kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
         enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, long_prefill_chunk=args.long_prefill_chunk,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         speculative=speculative_from_args(args) if role == "decode" else None)
     advertise = advertised_host(args.host, args.advertise_host)
     worker = WorkerConfig(role=role, host=args.host, port=args.port, advertise_host=advertise, redis_url=args.redis_url,
