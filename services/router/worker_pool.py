@@ -51,6 +51,12 @@ class WorkerLoad:
     def num_requests(self) -> int:
         return self.num_running + self.num_waiting + self.inflight_requests
 
+    @property
+    def active_requests(self) -> int:
+        """Requests on the worker, none counted twice: the larger of its heartbeat's count (other
+        routers' requests too, up to a second old) and this router's exact in-flight count."""
+        return max(self.num_running + self.num_waiting, self.inflight_requests)
+
 
 @dataclass(frozen=True)
 class InflightToken:
