@@ -31,3 +31,12 @@ def validate_session_key(value: Any, param: str = "prompt_cache_key") -> str:
     if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
         raise InvalidRequestError(f"{param} must not contain control characters", param=param)
     return value
+
+
+HEADER = "x-session-id"  # the HTTP header and gRPC metadata key, for clients that cannot set the field
+
+
+def session_key_of(field: Any, header: str | None, param: str = "prompt_cache_key") -> str:
+    """The request's key: its body or message field when set, else the ``X-Session-ID`` header."""
+    key = validate_session_key(field, param)
+    return key or validate_session_key(header or None, "X-Session-ID")

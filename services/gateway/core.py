@@ -171,7 +171,7 @@ class GatewayCore:
         record = RequestRecord(self.delivery.new_request_id(), req.kind, model, int(time.time()), tenant.name, req.include_usage,
                                req.logprobs, deadline, len(token_ids))
         queued = QueuedRequest(record.request_id, tenant.name, tier, model, token_ids, req.sampling, deadline,
-                               traceparent)
+                               traceparent, session_key=req.session_key)
         if idempotency_key is None:
             await self._save_and_enqueue(record, queued)
             return Admission(record, tier, attached=False, rate=rate)
