@@ -33,7 +33,7 @@ _NUM = {"type": "number"}
 _STOP = {"anyOf": [_STR, {"type": "array", "items": _STR, "maxItems": 16}]}
 _META = {"type": "object", "additionalProperties": {"type": "string", "maxLength": 512}, "maxProperties": 16}
 _SESSION = {"type": "string", "maxLength": 256}
-_SESSION_NOTE = ("session affinity: requests with the same key go to the same workers while they are healthy and "
+_SESSION_NOTE = ("session affinity: requests with the same key go to the same decode worker while it is healthy and "
                  "not overloaded, unless another worker holds more of the prompt (header X-Session-ID: the same; "
                  "up to 256 bytes)")
 

@@ -1,9 +1,9 @@
 """Session affinity: consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, 2018).
 
 A request that carries a session key (``services/session_key.py``) prefers the
-worker its key hashes to, so the turns of one conversation meet the KV cache
-their earlier turns left there, even before that cache's KV events have reached
-the router. Each role (prefill, decode) has its own ring::
+decode worker its key hashes to (policy.py says why not the prefill worker), so
+the turns of one conversation meet the KV cache their earlier turns left there,
+even before that cache's KV events have reached the router. A ring per role::
 
     ring:  0 ──●a──●c───●b──●a──◆key──●c──●b────●a──●c── 2^64
                                    └─ walk clockwise: c, b, a (each worker once)
@@ -86,8 +86,9 @@ class SessionAffinity:
         return ring
 
     def owner(self, key: str, role: str, workers: Sequence[WorkerInfo], candidates: Sequence[WorkerInfo],
-              loads: Mapping[str, int]) -> WorkerInfo:
-        """The key's worker among ``candidates`` (not empty): the first on its walk under the load bound.
+              loads: Mapping[str, int]) -> tuple[WorkerInfo, bool]:
+        """The key's worker among ``candidates`` (not empty): the first on its walk under the load
+        bound, and whether it is not the first on the walk (the request spilled).
 
         ``workers``: every live worker of the role (the ring is built on them, so a worker
         excluded for this request only, or without room right now, does not move other keys);
@@ -96,9 +97,12 @@ class SessionAffinity:
         bound = load_bound((loads[w.worker_id] for w in candidates), self.load_factor)
         by_id = {w.worker_id: w for w in candidates}
         ids = {w.worker_id for w in workers} | by_id.keys()
+        spilled = False
         for worker_id in self.ring(role, ids).walk(key):
-            if worker_id in by_id and loads[worker_id] < bound:
-                return by_id[worker_id]
+            if worker_id in by_id:
+                if loads[worker_id] < bound:
+                    return by_id[worker_id], spilled
+                spilled = True
         raise AssertionError("the least-loaded candidate is always under the bound")
 
     def choose(self, key: str, role: str, workers: Sequence[WorkerInfo], candidates: Sequence[WorkerInfo],
@@ -110,13 +114,16 @@ class SessionAffinity:
         index). The key's owner (``owner``) wins, reason ``affinity``, unless another candidate
         under the load bound holds at least ``override_blocks`` more of them: then the one
         holding the most (fewest requests, then lowest id, on a tie), reason ``prefix_hit``.
+        When the key's first worker is over the bound, the owner is the next one on its walk
+        and the reason ``affinity_spill`` (a caller with a better judge of load against cache,
+        kv-aware's cost, may use that instead).
         """
-        owner = self.owner(key, role, workers, candidates, loads)
+        owner, spilled = self.owner(key, role, workers, candidates, loads)
         own = overlaps.get(owner.worker_id, 0)
         bound = load_bound((loads[w.worker_id] for w in candidates), self.load_factor)
         holders = [w for w in candidates if loads[w.worker_id] < bound
                    and overlaps.get(w.worker_id, 0) >= own + override_blocks]
         if not holders:
-            return owner, "affinity", own
+            return owner, "affinity_spill" if spilled else "affinity", own
         best = min(holders, key=lambda w: (-overlaps.get(w.worker_id, 0), loads[w.worker_id], w.worker_id))
         return best, "prefix_hit", overlaps.get(best.worker_id, 0)

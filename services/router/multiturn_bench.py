@@ -133,6 +133,9 @@ def summarize_arm(turns: list[Turn], wall_s: float, names: dict[str, str]) -> di
         by_session.setdefault(t.session, []).append(t)
     moves = sum(1 for ts in by_session.values() for a, b in zip(ts, ts[1:])
                 if a.result.decode_worker != b.result.decode_worker)
+    # with prefill workers, the prefill side's cache is the one a turn finds ("" = prefilled locally)
+    prefill_moves = sum(1 for ts in by_session.values() for a, b in zip(ts, ts[1:])
+                        if a.result.prefill_worker != b.result.prefill_worker)
     per_worker: dict[str, int] = {}
     for t in ok:
         name = names.get(t.result.decode_worker, t.result.decode_worker)
@@ -144,9 +147,12 @@ def summarize_arm(turns: list[Turn], wall_s: float, names: dict[str, str]) -> di
         "requests": len(ok), "errors": len(errors), "first_error": errors[0] if errors else None,
         "prompt_tokens": sum(t.result.prompt_tokens for t in ok),
         "cached_prompt_tokens": sum(t.result.cached_tokens for t in ok),
+        "prompt_tokens_later_turns": sum(t.result.prompt_tokens for t in later),
+        "cached_prompt_tokens_later_turns": sum(t.result.cached_tokens for t in later),
         "cached_share": share(ok), "cached_share_later_turns": share(later),
         "best_cached_share": best(ok), "best_cached_share_later_turns": best(later),
-        "worker_changes_between_turns": moves, "turn_transitions": sum(len(ts) - 1 for ts in by_session.values()),
+        "worker_changes_between_turns": moves, "prefill_worker_changes_between_turns": prefill_moves,
+        "turn_transitions": sum(len(ts) - 1 for ts in by_session.values()),
         "ttft_ms_mean": round(sum(ttft) / len(ttft), 1) if ttft else None,
         "ttft_ms_p50": round(percentile(ttft, 50), 1), "ttft_ms_p99": round(percentile(ttft, 99), 1),
         "ttft_ms_p50_later_turns": round(percentile(ttft_later, 50), 1),
@@ -156,11 +162,13 @@ def summarize_arm(turns: list[Turn], wall_s: float, names: dict[str, str]) -> di
 
 def _merge(arm_rounds: list[dict]) -> dict:
     """An arm over its rounds: token counts and moves add up, shares recomputed from them."""
-    total = {k: sum(r[k] for r in arm_rounds) for k in ("requests", "errors", "prompt_tokens",
-                                                        "cached_prompt_tokens", "worker_changes_between_turns",
-                                                        "turn_transitions")}
-    total["cached_share"] = round(total["cached_prompt_tokens"] / total["prompt_tokens"], 4) \
-        if total["prompt_tokens"] else None
+    total = {k: sum(r[k] for r in arm_rounds) for k in (
+        "requests", "errors", "prompt_tokens", "cached_prompt_tokens", "prompt_tokens_later_turns",
+        "cached_prompt_tokens_later_turns", "worker_changes_between_turns", "turn_transitions")}
+    for share, cached, prompt in (("cached_share", "cached_prompt_tokens", "prompt_tokens"),
+                                  ("cached_share_later_turns", "cached_prompt_tokens_later_turns",
+                                   "prompt_tokens_later_turns")):
+        total[share] = round(total[cached] / total[prompt], 4) if total[prompt] else None
     return total
 
 
@@ -200,6 +208,9 @@ def bench(cfg: RoutingBenchConfig, mt: MultiTurnConfig, verbose: bool = False) -
     return {
         "cached_share_with_key": key["cached_share"], "cached_share_without_key": plain["cached_share"],
         "cached_share_ratio_key_vs_no_key": _ratio(key["cached_share"] or 0.0, plain["cached_share"] or 0.0),
+        # the turns that have a history to find (a first turn misses under any routing)
+        "cached_share_later_turns_with_key": key["cached_share_later_turns"],
+        "cached_share_later_turns_without_key": plain["cached_share_later_turns"],
         "totals": totals, "rounds": rounds,
         "stack_warning_lines": len(trouble), "stack_warnings": trouble[:20],
         "config": dict(asdict(cfg), **asdict(mt), model=model_name, workload="multi-turn", policy="kv-aware",
@@ -223,7 +234,9 @@ def print_table(result: dict) -> None:
                   f"{a['turn_transitions']:<2}{a['ttft_ms_p50']:>8.0f}ms  {spread}{errors}")
     ratio = result["cached_share_ratio_key_vs_no_key"]
     print(f"cached-token share, all rounds: with the key {result['cached_share_with_key']:.3f}, kv-aware alone "
-          f"{result['cached_share_without_key']:.3f} ({'n/a' if ratio is None else f'{ratio:.2f}x'})")
+          f"{result['cached_share_without_key']:.3f} ({'n/a' if ratio is None else f'{ratio:.2f}x'}); turns after "
+          f"the first: {result['cached_share_later_turns_with_key']:.3f} vs "
+          f"{result['cached_share_later_turns_without_key']:.3f}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -37,7 +37,7 @@ def place(policy: RoutingPolicy, policy_config: RouterPolicyConfig, disaggregati
     """Choose the workers for a prompt of ``num_tokens`` tokens whose full blocks hash to ``hashes``.
 
     ``disaggregation``: auto (conditional) | always | never. ``session_key``: the request's
-    affinity key ("" for none; see policy.py). Raises what ``choose_decode`` raises
+    affinity key ("" for none), for the decode choice (see policy.py). Raises what ``choose_decode`` raises
     (NoWorkerError, CapacityError) when no decode worker can take the prompt.
     """
     blocks_needed = -(-num_tokens // block_size)
@@ -45,7 +45,7 @@ def place(policy: RoutingPolicy, policy_config: RouterPolicyConfig, disaggregati
                                   session_key=session_key, block_hashes=hashes, index=index)
     if not prefill_workers or disaggregation == "never":
         return Placement(decode, None)
-    prefill = policy.choose_prefill(prefill_workers, hashes, block_size, pool, index, session_key=session_key)
+    prefill = policy.choose_prefill(prefill_workers, hashes, block_size, pool, index)
     if disaggregation != "always" and _prefill_locally(policy_config, pool, index, decode.worker, num_tokens,
                                                        hashes, prefill):
         return Placement(decode, None)

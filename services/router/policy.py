@@ -29,11 +29,17 @@ the cheapest, first by worker id on an exact tie (deterministic). Sampling
 keeps several routers with one view of the cluster from herding onto one worker.
 
 Session affinity (every policy): a request with a session key goes to its key's
-worker in each role (``affinity.SessionAffinity``: consistent hashing with
-bounded loads) unless another worker under the load bound holds at least
+decode worker (``affinity.SessionAffinity``: consistent hashing with bounded
+loads; over the bound, the next worker on the key's ring, ``affinity_spill``)
+unless another decode worker under the bound holds at least
 ``affinity_override_blocks`` more of the prompt's leading full blocks, as the
-prefix index records them; then the prefill choice is the policy's own (the
-kv-aware score wins) and the decode choice the worker holding the most.
+prefix index records them: then the one holding the most. The decode worker is
+where a conversation's whole history (its prompts and outputs) stays cached and
+where a local prefill computes. The prefill choice ignores the key: kv-aware
+already sends a prompt to the prefill worker its previous turn went to (the
+index records each choice at once), and weighs that cache against the worker's
+queue better than a ring does (``pdserve bench routing --workload multi-turn
+--prefill 2``: pinning prefills by key raised TTFT by half at the same hit rate).
 
 ``least-load`` takes the fewest pending prefill tokens; ``round-robin`` cycles
 over workers by id. Decode choice is shared: only workers with enough free KV
@@ -113,7 +119,7 @@ class RouterPolicyConfig:
 @dataclass(frozen=True)
 class Decision:
     worker: WorkerInfo
-    reason: str  # prefix_hit | load | least_load | round_robin | only_worker | most_room | affinity
+    reason: str  # prefix_hit | load | least_load | round_robin | only_worker | most_room | affinity[_spill]
     overlap_blocks: int = 0
     cost: float = 0.0  # the policy's score for the winner (kv-aware: tokens); 0 where it has none
 
@@ -128,9 +134,8 @@ class RoutingPolicy:
 
     def choose_prefill(self, workers: Sequence[WorkerInfo], block_hashes: Sequence[int], block_size: int,
                        pool: WorkerPool, index: PrefixIndex | None, exclude: Iterable[str] = (), *,
-                       num_tokens: int | None = None, session_key: str = "") -> Decision:
-        """Pick the prefill worker. ``num_tokens``: the prompt's length (default: its full blocks);
-        ``session_key``: the request's affinity key ("" for none).
+                       num_tokens: int | None = None) -> Decision:
+        """Pick the prefill worker. ``num_tokens``: the prompt's length (default: its full blocks).
 
         Raises NoWorkerError when no candidate is left after ``exclude``.
         """
@@ -141,12 +146,6 @@ class RoutingPolicy:
         if len(candidates) == 1:
             only = candidates[0]
             return Decision(only, "only_worker", overlaps.get(only.worker_id, 0))
-        if session_key:
-            loads = {w.worker_id: pool.load(w.worker_id).active_requests for w in candidates}
-            worker, reason, overlap = self.affinity.choose(session_key, "prefill", workers, candidates, loads,
-                                                           overlaps, self.config.affinity_override_blocks)
-            if reason == "affinity":
-                return Decision(worker, reason, overlap)
         return self._pick_prefill(candidates, overlaps, num_tokens, block_size, pool, block_hashes, index)
 
     def _pick_prefill(self, candidates: list[WorkerInfo], overlaps: dict[str, int], num_tokens: int,

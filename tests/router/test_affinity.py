@@ -6,6 +6,7 @@ from collections import Counter
 import pytest
 
 from services.router.affinity import HashRing, SessionAffinity, load_bound
+from services.router.placement import place
 from services.router.policy import RouterPolicyConfig, make_policy
 from services.router.prefix_index import PrefixIndex
 from tests.router.test_policy import BS, info, pool_of, prompt
@@ -53,7 +54,7 @@ def test_an_overloaded_owner_spills_to_the_next_worker_on_the_ring_and_gets_its_
     # four idle workers: one request on the owner already reaches ceil(1.25 * (1 + 1) / 4) = 1
     assert len(held) == 1 and load_bound([1, 0, 0, 0], 1.25) == 1
     spilled = decode_choice(policy, pool, key)
-    assert (spilled.worker.worker_id, spilled.reason) == (walk[1], "affinity")
+    assert (spilled.worker.worker_id, spilled.reason) == (walk[1], "affinity_spill")
     pool.end(held.pop())
     assert decode_choice(policy, pool, key).worker.worker_id == owner
 
@@ -99,37 +100,6 @@ def test_a_worker_excluded_for_one_request_does_not_move_other_keys():
         assert d.worker.worker_id == owners[k] or owners[k] == "decode-1"
 
 
-def test_a_prefill_worker_holding_more_of_the_prompt_wins_over_the_keys_worker():
-    prefill = [info(f"prefill-{i}") for i in range(3)]
-    pool, policy = pool_of(*prefill), make_policy("kv-aware")
-    tokens, hashes = prompt(10 * BS + 3)
-    key = "conversation-1"
-    owner = policy.choose_prefill(pool.prefill_workers(), hashes, BS, pool, PrefixIndex(), num_tokens=len(tokens),
-                                  session_key=key)
-    assert owner.reason == "affinity"
-    other = next(w.worker_id for w in prefill if w != owner.worker)
-
-    def choice(index):
-        return policy.choose_prefill(pool.prefill_workers(), hashes, BS, pool, index, num_tokens=len(tokens),
-                                     session_key=key)
-
-    # both hold the same 6 blocks: a tie is no reason to move, the key's worker keeps it
-    index = PrefixIndex()
-    index.apply(owner.worker.worker_id, [("s", hashes[:6])])
-    index.apply(other, [("s", hashes[:6])])
-    assert (choice(index).worker, choice(index).reason, choice(index).overlap_blocks) == (owner.worker, "affinity", 6)
-    # one block more elsewhere ("more": at least affinity_override_blocks = 1 more leading full block)
-    index.apply(other, [("s", hashes[6:7])])
-    d = choice(index)
-    assert (d.worker.worker_id, d.reason, d.overlap_blocks) == (other, "prefix_hit", 7)
-    # with a margin of 2 blocks, one more is not enough, two are
-    strict = make_policy("kv-aware", affinity_override_blocks=2)
-    kw = dict(num_tokens=len(tokens), session_key=key)
-    assert strict.choose_prefill(pool.prefill_workers(), hashes, BS, pool, index, **kw).worker == owner.worker
-    index.apply(other, [("s", hashes[7:8])])
-    assert strict.choose_prefill(pool.prefill_workers(), hashes, BS, pool, index, **kw).worker.worker_id == other
-
-
 def test_a_decode_worker_holding_more_of_the_prompt_wins_unless_it_is_overloaded():
     pool, policy = pool_of(*DECODE), make_policy("kv-aware")
     tokens, hashes = prompt(8 * BS)
@@ -153,3 +123,20 @@ def test_every_policy_honours_the_key():
     for name in ("least-load", "round-robin"):
         pool, policy = pool_of(*DECODE), make_policy(name)
         assert len({decode_choice(policy, pool, "same").worker.worker_id for _ in range(8)}) == 1
+
+
+def test_the_prefill_choice_ignores_the_key():
+    # kv-aware already follows a conversation's prefix on prefill workers (it records each choice in
+    # its index at once) and weighs that cache against the queue: a key would only unbalance them
+    prefill = [info(f"prefill-{i}") for i in range(3)]
+    pool, policy = pool_of(*prefill), make_policy("kv-aware")
+    tokens, hashes = prompt(8 * BS)
+    index = PrefixIndex()
+    index.apply("prefill-1", [("s", hashes)])
+    decode = [info(f"decode-{i}", "decode") for i in range(2)]
+    pool.update(prefill + decode)
+    for key in ("", "conversation-4", "conversation-5", "another"):
+        placement = place(policy, policy.config, "always", pool, index, pool.decode_workers(), pool.prefill_workers(),
+                          hashes, len(tokens), BS, session_key=key)
+        assert (placement.prefill.worker.worker_id, placement.prefill.reason) == ("prefill-1", "prefix_hit")
+        assert placement.decode.reason == ("affinity" if key else "least_load")

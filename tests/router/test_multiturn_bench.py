@@ -50,3 +50,5 @@ def test_with_the_key_a_conversation_keeps_its_worker_and_finds_its_history(repo
     assert key["cached_share_later_turns"] == key["best_cached_share_later_turns"] > 0
     assert report["cached_share_with_key"] == report["totals"]["key"]["cached_share"]
     assert report["cached_share_with_key"] >= report["cached_share_without_key"]
+    assert report["cached_share_later_turns_with_key"] == key["cached_share_later_turns"]
+    assert report["cached_share_later_turns_with_key"] >= report["cached_share_later_turns_without_key"]
