@@ -109,15 +109,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 async def serve(args) -> None:
     telemetry.setup_tracing("pdserve-router")
     tokenizer, model_name = load_tokenizer(args.model)
-    redis = await connect_redis(args.redis_url, name="pdserve-router")
-    index = PrefixIndex()
-    pool = WorkerPool(redis, refresh_s=0.25, on_removed=index.drop_worker)
-    follower = KVEventFollower(redis, index)
     policy = RouterPolicyConfig(policy=args.policy, temperature=args.temperature,
                                 local_prefill_max_tokens=args.local_prefill_max_tokens,
                                 prefill_queue_limit_tokens=args.prefill_queue_limit_tokens, seed=args.seed,
                                 affinity_load_factor=args.affinity_load_factor,
                                 affinity_override_blocks=args.affinity_override_blocks)
+    redis = await connect_redis(args.redis_url, name="pdserve-router")
+    index = PrefixIndex()
+    pool = WorkerPool(redis, refresh_s=0.25, on_removed=index.drop_worker)
+    follower = KVEventFollower(redis, index)
     dispatcher = Dispatcher(pool, index, DispatchConfig(max_attempts=args.max_attempts,
                                                         transfer_timeout_s=args.transfer_timeout,
                                                         disaggregation=args.disaggregation), policy)
