@@ -140,3 +140,28 @@ def test_the_prefill_choice_ignores_the_key():
                           hashes, len(tokens), BS, session_key=key)
         assert (placement.prefill.worker.worker_id, placement.prefill.reason) == ("prefill-1", "prefix_hit")
         assert placement.decode.reason == ("affinity" if key else "least_load")
+
+
+def test_more_of_the_prompt_means_at_least_override_blocks_more_leading_blocks():
+    pool = pool_of(*DECODE)
+    tokens, hashes = prompt(10 * BS)
+    key = "conversation-6"
+    policy = make_policy("kv-aware")
+    owner = decode_choice(policy, pool, key).worker.worker_id
+    other = next(w.worker_id for w in DECODE if w.worker_id != owner)
+    index = PrefixIndex()
+    index.apply(owner, [("s", hashes[:6])])
+    index.apply(other, [("s", hashes[:6])])
+    # as much as the key's worker: a tie is no reason to move
+    assert decode_choice(policy, pool, key, hashes=hashes, index=index).worker.worker_id == owner
+    index.apply(other, [("s", hashes[6:7])])  # one leading block more
+    d = decode_choice(policy, pool, key, hashes=hashes, index=index)
+    assert (d.worker.worker_id, d.reason, d.overlap_blocks) == (other, "prefix_hit", 7)
+    # a margin of 2 blocks: one more is not enough, two are
+    strict = make_policy("kv-aware", affinity_override_blocks=2)
+    assert decode_choice(strict, pool, key, hashes=hashes, index=index).worker.worker_id == owner
+    index.apply(other, [("s", hashes[7:8])])
+    assert decode_choice(strict, pool, key, hashes=hashes, index=index).worker.worker_id == other
+    # blocks that do not continue the prompt's leading run do not count
+    index.apply(owner, [("s", hashes[8:10])])
+    assert decode_choice(strict, pool, key, hashes=hashes, index=index).worker.worker_id == other
