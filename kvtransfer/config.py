@@ -33,6 +33,9 @@ class TransferConfig:
     # whole (the put needs a grant from the receiver: one round trip).
     ucx_put_share: float = 0.5
     ucx_put_min_bytes: int = 4 << 20
+    # Sender: put a checksum of each run of blocks in the chunk's header (kvtransfer/checksum.py);
+    # the receiver checks every run that comes with one and fails the transfer on a mismatch.
+    checksum: bool = True
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:

@@ -27,10 +27,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtransfer.checksum import run_sums
 from kvtransfer.config import TransferConfig
 from kvtransfer.descriptor import PeerInfo, TransferDescriptor
 from kvtransfer.endpoint import Endpoint
 from kvtransfer.errors import TransferError
+from kvtransfer.faults import TransferFaults
 from kvtransfer.ownership import BlockOwner, Completion, PendingTransfer
 from kvtransfer.protocol import ABORT, BLOCKS, DONE, FAILED, FINISH, HELLO, REFUSED, WELCOME, payload_sizes
 from kvtransfer.stats import TransferStats
@@ -74,6 +76,7 @@ class Receiver(Endpoint):
         self._conns: set[Connection] = set()
         self._listener: Listener | None = None
         self._advertised = ""
+        self.faults = TransferFaults.from_env()  # off unless PDSERVE_KV_FAULTS is set (tests, bench chaos)
 
     @property
     def address(self) -> str:
@@ -209,18 +212,41 @@ class Receiver(Endpoint):
         t.conn = conn
         t.inflight += 1
         landed = False
+        corrupted: TransferError | None = None
         try:
             await conn.recv_payload(msg, dests)
-            for p in positions:
-                t.written[p] = 1
-            t.nbytes += sum(int(d.numel()) for d in dests)
-            landed = True
+            self.faults.after_landing(tid, dests)
+            corrupted = self._check_sums(tid, msg, dests)
+            if corrupted is None:
+                for p in positions:
+                    t.written[p] = 1
+                t.nbytes += sum(int(d.numel()) for d in dests)
+                landed = True
         finally:
             t.inflight -= 1
             if t.state == _FAILING and t.inflight == 0:
                 self._release(t)  # it failed while this chunk was landing; now nothing writes
+        if corrupted is not None:
+            log.warning("%s", corrupted)
+            self._fail(t, corrupted)  # the sender hears it in a FAILED message (_fail notifies)
+            return
         if landed and isinstance(msg.get("finish"), dict):  # the last chunk carries the finish
             await self._on_finish(conn, {**msg["finish"], "transfer_id": tid})
+
+    @staticmethod
+    def _check_sums(tid: str, msg: dict, dests: list[torch.Tensor]) -> TransferError | None:
+        """A chunk whose runs came with checksums (kvtransfer/checksum.py) must match them."""
+        sums = msg.get("sums")
+        if sums is None:
+            return None  # a sender with checksums off
+        if not isinstance(sums, list) or len(sums) != len(dests):
+            return TransferError(f"chunk of {tid} carries {len(sums) if isinstance(sums, list) else 'no'} "
+                                 f"checksums for {len(dests)} runs")
+        bad = [i for i, (want, got) in enumerate(zip(sums, run_sums(dests))) if want != got]
+        if bad:
+            return TransferError(f"chunk of {tid} arrived corrupted: the checksum of run {bad[0]} "
+                                 f"(of {len(dests)}) does not match; its blocks are dropped")
+        return None
 
     def _destinations(self, t: _Transfer, msg: dict) -> tuple[list[torch.Tensor], list[int]]:
         runs, sizes = msg.get("runs", []), payload_sizes(msg)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtransfer.block_runs import coalesce
+from kvtransfer.checksum import run_sums
 from kvtransfer.config import TransferConfig
 from kvtransfer.descriptor import PeerInfo, TransferDescriptor
 from kvtransfer.endpoint import Endpoint
@@ -114,6 +115,8 @@ class Sender(Endpoint):
         if self._blocks.device.type == "cuda":
             torch.cuda.current_stream(self._blocks.device).synchronize()
         header = {"type": BLOCKS, "transfer_id": tid, "runs": [[r.dst, r.count] for r in runs]}
+        if self.config.checksum:
+            header["sums"] = run_sums(payload)
         if finish is not None:
             header["finish"] = finish
         await self._timed(link, link.conn.send(header, payload), f"sending blocks of {tid}", tid)

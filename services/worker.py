@@ -28,9 +28,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvtransfer import TransferConfig
 from services import kv_events, telemetry
+from services.advertise import advertised_host, host_port
 from services.config import EngineConfig
 from services.errors import NoWorkerError
-from services.advertise import advertised_host, host_port
+from services.grpc_decode import add_servicer
 from services.registry import ROLES, Registrar, WorkerInfo, connect_redis, new_worker_id
 
 log = logging.getLogger(__name__)
@@ -248,7 +249,7 @@ def run_worker(args, role: str, make_servicer, add_to_server, service: str) -> i
     servicer = make_servicer(runtime)
 
     def add(server: grpc.aio.Server) -> list[str]:
-        add_to_server(servicer, server)
+        add_servicer(server, servicer, add_to_server)  # a malformed request is INVALID_ARGUMENT
         return [service]
 
     started = time.monotonic()
@@ -281,6 +282,10 @@ def add_worker_args(p, role: str) -> None:
     p.add_argument("--transport", default="ucx", choices=["ucx", "tcp"], help="KV transfer transport")
     p.add_argument("--allow-transport-fallback", action="store_true",
                    help="use TCP if UCX is unavailable instead of failing")
+    p.add_argument("--no-kv-checksum", action="store_true",
+                   help="send KV blocks without a checksum per run (a prefill worker's setting; decode workers "
+                        "check whatever arrives with one). The check reads each run once on each side, at "
+                        "memory speed: off only where that is measured to matter")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
     if role == "decode":
@@ -308,5 +313,5 @@ def configs_from_args(args, role: str) -> tuple[WorkerConfig, EngineConfig, Tran
                           drain_timeout_s=args.drain_timeout,
                           transfer_timeout_s=getattr(args, "transfer_timeout", 60.0))
     transfer = TransferConfig(transport=args.transport, allow_fallback=args.allow_transport_fallback,
-                              host=args.host, advertise_host=advertise)
+                              host=args.host, advertise_host=advertise, checksum=not args.no_kv_checksum)
     return worker, engine, transfer

@@ -122,9 +122,13 @@ async def _scenario(name: str, n: int, args, stack, client, capacity: float, see
     await wait_healthy(stack, args.recover_timeout)
     leaked, idle_s = await wait_idle(stack, args.idle_timeout)
     result = tally(outcomes, ctx, leaked, idle_s, time.monotonic() - started)
-    if name == "transfer-fault":  # the prefill workers say each fault they inject (kvtransfer/faults.py)
-        result["faults_injected"] = sum("fault injection: holding back" in line
-                                        for p in stack.procs.values() for line in p.trouble)
+    if name == "transfer-fault":  # the workers say each fault they inject (kvtransfer/faults.py)
+        said = [line for p in stack.procs.values() for line in p.trouble]
+        result["timeouts_injected"] = sum("fault injection: holding back" in line for line in said)
+        result["corruptions_injected"] = sum("fault injection: corrupting" in line for line in said)
+        result["corruptions_caught"] = sum("arrived corrupted" in line for n, p in stack.procs.items()
+                                           if n.startswith("decode") for line in p.trouble)
+        result["faults_injected"] = result["timeouts_injected"] + result["corruptions_injected"]
     _log(f"  {name}: " + ", ".join(f"{k.replace('requests_', '')} {result[k]}" for k in COUNTS)
          + f", recovery {result['recovery_s']} s" + (f"; lost: {result['lost_detail']}" if result["requests_lost"] else "")
          + (f"; errored: {result['errored_detail']}" if result["errored_detail"] else ""))

@@ -68,18 +68,29 @@ TRANSFER_TIMEOUT_S = 20.0
 
 
 async def transfer_fault(ctx: FaultContext) -> None:
-    """Both prefill workers restarted with PDSERVE_KV_FAULTS (kvtransfer/faults.py) before the load:
-    their 2nd and 4th transfers time out."""
+    """Both prefill workers and the first decode worker restarted with PDSERVE_KV_FAULTS
+    (kvtransfer/faults.py) before the load: the prefill workers' 2nd and 4th transfers time out,
+    and the 1st and 3rd chunks the decode worker takes in land corrupted."""
     ctx.fault_at = time.monotonic()
 
 
+def _fault_spec(name: str) -> str | None:
+    """What a restarted worker injects: a sender (prefill) times out, a receiver (decode) corrupts."""
+    if name.startswith("prefill"):
+        return "timeout:2,timeout:4"
+    return "corrupt:1,corrupt:3" if name == "decode-0" else None
+
+
 def arm_transfer_faults(stack: LocalStack) -> list[str]:
-    """Restart the prefill workers with the fault-injection setting on (the supervisor starts them again)."""
-    names = [n for n in stack.procs if n.startswith("prefill")]
-    for name in names:
-        p = stack.procs[name]
-        p.env = {**(p.env or {}), "PDSERVE_KV_FAULTS": "timeout:2,timeout:4", "PDSERVE_KV_FAULT_STALL_S": f"{STALL_S:g}"}
+    """Restart the chosen workers with the fault-injection setting on (the supervisor starts them again)."""
+    names = []
+    for name, p in stack.procs.items():
+        spec = _fault_spec(name)
+        if spec is None:
+            continue
+        p.env = {**(p.env or {}), "PDSERVE_KV_FAULTS": spec, "PDSERVE_KV_FAULT_STALL_S": f"{STALL_S:g}"}
         p.signal(signal.SIGTERM)
+        names.append(name)
     return names
 
 

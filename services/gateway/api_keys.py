@@ -22,6 +22,10 @@ from services.errors import AuthenticationError
 _TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
 @dataclass(frozen=True)
 class Tenant:
     name: str
@@ -33,7 +37,10 @@ class Tenant:
 
 class ApiKeys:
     def __init__(self, tenants: dict[str, Tenant] | None, default: Tenant):
-        self._by_key = tenants  # None: auth is off
+        # by the SHA-256 of the key, never the key itself: a lookup's timing depends on the digest
+        # of what was sent, which says nothing about any real key (the property a constant-time
+        # comparison gives), and the process holds no plain key to leak. None: auth is off.
+        self._by_key = None if tenants is None else {_digest(k): t for k, t in tenants.items()}
         self.default = default
 
     @property
@@ -88,7 +95,8 @@ class ApiKeys:
         scheme, _, key = (authorization or "").strip().partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             raise AuthenticationError("missing API key: send it as 'Authorization: Bearer <key>'")
-        tenant = self._by_key.get(key.strip())
+        sent = _digest(key.strip())
+        tenant = self._by_key.get(sent)
         if tenant is None:
             raise AuthenticationError("invalid API key")
         return tenant

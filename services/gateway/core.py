@@ -166,8 +166,20 @@ class GatewayCore:
             await self.workers.check()
         await self.load.check(len(token_ids))
         output_budget = req.max_tokens if req.max_tokens is not None else max_len - len(token_ids)
-        rate = await self.limiter.take(tenant, len(token_ids) + output_budget)
+        cost = len(token_ids) + output_budget
+        rate = await self.limiter.take(tenant, cost)
+        try:
+            admission = await self._admit(tenant, req, token_ids, model, tier, deadline, idempotency_key,
+                                          traceparent, rate)
+        except Exception:
+            await self.limiter.give_back(tenant, cost)  # refused after all: nothing spent
+            raise
+        if admission.attached:  # a concurrent retry with the same key was queued first: charged once
+            await self.limiter.give_back(tenant, cost)
+        return admission
 
+    async def _admit(self, tenant: Tenant, req: GenerationRequest, token_ids: list[int], model: str, tier: str,
+                     deadline: float, idempotency_key: str | None, traceparent: str, rate: RateStatus | None) -> Admission:
         record = RequestRecord(self.delivery.new_request_id(), req.kind, model, int(time.time()), tenant.name, req.include_usage,
                                req.logprobs, deadline, len(token_ids))
         queued = QueuedRequest(record.request_id, tenant.name, tier, model, token_ids, req.sampling, deadline,

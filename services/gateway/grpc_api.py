@@ -30,6 +30,7 @@ from services.gateway.http_errors import as_pdserve
 from services.gateway.protocol import GenerationRequest
 from services.gateway.request_record import CHAT, COMPLETION
 from services.grpc_codec import abort_with, append_chunk, sampling_from_proto
+from services.grpc_decode import add_servicer
 from services.queue.results import CHUNK, ERROR, FINAL
 from services.session_key import HEADER, session_key_of
 
@@ -191,7 +192,7 @@ async def start_grpc(core: GatewayCore, host: str, port: int) -> tuple[grpc.aio.
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     server = grpc.aio.server()
-    generate_pb2_grpc.add_GenerationServicer_to_server(GatewayGenerationServicer(core), server)
+    add_servicer(server, GatewayGenerationServicer(core), generate_pb2_grpc.add_GenerationServicer_to_server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")

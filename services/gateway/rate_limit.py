@@ -9,7 +9,8 @@ script refills, checks and takes both buckets atomically, on Redis' own clock
 request takes nothing.
 
 A request costs 1 request and prompt tokens + max output tokens, counted at
-admission (what OpenAI counts against ``tpm``).
+admission (what OpenAI counts against ``tpm``); a request refused after that
+(the queue full or unavailable at enqueue time) gets its budget back.
 """
 
 from __future__ import annotations
@@ -47,6 +48,20 @@ end
 redis.call('HSET', KEYS[1], 'req', tostring(req), 'tok', tostring(tok), 'ts', tostring(now))
 redis.call('PEXPIRE', KEYS[1], 120000)
 return {allowed, tostring(req), tostring(tok), tostring(wait)}
+"""
+
+
+# KEYS[1] the tenant's bucket hash. ARGV: rpm, tpm (0: unlimited), token cost. Puts back what a
+# take took, capped at the bucket's size (a request refused after its budget was taken).
+_GIVE_BACK = """
+local rpm, tpm, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local b = redis.call('HMGET', KEYS[1], 'req', 'tok')
+if not b[1] then return 0 end
+local req, tok = tonumber(b[1]), tonumber(b[2])
+if rpm > 0 then req = math.min(rpm, req + 1) end
+if tpm > 0 then tok = math.min(tpm, tok + cost) end
+redis.call('HSET', KEYS[1], 'req', tostring(req), 'tok', tostring(tok))
+return 1
 """
 
 
@@ -88,6 +103,7 @@ class RateLimiter:
     def __init__(self, redis):
         self.redis = redis
         self._take = redis.register_script(_TAKE)
+        self._give_back = redis.register_script(_GIVE_BACK)
 
     async def take(self, tenant: Tenant, tokens: int) -> RateStatus:
         """Take one request and ``tokens`` from the tenant's budgets, or raise ``RateLimitError``."""
@@ -105,3 +121,13 @@ class RateLimiter:
             raise RateLimitError(f"rate limit reached for tenant {tenant.name!r} ({which} per minute); "
                                  f"retry after {status.wait_s:.2f} s", status.wait_s, status.headers())
         return status
+
+    async def give_back(self, tenant: Tenant, tokens: int) -> None:
+        """Undo a ``take`` whose request was then refused (the queue full, Redis unavailable): a
+        refused request spends no budget. Best effort: when Redis is what failed, it cannot be told."""
+        if not tenant.rpm and not tenant.tpm:
+            return
+        try:
+            await self._give_back(keys=[bucket_key(tenant.name)], args=[tenant.rpm, tenant.tpm, tokens])
+        except Exception:  # noqa: BLE001 (the refusal the client gets matters more than this)
+            pass

@@ -24,6 +24,7 @@ from proto.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from services import telemetry
 from services.errors import InvalidRequestError, NoWorkerError
 from services.grpc_codec import abort_with, append_chunk, sampling_from_proto
+from services.grpc_decode import add_servicer
 from services.registry import connect_redis
 from services.router.dispatch import DispatchConfig, Dispatcher
 from services.router.policy import POLICY_NAMES, RouterPolicyConfig
@@ -131,8 +132,8 @@ async def serve(args) -> None:
         queue_worker = QueueWorker(redis, dispatcher, queue_config, max_inflight=args.max_inflight)
         lag_monitor = LagMonitor(redis, queue_config)
     server = grpc.aio.server()
-    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(dispatcher, pool, tokenizer, model_name),
-                                                       server)
+    add_servicer(server, GenerationServicer(dispatcher, pool, tokenizer, model_name),
+                 generate_pb2_grpc.add_GenerationServicer_to_server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE):

@@ -204,3 +204,39 @@ def test_a_request_whose_record_cannot_be_written_is_refused_and_cancelled(gatew
     h.router.paused = False
     assert wait_for(lambda: request_id in h.router.cancelled)
     assert not h.router.finished
+
+
+def test_a_request_refused_at_enqueue_gets_its_rate_budget_back(gateway):
+    # the backpressure check passed, the budget was taken, then the queue itself refused (its own
+    # atomic limit, or Redis went away): the caller must not have paid for a request never queued
+    from services.errors import CapacityError
+
+    h = gateway(keys=KEYS)
+    original = h.core.queue.enqueue
+    failures = [CapacityError("the queue is full (1 queued requests, limit 1)"),
+                RedisConnectionError("Redis went away")]
+
+    async def refusing(_queued):
+        raise failures.pop(0)
+
+    h.core.queue.enqueue = refusing
+    with httpx.Client(base_url=h.url, timeout=10) as http:
+        assert http.post("/v1/completions", json=BODY, headers=auth(SLOW)).status_code == 429
+        assert http.post("/v1/completions", json=BODY, headers=auth(SLOW)).status_code == 503
+        h.core.queue.enqueue = original
+        r = http.post("/v1/completions", json=BODY, headers=auth(SLOW))  # SLOW has 1 request per minute
+        assert r.status_code == 200, r.text
+        assert http.post("/v1/completions", json=BODY, headers=auth(SLOW)).status_code == 429  # now spent
+
+
+def test_api_keys_are_neither_kept_nor_logged(gateway, caplog):
+    import logging
+
+    h = gateway(keys=KEYS)
+    assert not any(key in repr(vars(h.core.keys)) for key in KEYS)  # held as digests only
+    caplog.set_level(logging.DEBUG)
+    with httpx.Client(base_url=h.url, timeout=10) as http:
+        assert http.post("/v1/completions", json=BODY, headers=auth(ACME)).status_code == 200
+        assert http.post("/v1/completions", json=BODY, headers=auth("sk-wrong-00000000")).status_code == 401
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert ACME not in logged and "sk-wrong-00000000" not in logged

@@ -173,3 +173,33 @@ def test_keep_alive_connection_survives_an_unexpected_error(gateway, monkeypatch
         assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
         reply = _raw_exchange(sock, _post(CHAT, {"messages": [{"role": "user", "content": "Hi"}]}))
         assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_slow_oversized_upload_reads_its_413_on_a_live_connection(gateway, chunked):
+    """A client still uploading megabytes past the limit used to meet a reset connection instead
+    of the 413 (the gateway answered and closed with unread bytes; the kernel's reset then threw
+    the answer away): the gateway reads the rest of the body, drops it, answers, and keeps the
+    connection."""
+    import socket
+    import time
+
+    h = gateway(max_body_bytes=64 * 1024)
+    total, piece = 4 << 20, 1 << 16
+    framing = b"Transfer-Encoding: chunked" if chunked else f"Content-Length: {total}".encode()
+    with socket.create_connection(("127.0.0.1", h.port), timeout=20) as sock:
+        sock.sendall(b"POST " + COMPLETIONS.encode() + b" HTTP/1.1\r\nHost: test\r\n"
+                     b"Content-Type: application/json\r\n" + framing + b"\r\n\r\n")
+        for i in range(total // piece):
+            data = b"x" * piece
+            sock.sendall(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+            if i == 16:
+                time.sleep(0.5)  # the gateway has seen the limit crossed by now
+        if chunked:
+            sock.sendall(b"0\r\n\r\n")
+        reply = _raw_exchange(sock, b"")
+        assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+        assert json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_too_large"
+        # the same connection serves the next request
+        reply = _raw_exchange(sock, _post(COMPLETIONS, {"prompt": "Hi", "max_tokens": 2}))
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:200]

@@ -137,3 +137,25 @@ def test_resuming_after_any_event_gives_exactly_the_events_after_it(gateway):
             with http.stream("GET", f"/v1/requests/{rid}/events", headers={"Last-Event-ID": event.id}) as r:
                 rest = events(r)
             assert [e.data for e in rest] == [e.data for e in whole[i + 1:]], f"after event {i} ({event.id})"
+
+
+def test_one_key_can_neither_resume_nor_attach_to_another_keys_request(gateway):
+    keys = {"sk-tenant-a-0001": {"tenant": "a"}, "sk-tenant-b-0001": {"tenant": "b"}}
+    h = gateway(keys=keys, disconnect_grace_s=5.0)
+    h.router.plan = lambda req: Plan(pieces=PIECES, delay_s=0.02)
+    a = {"Authorization": "Bearer sk-tenant-a-0001", "Idempotency-Key": "shared-key"}
+    b = {"Authorization": "Bearer sk-tenant-b-0001", "Idempotency-Key": "shared-key"}
+    with httpx.Client(base_url=h.url, timeout=10) as http:
+        mine = http.post("/v1/chat/completions", json={**CHAT, "stream": False}, headers=a)
+        rid = mine.headers["x-request-id"]
+        # b's resume of a's request: not found, exactly as for an id that never existed
+        r = http.get(f"/v1/requests/{rid}/events", headers={"Authorization": b["Authorization"]})
+        missing = http.get("/v1/requests/gw-nope/events", headers={"Authorization": b["Authorization"]})
+        assert r.status_code == missing.status_code == 404
+        assert r.json()["error"]["type"] == missing.json()["error"]["type"]
+        # the same Idempotency-Key under b is b's own request, not a's answer
+        theirs = http.post("/v1/chat/completions", json={**CHAT, "stream": False}, headers=b)
+        assert theirs.status_code == 200 and theirs.headers["x-request-id"] != rid
+        # a still resumes its own
+        r = http.get(f"/v1/requests/{rid}/events", headers={"Authorization": a["Authorization"]})
+        assert r.status_code == 200

@@ -87,7 +87,8 @@ def _cli(*args: str) -> list[str]:
 
 class Stack:
     def __init__(self, redis_url: str, prefill: int = 1, decode: int = 1, dtype: str = "fp32",
-                 router_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = ()):
+                 router_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = (),
+                 decode_args: tuple[str, ...] = ()):
         redis_lib.Redis.from_url(redis_url).flushdb()  # a fresh registry and KV-event stream
         self.redis_url = redis_url
         common = ["--redis-url", redis_url, "--dtype", dtype, "--threads", "1", "--kv-cache-gb", "0.25",
@@ -96,7 +97,7 @@ class Stack:
         for i in range(prefill):
             self.procs[f"prefill-{i}"] = Proc(f"prefill-{i}", _cli("prefill", *common))
         for i in range(decode):
-            self.procs[f"decode-{i}"] = Proc(f"decode-{i}", _cli("decode", *common))
+            self.procs[f"decode-{i}"] = Proc(f"decode-{i}", _cli("decode", *common, *decode_args))
         try:
             for p in self.procs.values():
                 p.wait_ready()
