@@ -28,6 +28,7 @@ from services.engine.engine import Engine
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError
+from services.phases import phase
 
 _ids = itertools.count()
 log = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                outputs = self.engine.step()
+                with phase("engine.step"):  # what `pdserve profile` counts as a worker's activity
+                    outputs = self.engine.step()
             except Exception as exc:  # a bug or device failure: fail the in-flight requests, keep serving
                 log.exception("engine step failed")
                 outputs = self._fail_all(f"engine step failed: {exc}")

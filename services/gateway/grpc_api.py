@@ -119,7 +119,7 @@ class GatewayGenerationServicer(generate_pb2_grpc.GenerationServicer):
                                               idempotency_key=request.request_id or None, traceparent=traceparent)
                 rid = admission.request_id
                 reply_id = request.request_id or rid
-                await core.attach(rid)
+                await core.attach(admission.record)
                 counted = True
                 stream = not request.HasField("stream") or request.stream
                 merged = common_pb2.TokenChunk()
@@ -157,7 +157,7 @@ class GatewayGenerationServicer(generate_pb2_grpc.GenerationServicer):
             finally:
                 metrics.count("grpc", outcome)
                 if rid is not None:
-                    core.detach(rid, bool(counted), finished)
+                    core.detach(admission.record, bool(counted), finished)
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context):
         try:

@@ -20,11 +20,14 @@ import uuid
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from proto.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from proto.pdserve.v1 import admin_pb2_grpc, common_pb2, generate_pb2, generate_pb2_grpc
 from services import telemetry
+from services.advertise import advertised_host, host_port
 from services.errors import InvalidRequestError, NoWorkerError
 from services.grpc_codec import abort_with, append_chunk, sampling_from_proto
 from services.grpc_decode import add_servicer
+from services.profiling.admin import AdminServicer, front_profiler
+from services.profiling.peers import AdminAdvert, Peer
 from services.registry import connect_redis
 from services.router.dispatch import DispatchConfig, Dispatcher
 from services.router.policy import POLICY_NAMES, RouterPolicyConfig
@@ -138,10 +141,13 @@ async def serve(args) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    admin = front_profiler("router", redis, args.enable_profiling)
+    add_servicer(server, AdminServicer(admin), admin_pb2_grpc.add_AdminServicer_to_server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     if port == 0:
         raise ValueError(f"cannot listen on {args.host}:{args.port}")
     await server.start()
+    advert = AdminAdvert(redis, Peer("router", admin.process_id, host_port(advertised_host(args.host, None), port)))
     metrics = telemetry.start_metrics_server(args.host, args.metrics_port) if args.metrics_port >= 0 else "off"
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -152,6 +158,7 @@ async def serve(args) -> None:
         await pool.start()
         await follower.start()
         await follower.caught_up()
+        await advert.start()
         if queue_worker is not None:
             await queue_worker.start()
             lag_monitor.start()
@@ -166,6 +173,7 @@ async def serve(args) -> None:
             queue_worker = None
         await server.stop(grace=args.drain_timeout)
     finally:
+        await advert.stop()
         if lag_monitor is not None:
             await lag_monitor.stop()
         if queue_worker is not None:
@@ -229,6 +237,9 @@ def add_parser(sub) -> None:
                    help="reclaim queue entries another router left pending this long")
     p.add_argument("--max-deliveries", type=int, default=3,
                    help="deliveries after which a failing request is dead-lettered")
+    p.add_argument("--enable-profiling", action="store_true",
+                   help="answer Admin.Profile (pdserve profile): record this router's spans and fan out to "
+                        "every worker and gateway")
     p.set_defaults(func=run)
 
 
