@@ -190,7 +190,7 @@ class GatewayCore:
         record = RequestRecord(self.delivery.new_request_id(), req.kind, model, int(time.time()), tenant.name, req.include_usage,
                                req.logprobs, deadline, len(token_ids))
         queued = QueuedRequest(record.request_id, tenant.name, tier, model, token_ids, req.sampling, deadline,
-                               traceparent)
+                               traceparent, session_key=req.session_key)
         key = self.coalescer.key(tenant.name, tier, model, token_ids, req.sampling)
         if idempotency_key is None:
             if key is not None and await self._coalesce(record, key):

@@ -146,14 +146,15 @@ class Dispatcher:
 
     async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0,
                        deadline: float = 0.0, results_to: str = "", emitted: list[int] | None = None,
-                       read_emitted: Callable[[], Awaitable[list[int]]] | None = None,
+                       read_emitted: Callable[[], Awaitable[list[int]]] | None = None, session_key: str = "",
                        ) -> AsyncIterator[common_pb2.TokenChunk | common_pb2.Finish]:
         """Stream the request's token chunks, then its Finish; raises a PdserveError on failure.
 
         ``results_to``: the decode workers write the chunks to that Redis result stream and
         only the Finish comes back here; ``read_emitted`` then tells, before a retry, which
         tokens the stream already holds (``emitted``: those it held before the first attempt,
-        when a request is redelivered after a router died).
+        when a request is redelivered after a router died). ``session_key``: the client's
+        affinity key ("" for none), a routing hint (policy.py).
         """
         started = time.perf_counter()
         emitted = list(emitted or [])
@@ -184,7 +185,8 @@ class Dispatcher:
                     remaining = dataclasses.replace(params, max_tokens=params.max_tokens - len(emitted))
                 try:
                     async for item in self._attempt(f"{request_id}.{attempt}", token_ids + emitted, remaining,
-                                                    priority, deadline, avoid_prefill, avoid_decode, results_to):
+                                                    priority, deadline, avoid_prefill, avoid_decode, results_to,
+                                                    session_key):
                         if isinstance(item, _Served):
                             served = dataclasses.replace(item, cached_tokens=max(item.cached_tokens,
                                                                                   served.cached_tokens))
@@ -238,7 +240,7 @@ class Dispatcher:
             telemetry.REQUESTS.labels(role="router", outcome=outcome).inc()
 
     async def _attempt(self, wrid: str, prompt: list[int], params: SamplingParams, priority: int, deadline: float,
-                       avoid_prefill: set[str], avoid_decode: set[str], results_to: str = ""):
+                       avoid_prefill: set[str], avoid_decode: set[str], results_to: str = "", session_key: str = ""):
         decode_workers = self.pool.decode_workers()
         if not decode_workers:
             raise _AttemptFailed(NoWorkerError("no decode worker is ready"), None, wait=True)
@@ -253,7 +255,8 @@ class Dispatcher:
                            if w.namespace == namespace and w.worker_id not in avoid_prefill]
         try:
             placement = place(self.policy, self.policy_config, self.config.disaggregation, self.pool, self.index,
-                              decode_workers, prefill_workers, hashes, len(prompt), block_size, avoid_decode)
+                              decode_workers, prefill_workers, hashes, len(prompt), block_size, avoid_decode,
+                              session_key)
         except PdserveError as exc:
             blocks_needed = -(-len(prompt) // block_size)
             fits_somewhere = blocks_needed <= max(w.kv_blocks_total for w in decode_workers)

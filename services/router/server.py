@@ -33,6 +33,7 @@ from services.router.dispatch import DispatchConfig, Dispatcher
 from services.router.policy import POLICY_NAMES, RouterPolicyConfig
 from services.router.prefix_index import KVEventFollower, PrefixIndex
 from services.router.worker_pool import WorkerPool
+from services.session_key import HEADER, session_key_of
 
 log = logging.getLogger(__name__)
 SERVICE = "pdserve.v1.Generation"
@@ -81,7 +82,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 stream = not request.HasField("stream") or request.stream
                 deadline = time.time() + context.time_remaining() if context.time_remaining() else 0.0
                 merged = common_pb2.TokenChunk()
-                async for item in self.dispatcher.generate(rid, prompt, params, request.priority, deadline):
+                metadata = {k.lower(): v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+                key = session_key_of(request.session_key, metadata.get(HEADER), "session_key")
+                async for item in self.dispatcher.generate(rid, prompt, params, request.priority, deadline,
+                                                           session_key=key):
                     if isinstance(item, common_pb2.TokenChunk):
                         if stream:
                             yield generate_pb2.GenerateResponse(chunk=item, request_id=rid)
@@ -109,13 +113,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 async def serve(args) -> None:
     telemetry.setup_tracing("pdserve-router")
     tokenizer, model_name = load_tokenizer(args.model)
+    policy = RouterPolicyConfig(policy=args.policy, temperature=args.temperature,
+                                local_prefill_max_tokens=args.local_prefill_max_tokens,
+                                prefill_queue_limit_tokens=args.prefill_queue_limit_tokens, seed=args.seed,
+                                affinity_load_factor=args.affinity_load_factor,
+                                affinity_override_blocks=args.affinity_override_blocks)
     redis = await connect_redis(args.redis_url, name="pdserve-router")
     index = PrefixIndex()
     pool = WorkerPool(redis, refresh_s=0.25, on_removed=index.drop_worker)
     follower = KVEventFollower(redis, index)
-    policy = RouterPolicyConfig(policy=args.policy, temperature=args.temperature,
-                                local_prefill_max_tokens=args.local_prefill_max_tokens,
-                                prefill_queue_limit_tokens=args.prefill_queue_limit_tokens, seed=args.seed)
     dispatcher = Dispatcher(pool, index, DispatchConfig(max_attempts=args.max_attempts,
                                                         transfer_timeout_s=args.transfer_timeout,
                                                         disaggregation=args.disaggregation), policy)
@@ -214,6 +220,12 @@ def add_parser(sub) -> None:
                    help="auto mode: uncached prompts up to this many tokens prefill on the decode worker (0: off)")
     p.add_argument("--prefill-queue-limit-tokens", type=int, default=0,
                    help="auto mode: prefill on the decode worker when the prefill queue exceeds this (0: off)")
+    p.add_argument("--affinity-load-factor", type=float, default=1.25,
+                   help="session affinity (prompt_cache_key, X-Session-ID): a key's worker keeps its sessions "
+                        "while it holds under this times the mean requests of its role (>= 1)")
+    p.add_argument("--affinity-override-blocks", type=int, default=1,
+                   help="session affinity: another worker holding at least this many more leading full blocks "
+                        "of the prompt than the key's worker takes the request (>= 1)")
     p.add_argument("--max-attempts", type=int, default=3, help="tries per request across workers")
     p.add_argument("--transfer-timeout", type=float, default=60.0)
     p.add_argument("--drain-timeout", type=float, default=30.0,
