@@ -146,3 +146,35 @@ void pdserve_write_kv(const char *k, int64_t k_st, const char *v, int64_t v_st, 
         memcpy(vc + off, v + t * v_st * elem_bytes, bytes);
     }
 }
+
+/* The int8 cache's write: each (token, kv head) row of D values (bf16 or fp32 at k / v, token
+ * stride k_st / v_st elements, heads contiguous) quantized symmetrically, scale = max |x| / 127
+ * (1 for an all-zero row), q = round(x / scale) to nearest even, and stored as D int8 followed by
+ * the fp32 scale: the layout services/engine/kv_cache.py gives int8 caches (rows of D + 4 bytes;
+ * block stride c_sb and slot stride c_so in bytes). kernels/kv_int8.py is the reference. */
+void pdserve_write_kv_int8(const void *k, int64_t k_st, const void *v, int64_t v_st, int src_bf16, int8_t *kc,
+                           int8_t *vc, int64_t c_sb, int64_t c_so, const int64_t *slots, int T, int HKV, int D,
+                           int block_size) {
+    for (int t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        const int64_t off = (slot / block_size) * c_sb + (slot % block_size) * c_so;
+        for (int which = 0; which < 2; which++) {
+            const void *src = which ? v : k;
+            const int64_t st = which ? v_st : k_st;
+            int8_t *dst = (which ? vc : kc) + off;
+            for (int h = 0; h < HKV; h++) {
+                float x[512];
+                float amax = 0.f;
+                for (int d = 0; d < D; d++) {
+                    const int64_t i = t * st + (int64_t)h * D + d;
+                    x[d] = src_bf16 ? bf16_to_f32(((const uint16_t *)src)[i]) : ((const float *)src)[i];
+                    amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+                }
+                const float scale = amax > 0.f ? amax / 127.f : 1.f;
+                int8_t *row = dst + (int64_t)h * (D + 4);
+                for (int d = 0; d < D; d++) row[d] = (int8_t)nearbyintf(x[d] / scale);
+                memcpy(row + D, &scale, 4);
+            }
+        }
+    }
+}

@@ -10,6 +10,8 @@ rotates q and k in place (the model's q and k are fresh slices of the qkv projec
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from kernels import native
@@ -23,7 +25,12 @@ _BF16 = torch.bfloat16
 
 def _lib():
     lib = native.library()
-    return lib if lib is not None and lib.pdserve_fused_available() else None
+    return lib if lib is not None and _fused_available(lib) else None
+
+
+@lru_cache(maxsize=None)
+def _fused_available(lib) -> bool:  # asked once per library, not on every op
+    return bool(lib.pdserve_fused_available())
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor | None:
@@ -89,6 +96,19 @@ def write_kv_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 
     def packed_rows(t):  # [T, Hkv, D] with each token's row contiguous
         return t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+    if k_cache.dtype == torch.int8:  # quantized rows (kernels/kv_int8.py)
+        if (lib is None or k.dtype not in (_BF16, torch.float32) or v.dtype != k.dtype or k.shape != v.shape
+                or not (packed_rows(k) and packed_rows(v)) or k.shape[2] > 512
+                or k_cache.shape[3] != k.shape[2] + 4 or k_cache.stride(3) != 1 or k_cache.stride(2) != k_cache.shape[3]
+                or k_cache.stride()[:2] != v_cache.stride()[:2]
+                or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()):
+            return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+        if k.shape[0]:
+            lib.pdserve_write_kv_int8(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), int(k.dtype == _BF16),
+                                      k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+                                      slot_mapping.data_ptr(), k.shape[0], k.shape[1], k.shape[2], k_cache.shape[1])
+        return None
 
     if (lib is None or k.dtype != k_cache.dtype or v.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype
             or not (packed_rows(k) and packed_rows(v) and packed_rows(k_cache[:, 0]) and packed_rows(v_cache[:, 0]))

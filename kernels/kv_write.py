@@ -20,6 +20,10 @@ def write_kv_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # int64 [T]
 ) -> None:
+    if k_cache.dtype == torch.int8:  # rows of int8 + their scale (kernels/kv_int8.py)
+        from kernels.kv_int8 import write_kv_int8_ref
+
+        return write_kv_int8_ref(k, v, k_cache, v_cache, slot_mapping)
     block_size = k_cache.shape[1]
     blocks = slot_mapping // block_size
     offsets = slot_mapping % block_size

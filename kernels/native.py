@@ -1,14 +1,20 @@
-"""CPU kernels in C (paged decode attention, bf16-weight linear, the small fused ops):
-compiled once into one library with the system compiler, loaded with ctypes.
+"""CPU kernels in C (paged attention, linear layers over bf16 / int8 / GGUF-block weights, the
+small fused ops): compiled into one library per instruction-set level with the system
+compiler, loaded with ctypes, the level chosen at run time from what the CPU has.
 
 Why not a torch C++ extension: building against torch's headers takes minutes
-on a small machine; this C file needs none and compiles in about a second.
+on a small machine; these C files need none and compile in a few seconds.
 ctypes releases the GIL during the call, and the OpenMP runtime it links
 (libgomp.so.1) is the one torch has already loaded, so both share one thread
-pool. The build is cached under ``$PDSERVE_CACHE_DIR/kernels`` keyed by the
-source, the compiler and the CPU's flags (it is built with -march=native). If no
-compiler is available, callers fall back to the torch references. Container
-images carry prebuilt libraries instead (``prebuild``, ``PDSERVE_PREBUILT_KERNELS``).
+pool. Builds are cached under ``$PDSERVE_CACHE_DIR/kernels`` keyed by the
+source, the compiler and the level's flags. If no compiler is available,
+callers fall back to the torch references. Container
+images carry every level's library prebuilt instead (``prebuild``, ``PDSERVE_PREBUILT_KERNELS``).
+
+Levels (kernels/cpu_isa.py): the best the CPU has, or ``PDSERVE_CPU_ISA=<level>`` to force
+a lower one (tests run every level the machine can). Each level's library is built for that
+level only (``-march=x86-64-v3``, ``-v4`` plus extensions), never ``-march=native``, so what
+runs is what the level names.
 """
 
 from __future__ import annotations
@@ -24,27 +30,69 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from kernels import cpu_isa
+
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention_cpu.c", "linear_cpu.c", "fused_cpu.c")]
-_HEADERS = [Path(__file__).with_name("cpu_simd.h")]
+# each source and the highest level whose instructions it uses: a level's library is these
+# objects, each compiled at min(level, its cap), so levels share the objects they have in common
+# (the attention kernels take ~30 s to compile; built once, not once per level)
+_SOURCES = {
+    "paged_attention_cpu.c": "avx512",
+    "fused_cpu.c": "avx512",
+    "linear_cpu.c": "avx512",
+    "linear_amx.c": "amx",
+    "linear_quant.c": "avx512_vnni",
+    "cpu_features.c": "amx",
+    "decode_layers_cpu.c": "avx512",
+}
+_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_simd.h", "linear_pack.h")]
 _STEM = "pdserve_cpu_kernels"
 # -fno-math-errno lets gcc call the vector expf; no other fast-math (the kernels rely on -inf)
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
+_FLAGS = ["-O3", "-mtune=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-std=gnu11"]
 
 
 def _cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "kernels"
 
 
-def _cpu_flags() -> str:
+def _run_atomic(cmd: list[str], target: Path, what: str) -> None:
+    """Run ``cmd`` writing a temp file (its last argument), then move it to ``target`` at once:
+    concurrent builders never see a half-written file."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=target.suffix)
+    os.close(fd)
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
+        subprocess.run([*cmd, tmp], check=True, capture_output=True, text=True)
+        os.replace(tmp, target)
+    except subprocess.CalledProcessError as exc:
+        os.unlink(tmp)
+        raise RuntimeError(f"{what} failed: {exc.stderr.strip()[:500]}") from None
+    for stale in target.parent.glob(target.name.rsplit("-", 1)[0] + "-*" + target.suffix):
+        if stale != target:
+            stale.unlink(missing_ok=True)
+
+
+def _build(level: str) -> Path:
+    cc = _compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.encode()
+    headers = b"".join(h.read_bytes() for h in _HEADERS)
+    directory = _cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    objects = []
+    for name, cap in _SOURCES.items():
+        src = Path(__file__).with_name(name)
+        at = cpu_isa.LEVELS[min(cpu_isa.LEVELS.index(level), cpu_isa.LEVELS.index(cap))]
+        flags = _FLAGS + cpu_isa.compiler_flags(at)
+        key = hashlib.sha256(src.read_bytes() + headers + " ".join(flags).encode() + version).hexdigest()[:16]
+        obj = directory / f"{_STEM}-{src.stem}-{at}-{key}.o"
+        if not obj.is_file():
+            _run_atomic([cc, *flags, "-c", str(src), "-o"], obj, f"compiling {name} for {at}")
+        objects.append(obj)
+    key = hashlib.sha256(" ".join(o.name for o in objects).encode()).hexdigest()[:16]
+    target = directory / f"{_STEM}-{level}-{key}.so"
+    if not target.is_file():
+        _run_atomic([cc, "-shared", "-fopenmp", *map(str, objects), "-lm", "-o"], target, f"linking the {level} kernels")
+    return target
 
 
 def _compiler() -> str:
@@ -54,83 +102,36 @@ def _compiler() -> str:
     return cc
 
 
-def _source_digest() -> bytes:
-    return b"".join(s.read_bytes() for s in _SOURCES + _HEADERS)
-
-
-def _compile(cc: str, flags: list[str], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
-    os.close(fd)
-    try:
-        subprocess.run([cc, *flags, *map(str, _SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
-        os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide a prebuilt library from a container's non-root user
-        os.replace(tmp, target)  # atomic: concurrent builders never see a half-written file
-    except subprocess.CalledProcessError as exc:
-        os.unlink(tmp)
-        raise RuntimeError(f"compiling {' '.join(s.name for s in _SOURCES)} failed: {exc.stderr.strip()[:500]}") from None
-
-
-def _build() -> Path:
-    cc = _compiler()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(_source_digest() + " ".join(_FLAGS).encode()
-                         + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{_STEM}-{key}.so"
-    if target.is_file():
-        return target
-    _compile(cc, _FLAGS, target)
-    for stale in target.parent.glob(f"{_STEM}-*.so"):
-        if stale != target:
-            stale.unlink(missing_ok=True)
-    return target
-
-
 # ---- prebuilt libraries (container images: no compiler at run time) ------------------
 #
-# -march=native ties a build to the CPU it ran on, so an image instead carries one
-# library per x86-64 level, built by `python -m kernels.native --prebuild DIR` at image
-# build time; with PDSERVE_PREBUILT_KERNELS=DIR, library() loads the first level whose
-# CPU flags (/proc/cpuinfo names) this CPU has. The kernels' vector paths need AVX-512F
-# (x86-64-v4); kernels that test other features (__AMX_BF16__, __AVX512BF16__) need a level of their
-# own, first in the list, with its -m flags and the cpuinfo flags they mean.
-PREBUILT_LEVELS: tuple[tuple[str, list[str], frozenset[str]], ...] = (
-    ("x86-64-v4", ["-march=x86-64-v4"], frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"})),
-    ("x86-64-v2", ["-march=x86-64-v2"], frozenset({"sse4_2", "popcnt", "ssse3"})),
-)
-
-
-def _levels() -> tuple[tuple[str, list[str], frozenset[str]], ...]:
-    import platform
-
-    if platform.machine() in ("x86_64", "AMD64"):
-        return PREBUILT_LEVELS
-    return (("generic", [], frozenset()),)  # aarch64 etc.: the portable C paths
-
-
+# An image carries every level's library, built by `python -m kernels.native --prebuild DIR`
+# at image build time (each level's flags name exactly that level, so the libraries run on
+# any CPU of their level); with PDSERVE_PREBUILT_KERNELS=DIR the library of the selected level
+# (kernels/cpu_isa.py: the best this CPU has) is loaded from there. A library's name carries
+# the digest of the sources it was built from, so a stale image's kernels are never loaded.
 def _prebuilt_name(level: str) -> str:
-    return f"{_STEM}-{level}-{hashlib.sha256(_source_digest()).hexdigest()[:16]}.so"
+    digest = b"".join(Path(__file__).with_name(n).read_bytes() for n in _SOURCES)
+    digest += b"".join(h.read_bytes() for h in _HEADERS)
+    return f"{_STEM}-{level}-{hashlib.sha256(digest).hexdigest()[:16]}.so"
 
 
 def prebuild(directory: Path) -> list[Path]:
     """Build every level's library into ``directory`` (at image build time)."""
-    cc = _compiler()
-    flags = [f for f in _FLAGS if f != "-march=native"]
+    directory.mkdir(parents=True, exist_ok=True)
     built = []
-    for level, march, _needs in _levels():
-        target = directory / _prebuilt_name(level)
-        _compile(cc, [*march, "-mtune=generic", *flags], target)
+    for name in cpu_isa.LEVELS:
+        target = directory / _prebuilt_name(name)
+        shutil.copyfile(_build(name), target)
+        os.chmod(target, 0o755)  # readable by a container's non-root user
         built.append(target)
     return built
 
 
-def _prebuilt(directory: Path) -> Path:
-    have = set(_cpu_flags().split())
-    for level, _march, needs in _levels():
-        candidate = directory / _prebuilt_name(level)
-        if needs <= have and candidate.is_file():
-            return candidate
-    raise RuntimeError(f"no prebuilt kernels in {directory} for these sources and this CPU")
+def _prebuilt(directory: Path, level: str) -> Path:
+    candidate = directory / _prebuilt_name(level)
+    if not candidate.is_file():
+        raise RuntimeError(f"no prebuilt {level} kernels in {directory} for these sources")
+    return candidate
 
 
 @dataclass(frozen=True)
@@ -143,35 +144,53 @@ class Limits:
     max_block_size: int  # decode attention
 
 
-@lru_cache(maxsize=1)
 def limits() -> Limits | None:
-    lib = library()
+    return _limits(cpu_isa.selected())
+
+
+@lru_cache(maxsize=None)
+def _limits(level: str) -> Limits | None:
+    lib = _library(level)
     if lib is None:
         return None
     return Limits(bool(lib.pdserve_linear_available()), lib.pdserve_limits(0), lib.pdserve_limits(1),
                   lib.pdserve_limits(2))
 
 
-@lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (with one warning) where they cannot be built."""
+    """The compiled kernels of the selected level (kernels/cpu_isa.py), or None (with one
+    warning) where they cannot be built."""
+    return _library(cpu_isa.selected())
+
+
+def level() -> str | None:
+    """The level of the kernels that run (None: the torch references)."""
+    return cpu_isa.selected() if library() is not None else None
+
+
+@lru_cache(maxsize=None)
+def _library(level: str) -> ctypes.CDLL | None:
     if os.environ.get("PDSERVE_DISABLE_NATIVE_KERNELS"):
         return None
     try:
         import torch  # noqa: F401  (loads torch's libgomp first, so ours resolves to it)
 
         prebuilt = os.environ.get("PDSERVE_PREBUILT_KERNELS")
-        lib = ctypes.CDLL(str(_prebuilt(Path(prebuilt)) if prebuilt else _build()))
+        lib = ctypes.CDLL(str(_prebuilt(Path(prebuilt), level) if prebuilt else _build(level)))
     except (RuntimeError, OSError) as exc:
         log.warning("native CPU kernels unavailable (%s); using the torch references", exc)
         return None
+    if lib.pdserve_isa_level() != cpu_isa.LEVELS.index(level):
+        raise RuntimeError(f"the {level} kernels were built for level {cpu_isa.LEVELS[lib.pdserve_isa_level()]}")
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     for name in ("paged_decode_attention_f32", "paged_decode_attention_bf16"):
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64,
                        i32, i32, i32, i32, i32, f32]
-    for name in ("paged_prefill_attention_f32", "paged_prefill_attention_bf16"):
+    lib.paged_decode_attention_bf16_i8kv.restype = i32
+    lib.paged_decode_attention_bf16_i8kv.argtypes = lib.paged_decode_attention_bf16.argtypes
+    for name in ("paged_prefill_attention_f32", "paged_prefill_attention_bf16", "paged_prefill_attention_bf16_i8kv"):
         fn = getattr(lib, name)
         fn.restype = i32
         fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, i64,
@@ -180,8 +199,16 @@ def library() -> ctypes.CDLL | None:
     lib.pdserve_limits.argtypes = [i32]
     lib.pdserve_linear_available.restype = i32
     lib.pdserve_linear_available.argtypes = []
-    lib.pdserve_linear_bf16w.restype = i32
-    lib.pdserve_linear_bf16w.argtypes = [ptr, i32, i64, ptr, ptr, ptr, i32, i64, i32, i32, i32]
+    for name in ("pdserve_linear_packed", "pdserve_linear_packed_portable"):
+        fn = getattr(lib, name)
+        fn.restype = i32
+        fn.argtypes = [ptr, i32, i64, ptr, i32, ptr, ptr, ptr, i32, i64, i32, i32, i32]
+    for name in ("pdserve_linear_gguf", "pdserve_linear_gguf_portable"):
+        fn = getattr(lib, name)
+        fn.restype = i32
+        fn.argtypes = [ptr, i32, i64, ptr, i32, ptr, i32, i64, i32, i32, i32]
+    lib.pdserve_gguf_dequantize.restype = None
+    lib.pdserve_gguf_dequantize.argtypes = [ptr, i32, ptr, i32, i32]
     lib.pdserve_fused_available.restype = i32
     lib.pdserve_fused_available.argtypes = []
     lib.pdserve_rms_norm_bf16.restype = i32
@@ -190,8 +217,12 @@ def library() -> ctypes.CDLL | None:
     lib.pdserve_rotary_bf16.argtypes = [ptr, i64, i64, i32, i32, i32, ptr, ptr, i64]
     lib.pdserve_silu_and_mul_bf16.restype = i32
     lib.pdserve_silu_and_mul_bf16.argtypes = [ptr, i64, ptr, i64, i32, i32]
+    lib.pdserve_write_kv_int8.restype = None
+    lib.pdserve_write_kv_int8.argtypes = [ptr, i64, ptr, i64, i32, ptr, ptr, i64, i64, ptr, i32, i32, i32, i32]
     lib.pdserve_write_kv.restype = None
     lib.pdserve_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, ptr, i32, i32, i32, i32]
+    lib.pdserve_decode_layers.restype = i32
+    lib.pdserve_decode_layers.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     return lib
 
 

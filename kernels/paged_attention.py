@@ -41,10 +41,20 @@ from kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_ndim, 
 from kernels.triton_jit import check_launchable, lazy_jit, next_pow2, tl
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+def _rows(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows as ``dtype`` values: an int8 cache's rows (int8 + their scale,
+    kernels/kv_int8.py) dequantized, others as they are."""
+    if blocks.dtype != torch.int8:
+        return blocks
+    from kernels.kv_int8 import dequantize_rows
+
+    return dequantize_rows(blocks, dtype)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
     """[len(block_table) * block_size, H, D] -> first ``length`` tokens."""
-    blocks = cache[block_table]  # [nb, bs, H, D] copy
-    return blocks.reshape(-1, *cache.shape[2:])[:length]
+    blocks = _rows(cache[block_table], dtype)  # [nb, bs, H, D] copy
+    return blocks.reshape(-1, *blocks.shape[2:])[:length]
 
 
 def paged_decode_attention_ref(
@@ -59,8 +69,8 @@ def paged_decode_attention_ref(
     num_kv_heads = k_cache.shape[2]
     max_len = block_tables.shape[1] * k_cache.shape[1]
     # [S, M, bs, Hkv, D] -> [S, Hkv, M*bs, D]
-    k = k_cache[block_tables].reshape(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache[block_tables].reshape(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    k = _rows(k_cache[block_tables], q.dtype).reshape(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    v = _rows(v_cache[block_tables], q.dtype).reshape(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
     valid = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None].to(torch.long)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [S, H, 1, D]
@@ -83,8 +93,8 @@ def prefill_by_sequence(q, k_cache, v_cache, block_tables, cu_seqlens_q, context
     for s in range(len(lens)):
         q_start, q_end, ctx = starts[s], starts[s + 1], lens[s]
         num_blocks = -(-ctx // k_cache.shape[1])
-        k = _gather(k_cache, block_tables[s, :num_blocks], ctx).transpose(0, 1)  # [Hkv, ctx, D]
-        v = _gather(v_cache, block_tables[s, :num_blocks], ctx).transpose(0, 1)
+        k = _gather(k_cache, block_tables[s, :num_blocks], ctx, q.dtype).transpose(0, 1)  # [Hkv, ctx, D]
+        v = _gather(v_cache, block_tables[s, :num_blocks], ctx, q.dtype).transpose(0, 1)
         out[q_start:q_end] = attend(q[q_start:q_end].transpose(0, 1), k, v, ctx).transpose(0, 1)
     return out
 

@@ -115,6 +115,28 @@ static inline __attribute__((always_inline)) void load32(const int bf16, const c
     }
 }
 
+/* 32 int8 of a K/V row (int8 cache: the row's scale is applied elsewhere) in the even/odd split
+ * of bf16 rows: sign-extended to 16-bit lanes pairwise, even elements by a shift left then an
+ * arithmetic shift right, odd ones by the shift right alone. */
+static inline __attribute__((always_inline)) void load32_i8(const char *p, __m512 *even, __m512 *odd) {
+    const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    *even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 16));
+    *odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 16));
+}
+
+/* a K/V row's 32 elements from p: int8 (kv8) or as the query's dtype */
+static inline __attribute__((always_inline)) void load32_kv(const int kv8, const int bf16, const char *p, __m512 *lo,
+                                                            __m512 *hi) {
+    if (kv8) load32_i8(p, lo, hi); else load32(bf16, p, lo, hi);
+}
+
+/* the fp32 scale stored after the D int8 of an int8 cache row */
+static inline float row_scale(const char *row, int D) {
+    float s;
+    memcpy(&s, row + D, 4);
+    return s;
+}
+
 static inline __attribute__((always_inline)) void store32(const int bf16, char *p, __m512 lo, __m512 hi) {
     if (bf16) {
         _mm512_storeu_si512(p, narrow32_bf16(lo, hi));
@@ -160,13 +182,14 @@ static inline __attribute__((always_inline)) void rows16(
  * vectors live in registers (with runtime bounds they live on the stack: 3x slower).
  * Strides are in bytes. */
 static inline __attribute__((always_inline)) void decode_item(
-        const int bf16, const int G, const int NP, int s, int kh,
+        const int bf16, const int kv8, const int G, const int NP, int s, int kh,
         const char *q, int64_t q_ss, int64_t q_sh,
         const char *k, int64_t k_sb, int64_t k_st, int64_t k_sh,
         const char *v, int64_t v_sb, int64_t v_st, int64_t v_sh,
         const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
         char *out, int64_t o_ss, int64_t o_sh, int BS, float qscale) {
-    const int es = bf16 ? 2 : 4, row_bytes = 32 * NP * es;
+    /* es: bytes per q / out element; kvs: per K/V element (int8 rows end in their fp32 scale) */
+    const int es = bf16 ? 2 : 4, kvs = kv8 ? 1 : es, row_bytes = 32 * NP * kvs + (kv8 ? 4 : 0);
     __m512 qv[MAX_G][MAX_D / 16], acc[MAX_G][MAX_D / 16];
     float m[MAX_G], l[MAX_G];
     float sc[MAX_G][TILE] __attribute__((aligned(64)));
@@ -210,7 +233,7 @@ static inline __attribute__((always_inline)) void decode_item(
                 const int slot = 4 * (t % 4) + t / 4;
                 if (t < nj) {
                     __m512 kf[MAX_D / 16];
-                    for (int i = 0; i < NP; i++) load32(bf16, kr[t] + 32 * i * es, &kf[2 * i], &kf[2 * i + 1]);
+                    for (int i = 0; i < NP; i++) load32_kv(kv8, bf16, kr[t] + 32 * i * kvs, &kf[2 * i], &kf[2 * i + 1]);
                     for (int g = 0; g < G; g++) {
                         __m512 x = _mm512_mul_ps(qv[g][0], kf[0]);
                         for (int i = 1; i < 2 * NP; i++) x = _mm512_fmadd_ps(qv[g][i], kf[i], x);
@@ -221,8 +244,14 @@ static inline __attribute__((always_inline)) void decode_item(
                 }
             }
             const __mmask16 live = (__mmask16)((1u << nj) - 1u);
+            __m512 kscale = _mm512_set1_ps(1.f);
+            if (kv8) { /* lane t of hsum16's result is position t: scale it by K row t's scale */
+                float ks[16] __attribute__((aligned(64)));
+                for (int t = 0; t < 16; t++) ks[t] = t < nj ? row_scale(kr[t], 32 * NP) : 0.f;
+                kscale = _mm512_load_ps(ks);
+            }
             for (int g = 0; g < G; g++) {
-                const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, hsum16(d[g]));
+                const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(hsum16(d[g]), kscale));
                 _mm512_store_ps(&sc[g][j], x);
                 vmax[g] = _mm512_max_ps(vmax[g], x);
             }
@@ -251,9 +280,10 @@ static inline __attribute__((always_inline)) void decode_item(
             rows16(vbase, v_sb, v_st, bt, BS, start + j, nj, vr);
             for (int t = 0; t < nj; t++) {
                 __m512 vf[MAX_D / 16];
-                for (int i = 0; i < NP; i++) load32(bf16, vr[t] + 32 * i * es, &vf[2 * i], &vf[2 * i + 1]);
+                for (int i = 0; i < NP; i++) load32_kv(kv8, bf16, vr[t] + 32 * i * kvs, &vf[2 * i], &vf[2 * i + 1]);
+                const float vscale = kv8 ? row_scale(vr[t], 32 * NP) : 1.f;
                 for (int g = 0; g < G; g++) {
-                    const __m512 p = _mm512_set1_ps(sc[g][j + t]);
+                    const __m512 p = _mm512_set1_ps(sc[g][j + t] * vscale);
                     for (int i = 0; i < 2 * NP; i++) acc[g][i] = _mm512_fmadd_ps(p, vf[i], acc[g][i]);
                 }
             }
@@ -274,14 +304,14 @@ static inline __attribute__((always_inline)) void decode_item(
 
 /* One sequence per task (its kv heads share cache lines), or one (sequence, kv head) when
  * there are too few sequences to keep every thread busy. */
-#define DEFINE_AVX512_KERNEL(NAME, T, BF16)                                                           \
+#define DEFINE_AVX512_KERNEL(NAME, T, KVT, BF16, KV8)                                                 \
 static void NAME(const T *q, int64_t q_ss, int64_t q_sh,                                             \
-                 const T *k, int64_t k_sb, int64_t k_st, int64_t k_sh,                               \
-                 const T *v, int64_t v_sb, int64_t v_st, int64_t v_sh,                               \
+                 const KVT *k, int64_t k_sb, int64_t k_st, int64_t k_sh,                             \
+                 const KVT *v, int64_t v_sb, int64_t v_st, int64_t v_sh,                             \
                  const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,         \
                  T *out, int64_t o_ss, int64_t o_sh,                                                  \
                  int S, int H, int HKV, int D, int BS, float scale) {                                 \
-    const int G = H / HKV, NP = D / 32, es = sizeof(T), bf16 = BF16;                                             \
+    const int G = H / HKV, NP = D / 32, es = sizeof(T), kvs = sizeof(KVT), bf16 = BF16, kv8 = KV8;             \
     const float qscale = scale * LOG2E;                                                               \
     const int per = S >= 4 * omp_get_max_threads() ? HKV : 1; /* kv heads per task */                \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                                  \
@@ -290,15 +320,15 @@ static void NAME(const T *q, int64_t q_ss, int64_t q_sh,                        
             const int s = item / HKV, kh = item % HKV;                                                \
             switch (G * 64 + NP) {                                                                    \
                 FOR_COMMON_LAYOUTS(ITEM_CASE)                                                         \
-                default: decode_item(bf16, G, NP, ITEM_ARGS); break;                                  \
+                default: decode_item(bf16, kv8, G, NP, ITEM_ARGS); break;                             \
             }                                                                                         \
         }                                                                                             \
     }                                                                                                 \
 }
-#define ITEM_ARGS s, kh, (const char *)q, q_ss * es, q_sh * es, (const char *)k, k_sb * es, k_st * es, k_sh * es, \
-                  (const char *)v, v_sb * es, v_st * es, v_sh * es, block_tables, bt_stride, context_lens,      \
+#define ITEM_ARGS s, kh, (const char *)q, q_ss * es, q_sh * es, (const char *)k, k_sb * kvs, k_st * kvs, k_sh * kvs, \
+                  (const char *)v, v_sb * kvs, v_st * kvs, v_sh * kvs, block_tables, bt_stride, context_lens,      \
                   (char *)out, o_ss * es, o_sh * es, BS, qscale
-#define ITEM_CASE(g, np) case g * 64 + np: decode_item(bf16, g, np, ITEM_ARGS); break;
+#define ITEM_CASE(g, np) case g * 64 + np: decode_item(bf16, kv8, g, np, ITEM_ARGS); break;
 #endif
 
 #define F32_LOAD(x) (x)
@@ -308,8 +338,9 @@ static void NAME(const T *q, int64_t q_ss, int64_t q_sh,                        
 DEFINE_KERNEL(decode_f32_generic, float, F32_LOAD, F32_STORE)
 DEFINE_KERNEL(decode_bf16_generic, uint16_t, bf16_to_f32, f32_to_bf16)
 #if defined(__AVX512F__)
-DEFINE_AVX512_KERNEL(decode_f32_avx512, float, 0)
-DEFINE_AVX512_KERNEL(decode_bf16_avx512, uint16_t, 1)
+DEFINE_AVX512_KERNEL(decode_f32_avx512, float, float, 0, 0)
+DEFINE_AVX512_KERNEL(decode_bf16_avx512, uint16_t, uint16_t, 1, 0)
+DEFINE_AVX512_KERNEL(decode_bf16_i8kv_avx512, uint16_t, int8_t, 1, 1)
 #define HAVE_AVX512 1
 #else
 #define HAVE_AVX512 0
@@ -340,6 +371,27 @@ void NAME(const T *q, int64_t q_ss, int64_t q_sh,                               
 DEFINE_ENTRY(paged_decode_attention_f32, float, decode_f32)
 DEFINE_ENTRY(paged_decode_attention_bf16, uint16_t, decode_bf16)
 
+/* bf16 queries over an int8 cache (rows of D int8 + their fp32 scale; strides in bytes).
+ * Returns -2 where not compiled in (no AVX-512) or D % 32 != 0: the caller uses the reference. */
+int paged_decode_attention_bf16_i8kv(const uint16_t *q, int64_t q_ss, int64_t q_sh,
+                                     const int8_t *k, int64_t k_sb, int64_t k_st, int64_t k_sh,
+                                     const int8_t *v, int64_t v_sb, int64_t v_st, int64_t v_sh,
+                                     const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
+                                     uint16_t *out, int64_t o_ss, int64_t o_sh,
+                                     int S, int H, int HKV, int D, int BS, float scale) {
+#if HAVE_AVX512
+    if (D % 32) return -2;
+    decode_bf16_i8kv_avx512(q, q_ss, q_sh, k, k_sb, k_st, k_sh, v, v_sb, v_st, v_sh, block_tables, bt_stride,
+                            context_lens, out, o_ss, o_sh, S, H, HKV, D, BS, scale);
+    return 0;
+#else
+    (void)q; (void)q_ss; (void)q_sh; (void)k; (void)k_sb; (void)k_st; (void)k_sh; (void)v; (void)v_sb; (void)v_st;
+    (void)v_sh; (void)block_tables; (void)bt_stride; (void)context_lens; (void)out; (void)o_ss; (void)o_sh; (void)S;
+    (void)H; (void)HKV; (void)D; (void)BS; (void)scale;
+    return -2;
+#endif
+}
+
 /* which == 0: max G, 1: max D, else max block size */
 int pdserve_limits(int which) { return which == 0 ? MAX_G : which == 1 ? MAX_D : MAX_BS; }
 
@@ -359,22 +411,30 @@ int pdserve_limits(int which) { return which == 0 ? MAX_G : which == 1 ? MAX_D :
 #define PF_ROWS 32
 /* Returns 0, -1 when out of memory, -2 where not compiled in (no AVX-512). Needs
  * H % HKV == 0, H / HKV <= PF_ROWS, D % 16 == 0, D <= MAX_D (the Python side checks). */
-#define PREFILL_SIGNATURE(NAME, T)                                                                     \
+#define PREFILL_SIGNATURE(NAME, T, KVT)                                                                \
 int NAME(const T *q, int64_t q_st, int64_t q_sh,                                                       \
-         const T *k, int64_t k_sb, int64_t k_st, int64_t k_sh,                                        \
-         const T *v, int64_t v_sb, int64_t v_st, int64_t v_sh,                                        \
+         const KVT *k, int64_t k_sb, int64_t k_st, int64_t k_sh,                                      \
+         const KVT *v, int64_t v_sb, int64_t v_st, int64_t v_sh,                                      \
          const int32_t *block_tables, int64_t bt_stride, const int32_t *cu_seqlens_q,                  \
          const int32_t *context_lens, T *out, int64_t o_st, int64_t o_sh,                              \
          int S, int H, int HKV, int D, int BS, float scale)
 #if defined(__AVX512F__)
 
-static inline __attribute__((always_inline)) void widen_row(const int bf16, const char *src, float *dst, int D) {
+static inline __attribute__((always_inline)) void widen_row(const int bf16, const int kv8, const char *src, float *dst,
+                                                             int D) {
+    if (kv8) { /* int8 row, then its fp32 scale */
+        const __m512 sc = _mm512_set1_ps(row_scale(src, D));
+        for (int d = 0; d < D; d += 16)
+            _mm512_store_ps(dst + d, _mm512_mul_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                           _mm_loadu_si128((const __m128i *)(src + d))))));
+        return;
+    }
     for (int d = 0; d < D; d += 16)
         _mm512_store_ps(dst + d, bf16 ? load16_bf16((const uint16_t *)src + d) : _mm512_loadu_ps((const float *)src + d));
 }
 
 static inline __attribute__((always_inline)) void prefill_item(
-        const int bf16, const int D, int G, int q0, int nq, int qpos0, int kh,
+        const int bf16, const int kv8, const int D, int G, int q0, int nq, int qpos0, int kh,
         const char *q, int64_t q_st, int64_t q_sh,
         const char *k, int64_t k_sb, int64_t k_st, int64_t k_sh,
         const char *v, int64_t v_sb, int64_t v_st, int64_t v_sh,
@@ -408,7 +468,7 @@ static inline __attribute__((always_inline)) void prefill_item(
         const char *kr[16], *vr[16];
         rows16(k + kh * k_sh, k_sb, k_st, bt, BS, start, n, kr);
         rows16(v + kh * v_sh, v_sb, v_st, bt, BS, start, n, vr);
-        for (int t = 0; t < n; t++) widen_row(bf16, kr[t], kf[t], D);
+        for (int t = 0; t < n; t++) widen_row(bf16, kv8, kr[t], kf[t], D);
         for (int t = n; t < 16; t++) memset(kf[t], 0, D * sizeof(float));
         /* S^T, 8 keys at a time: 16 accumulators */
         for (int t0 = 0; t0 < 16; t0 += 8) {
@@ -445,7 +505,7 @@ static inline __attribute__((always_inline)) void prefill_item(
         }
         l0 = _mm512_fmadd_ps(l0, c0, s0);
         l1 = _mm512_fmadd_ps(l1, c1, s1);
-        for (int t = 0; t < n; t++) widen_row(bf16, vr[t], vf[t], D);
+        for (int t = 0; t < n; t++) widen_row(bf16, kv8, vr[t], vf[t], D);
         /* O^T = O^T * c + V^T P^T, 8 dims at a time */
         for (int d0 = 0; d0 < D; d0 += 8) {
             __m512 a[8][2];
@@ -477,9 +537,9 @@ static inline __attribute__((always_inline)) void prefill_item(
     }
 }
 
-#define DEFINE_PREFILL(NAME, T, BF16)                                                                  \
-PREFILL_SIGNATURE(NAME, T) {                                                                           \
-    const int G = H / HKV, QB = PF_ROWS / G, es = sizeof(T);                                           \
+#define DEFINE_PREFILL(NAME, T, KVT, BF16, KV8)                                                        \
+PREFILL_SIGNATURE(NAME, T, KVT) {                                                                      \
+    const int G = H / HKV, QB = PF_ROWS / G, es = sizeof(T), kvs = sizeof(KVT);                        \
     int n = 0;                                                                                         \
     for (int s = 0; s < S; s++) n += (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + QB - 1) / QB;            \
     int *items = malloc(2 * sizeof(int) * (size_t)(n > 0 ? n : 1));                                    \
@@ -500,21 +560,24 @@ PREFILL_SIGNATURE(NAME, T) {                                                    
         const int qpos0 = context_lens[s] - (qe - qs) + (q0 - qs);                                     \
         const int32_t *bt = block_tables + s * bt_stride;                                              \
         switch (D) { /* compile-time head sizes for the common models */                              \
-            case 64: PREFILL_CALL(BF16, 64); break;                                                    \
-            case 128: PREFILL_CALL(BF16, 128); break;                                                  \
-            default: PREFILL_CALL(BF16, D); break;                                                     \
+            case 64: PREFILL_CALL(BF16, KV8, 64); break;                                               \
+            case 128: PREFILL_CALL(BF16, KV8, 128); break;                                             \
+            default: PREFILL_CALL(BF16, KV8, D); break;                                                \
         }                                                                                              \
     }                                                                                                  \
     free(items);                                                                                       \
     return 0;                                                                                          \
 }
-#define PREFILL_CALL(BF16, DD) prefill_item(BF16, DD, G, q0, nq, qpos0, kh, (const char *)q, q_st * es, q_sh * es, \
-        (const char *)k, k_sb * es, k_st * es, k_sh * es, (const char *)v, v_sb * es, v_st * es, v_sh * es,       \
-        bt, (char *)out, o_st * es, o_sh * es, BS, qscale)
-DEFINE_PREFILL(paged_prefill_attention_f32, float, 0)
-DEFINE_PREFILL(paged_prefill_attention_bf16, uint16_t, 1)
+#define PREFILL_CALL(BF16, KV8, DD) prefill_item(BF16, KV8, DD, G, q0, nq, qpos0, kh, (const char *)q, q_st * es,  \
+        q_sh * es, (const char *)k, k_sb * kvs, k_st * kvs, k_sh * kvs, (const char *)v, v_sb * kvs, v_st * kvs,   \
+        v_sh * kvs, bt, (char *)out, o_st * es, o_sh * es, BS, qscale)
+DEFINE_PREFILL(paged_prefill_attention_f32, float, float, 0, 0)
+DEFINE_PREFILL(paged_prefill_attention_bf16, uint16_t, uint16_t, 1, 0)
+/* bf16 queries over an int8 cache (as paged_decode_attention_bf16_i8kv) */
+DEFINE_PREFILL(paged_prefill_attention_bf16_i8kv, uint16_t, int8_t, 1, 1)
 #else
-#define PREFILL_STUB(NAME, T) PREFILL_SIGNATURE(NAME, T) { return -2; }
-PREFILL_STUB(paged_prefill_attention_f32, float)
-PREFILL_STUB(paged_prefill_attention_bf16, uint16_t)
+#define PREFILL_STUB(NAME, T, KVT) PREFILL_SIGNATURE(NAME, T, KVT) { return -2; }
+PREFILL_STUB(paged_prefill_attention_f32, float, float)
+PREFILL_STUB(paged_prefill_attention_bf16, uint16_t, uint16_t)
+PREFILL_STUB(paged_prefill_attention_bf16_i8kv, uint16_t, int8_t)
 #endif

@@ -1,4 +1,4 @@
-"""Paged attention on CPU.
+"""Paged attention on CPU (caches in the queries' dtype, or int8 rows: kernels/kv_int8.py).
 
 Decode: the C kernel in paged_attention_cpu.c, with the signature and semantics of
 ``paged_decode_attention_ref``; where it cannot serve a call (no compiler, fp16,
@@ -24,9 +24,18 @@ from kernels.paged_attention import paged_decode_attention_ref, prefill_by_seque
 _FNS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
 
 
+def _kv_fits(q, k_cache, v_cache, lim) -> bool:
+    """The caches hold q's dtype, or int8 rows (head_dim + scale, kernels/kv_int8.py) the
+    AVX-512 kernels read for bf16 queries with head_dim % 32 == 0."""
+    if k_cache.dtype == torch.int8:
+        return (v_cache.dtype == torch.int8 and q.dtype == torch.bfloat16 and lim.vector and q.shape[-1] % 32 == 0
+                and k_cache.shape[-1] == q.shape[-1] + 4 and v_cache.shape[-1] == q.shape[-1] + 4)
+    return k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
+
+
 def _supported(q, k_cache, v_cache, block_tables, context_lens) -> bool:
     lim = native.limits()
-    if lim is None or q.dtype not in _FNS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    if lim is None or q.dtype not in _FNS or not _kv_fits(q, k_cache, v_cache, lim):
         return False
     if q.device.type != "cpu" or q.dim() != 3 or k_cache.dim() != 4:
         return False
@@ -54,13 +63,16 @@ def paged_decode_attention_cpu(
     out = torch.empty((num_seqs, heads, head_dim), dtype=q.dtype)
     if num_seqs == 0:
         return out
-    fn = getattr(native.library(), _FNS[q.dtype])
-    fn(q.data_ptr(), q.stride(0), q.stride(1),
+    int8 = k_cache.dtype == torch.int8
+    fn = getattr(native.library(), "paged_decode_attention_bf16_i8kv" if int8 else _FNS[q.dtype])
+    rc = fn(q.data_ptr(), q.stride(0), q.stride(1),
        k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
        block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
        out.data_ptr(), out.stride(0), out.stride(1),
        num_seqs, heads, k_cache.shape[2], head_dim, k_cache.shape[1], float(scale))
+    if int8 and rc != 0:  # not compiled in at this level
+        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
     return out
 
 
@@ -80,7 +92,8 @@ def paged_prefill_attention_cpu(
     if _prefill_supported(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens):
         num_seqs = context_lens.shape[0]
         out = torch.empty_like(q)
-        fn = getattr(native.library(), _PREFILL_FNS[q.dtype])
+        int8 = k_cache.dtype == torch.int8
+        fn = getattr(native.library(), "paged_prefill_attention_bf16_i8kv" if int8 else _PREFILL_FNS[q.dtype])
         rc = fn(q.data_ptr(), q.stride(0), q.stride(1),
                 k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -93,7 +106,7 @@ def paged_prefill_attention_cpu(
             raise MemoryError("paged prefill attention: no memory for the work list")
     gqa = q.shape[1] != k_cache.shape[2]
 
-    def attend(qs, k, v, ctx):
+    def attend(qs, k, v, ctx):  # k, v: gathered (an int8 cache's rows dequantized)
         o = F.scaled_dot_product_attention(qs.float()[None], k.float()[None], v.float()[None],
                                            attn_mask=causal_lower_right(qs.shape[1], ctx), scale=scale, enable_gqa=gqa)
         return o[0]
@@ -109,7 +122,7 @@ def _prefill_supported(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_
     lim = native.limits()
     if lim is None or not lim.vector:
         return False
-    if q.dtype not in _PREFILL_FNS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or q.device.type != "cpu":
+    if q.dtype not in _PREFILL_FNS or not _kv_fits(q, k_cache, v_cache, lim) or q.device.type != "cpu":
         return False
     heads, kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
     return (q.dim() == 3 and k_cache.dim() == 4 and heads % kv_heads == 0 and heads // kv_heads <= _PREFILL_MAX_GROUP

@@ -123,10 +123,13 @@ class Receiver(Endpoint):
         self._failed.pop(transfer_id, None)
         return PendingTransfer(desc, future)
 
-    def cancel(self, transfer_id: str, reason: str = "cancelled by the decode side") -> None:
+    def cancel(self, transfer_id: str, reason: str = "cancelled by the decode side") -> bool:
+        """Fail the transfer if it is pending; True if it was (open, or failing while a chunk lands):
+        then the receiver releases its blocks, once no write can reach them, and the caller must not."""
         t = self._transfers.get(transfer_id)
         if t is not None:
             self._fail(t, TransferError(f"transfer {transfer_id} {reason}"))
+        return t is not None
 
     async def close(self) -> None:
         """Fail every pending transfer (releasing its blocks) and stop listening."""

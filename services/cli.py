@@ -23,6 +23,7 @@ COMMANDS = {
     "deadletters": "services.deadletters_cli",
     "probe": "services.probe",
     "planner": "services.planner.cli",
+    "profile": "services.profiling.cli",
     "bench": None,  # add_bench_parser below
 }
 BENCHES = {
@@ -32,6 +33,7 @@ BENCHES = {
     "spec": "services.engine.spec_bench",
     "routing": "services.router.bench",
     "serve": "services.gateway.bench",
+    "coalesce": "services.gateway.coalesce_bench",
     "loadtools": "services.bench.loadtools",
     "frontdoor": "services.gateway.frontdoor_bench",
     "startup": "services.bench.startup",
@@ -39,6 +41,7 @@ BENCHES = {
     "soak": "services.bench.soak",
     "sim": "services.sim.bench",
     "breakdown": "services.bench.breakdown",
+    "profiling": "services.profiling.bench",
 }
 
 

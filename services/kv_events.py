@@ -8,15 +8,25 @@ stream from the beginning to rebuild their prefix index, then follow it. The
 stream is capped (approximately) at ``MAXLEN`` entries; a router that starts
 after old entries were trimmed under-counts those blocks, which costs cache
 hits, never correctness (a worker verifies every hit against stored tokens).
+
+A publish that fails (Redis away or refusing the write) loses its events, so
+routers' indexes would miss those blocks until they were evicted. Instead the
+worker's next publish that goes through is a resync (``Publisher``): ``"c"``
+then ``"s"`` with every block its cache holds, read in the same engine-thread
+call that drains the events it replaces, so every index converges to the cache
+as it is. Nothing is queued meanwhile: an outage of any length costs one
+message, of the cache's size.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Iterable
 
 from services.engine.block_pool import BlockStored, KVEvent
 
+log = logging.getLogger(__name__)
 STREAM_KEY = "pd:kv-events"
 MAXLEN = 1_000_000
 
@@ -52,3 +62,32 @@ def decode_entry(fields: dict) -> tuple[str, list[tuple[str, list[int]]]]:
     events = get("events")
     worker = worker.decode() if isinstance(worker, bytes) else worker
     return worker, [(kind, hashes) for kind, hashes in json.loads(events)]
+
+
+class Publisher:
+    """One worker's publishing: its events, or after a failed publish, a resync.
+
+    Each interval the worker drains its cache's events and, when ``resync`` is set, the hashes
+    its cache holds, in one call on the engine thread, then hands both to ``publish``.
+    """
+
+    def __init__(self, redis, worker_id: str):
+        self.redis = redis
+        self.worker_id = worker_id
+        self.resync = False  # a publish failed: the next one that goes through replaces what was lost
+        self.resyncs = 0
+
+    async def publish(self, events: Iterable[KVEvent], cached: list[int] | None) -> None:
+        """``cached``: every block hash the cache holds, taken with ``events`` (only while ``resync``)."""
+        runs = [[CLEARED, []], [STORED, list(cached)]] if cached is not None else encode(events)
+        try:
+            await publish(self.redis, self.worker_id, runs)
+        except Exception as exc:
+            if not self.resync:  # one line per outage, not one per interval
+                log.warning("publishing KV events failed (%s); the next publish resyncs the routers' index", exc)
+            self.resync = True
+            return
+        if cached is not None:
+            self.resync = False
+            self.resyncs += 1
+            log.info("KV events resynced: %d cached blocks", len(cached))

@@ -108,6 +108,8 @@ class StackSpec:
     decode: int = 1
     model: str | None = None
     dtype: str = "bf16"
+    quantization: str | None = None  # workers' --quantization (None: unquantized)
+    kv_cache_dtype: str = "auto"  # workers' --kv-cache-dtype
     transport: str = "ucx"
     threads: int | None = None  # torch threads per worker
     kv_cache_gb: float | None = None
@@ -125,6 +127,7 @@ class StackSpec:
     worker_env: dict[str, dict[str, str]] = field(default_factory=dict)  # process name -> extra environment
     router_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
+    profiling: bool = False  # every process serves Admin.Profile (pdserve profile)
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -157,8 +160,14 @@ class LocalStack:
                   "--transport", spec.transport]
         if spec.model:
             common += ["--model", spec.model]
+        if spec.quantization:
+            common += ["--quantization", spec.quantization]
+        if spec.kv_cache_dtype != "auto":
+            common += ["--kv-cache-dtype", spec.kv_cache_dtype]
         if spec.threads:
             common += ["--threads", str(spec.threads)]
+        profiling = ["--enable-profiling"] if spec.profiling else []
+        common += profiling
         def kv(gb: float | None) -> list[str]:
             return ["--kv-cache-gb", str(gb)] if gb else []
 
@@ -169,13 +178,12 @@ class LocalStack:
                             self.echo, spec.worker_env.get(f"decode-{i}")) for i in range(spec.decode)]
         model = ["--model", spec.model] if spec.model else []
         front = [Process("router", _cli("router", "--redis-url", self.redis_url, "--host", spec.host, "--port",
-                                        str(spec.router_port), "--policy", spec.policy, *model, *spec.router_args),
+                                        str(spec.router_port), "--policy", spec.policy, *model, *profiling,
+                                        *spec.router_args),
                          self.echo)]
         if spec.gateway:
-            keys = ["--api-keys", spec.api_keys] if spec.api_keys else []
-            front.append(Process("gateway", _cli(
-                "gateway", "--redis-url", self.redis_url, "--host", spec.host, "--port", str(spec.gateway_port),
-                "--grpc-port", str(spec.gateway_grpc_port), *model, *keys, *spec.gateway_args), self.echo))
+            front.append(Process("gateway", self._gateway_argv(spec.gateway_port, spec.gateway_grpc_port,
+                                                                spec.gateway_args), self.echo))
         try:
             # All at once: the router and the gateway start as slowly as a worker on a busy CPU,
             # and find the workers through the registry whenever they register.
@@ -187,6 +195,22 @@ class LocalStack:
         except BaseException:
             self.stop()
             raise
+
+    def _gateway_argv(self, port: int, grpc_port: int, extra: list[str]) -> list[str]:
+        spec = self.spec
+        model = ["--model", spec.model] if spec.model else []
+        keys = ["--api-keys", spec.api_keys] if spec.api_keys else []
+        profiling = ["--enable-profiling"] if spec.profiling else []
+        return _cli("gateway", "--redis-url", self.redis_url, "--host", spec.host, "--port", str(port),
+                    "--grpc-port", str(grpc_port), *model, *keys, *profiling, *extra)
+
+    def start_gateway(self, name: str, extra_args: list[str], ready_timeout_s: float = 120.0) -> Process:
+        """One more gateway replica on the running stack (a free port), e.g. with other settings to compare."""
+        p = Process(name, self._gateway_argv(0, -1, extra_args), self.echo)
+        self.procs[name] = p
+        p.start()
+        self._wait([p], ready_timeout_s, None)
+        return p
 
     def _wait(self, procs: list[Process], timeout_s: float, stopping: threading.Event | None) -> None:
         deadline = time.monotonic() + timeout_s

@@ -22,8 +22,9 @@ there, or read the NVTX ranges in Nsight Systems for the device-side split.
 
 Cost: one ``time.perf_counter()`` pair and one histogram observe per phase; no objects
 per token. The same ranges show in profilers without code changes: a
-``torch.profiler.record_function`` range while the torch profiler records, and an NVTX
-range when CUDA is initialised (so ``nsys profile`` shows them). Torch is only looked up
+``torch.profiler.record_function`` range named after the phase while the torch profiler
+records (``pdserve profile``), and an NVTX range when CUDA is initialised (so ``nsys
+profile`` shows them); ``profiler_range`` is the range alone (``engine.step``). Torch is only looked up
 in ``sys.modules``, never imported here: the gateway and router stay torch-free.
 """
 
@@ -81,13 +82,34 @@ def observe(name: str, seconds: float, role: str | None = None) -> None:
 
 
 def _profiler_range(name: str):
-    """A torch profiler / NVTX range for ``name``, or None when neither is recording (the usual case)."""
+    """A torch profiler range for ``name``, or None when no profiler records (the usual case)."""
     torch = sys.modules.get("torch")
-    if torch is None:
+    if torch is None or not torch.autograd.profiler._is_profiler_enabled:
         return None
-    if torch.autograd.profiler._is_profiler_enabled:
-        return torch.profiler.record_function(f"pdserve.{name}")
-    return None
+    return torch.profiler.record_function(name)
+
+
+class profiler_range:
+    """``with profiler_range("engine.step"): ...``: a torch-profiler / NVTX range only, no histogram
+    (``pdserve profile`` counts a worker's ``engine.step`` ranges; the step's phases tile it)."""
+
+    __slots__ = ("name", "_range", "_nvtx")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> "profiler_range":
+        self._range = _profiler_range(self.name)
+        if self._range is not None:
+            self._range.__enter__()
+        self._nvtx = _nvtx_push(self.name)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._nvtx:
+            sys.modules["torch"].cuda.nvtx.range_pop()
+        if self._range is not None:
+            self._range.__exit__(*exc)
 
 
 class phase:
@@ -123,5 +145,5 @@ def _nvtx_push(name: str) -> bool:
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return False
-    torch.cuda.nvtx.range_push(f"pdserve.{name}")
+    torch.cuda.nvtx.range_push(name)
     return True

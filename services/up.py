@@ -27,10 +27,13 @@ from services.supervisor import Supervisor
 
 def spec_from_args(args) -> StackSpec:
     return StackSpec(prefill=args.prefill, decode=args.decode, model=args.model, dtype=args.dtype,
+                     quantization=None if args.quantization == "none" else args.quantization,
+                     kv_cache_dtype=args.kv_cache_dtype,
                      transport=args.transport, threads=args.threads, kv_cache_gb=args.kv_cache_gb, host=args.host,
                      redis_url=args.redis_url, policy=args.policy, router_port=args.router_port,
                      gateway=not args.no_gateway, gateway_port=args.port, gateway_grpc_port=args.grpc_port,
-                     api_keys=args.api_keys, router_args=args.router_arg, gateway_args=args.gateway_arg,
+                     api_keys=args.api_keys, profiling=args.enable_profiling, router_args=args.router_arg,
+                     gateway_args=args.gateway_arg,
                      worker_args=_speculative_args(args))
 
 
@@ -124,12 +127,19 @@ def add_parser(sub) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "gguf"],
+                   help="the workers' weights: int8 = weight-only int8, per-output-channel scales; gguf = "
+                        "the GGUF file's own Q4_0/Q4_1/Q8_0 blocks (CPU)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="the workers' KV cache: int8 holds 1.9x the tokens in the same memory (CPU)")
     p.add_argument("--host", default="127.0.0.1", help="address every process listens on")
     p.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port (OpenAI API)")
     p.add_argument("--grpc-port", type=int, default=50052, help="the gateway's public gRPC port (-1: off)")
     p.add_argument("--router-port", type=int, default=50051, help="the router's gRPC port")
     p.add_argument("--api-keys", default=None, metavar="FILE", help="the gateway's API keys file (default: no auth)")
     p.add_argument("--no-gateway", action="store_true", help="do not start the gateway")
+    p.add_argument("--enable-profiling", action="store_true",
+                   help="let `pdserve profile` (and the gateway's POST /admin/profile) record every process")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting an embedded one")
     p.add_argument("--policy", default="kv-aware", choices=["kv-aware", "least-load", "round-robin"])
     p.add_argument("--transport", default="ucx", choices=["ucx", "tcp"], help="KV transfer between workers")

@@ -83,6 +83,7 @@ class WorkerRuntime:
         self._stop = asyncio.Event()
         self._stats: dict = {}
         self._tasks: list[asyncio.Task] = []
+        self.kv_publisher: kv_events.Publisher | None = None
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.address = ""
@@ -215,16 +216,20 @@ class WorkerRuntime:
         info.kv_blocks_used = int(s.get("kv_blocks_used", 0))
 
     async def _publish_kv_events(self) -> None:
-        """Drain the prefix cache's events and publish them; routers index them within milliseconds."""
+        """Drain the prefix cache's events and publish them; routers index them within milliseconds.
+        After a failed publish, the next one resyncs them (kv_events.Publisher)."""
         engine = self.engine
+        publisher = self.kv_publisher = kv_events.Publisher(self.redis, self.worker_id)
         while True:
             await asyncio.sleep(self.config.kv_events_interval_s)
+            resync = publisher.resync
             try:
-                events = await self.aengine.call(engine.take_kv_events)
-                await kv_events.publish(self.redis, self.worker_id, kv_events.encode(events))
+                events, cached = await self.aengine.call(
+                    lambda: (engine.take_kv_events(), engine.cached_block_hashes() if resync else None))
+                await publisher.publish(events, cached)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # Redis away: the events of this interval are lost (hits may drop)
+            except Exception as exc:
                 log.warning("publishing KV events failed: %s", exc)
 
     async def _poll_stats(self) -> None:
@@ -250,12 +255,26 @@ def run_worker(args, role: str, make_servicer, add_to_server, service: str) -> i
 
     def add(server: grpc.aio.Server) -> list[str]:
         add_servicer(server, servicer, add_to_server)  # a malformed request is INVALID_ARGUMENT
+        add_admin(server, runtime, args.enable_profiling)
         return [service]
 
     started = time.monotonic()
     asyncio.run(runtime.serve(add, servicer.setup, servicer.teardown))
     log.info("%s stopped after %.0f s", runtime.worker_id, time.monotonic() - started)
     return 0
+
+
+def add_admin(server: grpc.aio.Server, runtime: WorkerRuntime, enabled: bool) -> None:
+    """The Admin service (pdserve profile): the torch profiler on the engine thread, plus spans."""
+    from proto.pdserve.v1 import admin_pb2_grpc
+    from services.profiling.admin import AdminServicer, Profiler
+    from services.profiling.recording import EngineProfiler
+
+    async def record(seconds: float, with_stack: bool):
+        return await EngineProfiler(runtime.aengine).record(seconds, with_stack)
+
+    add_servicer(server, AdminServicer(Profiler(runtime.config.role, runtime.worker_id, enabled, record)),
+                 admin_pb2_grpc.add_AdminServicer_to_server)
 
 
 def add_worker_parser(sub, role: str, help: str, description: str, run) -> None:
@@ -288,6 +307,8 @@ def add_worker_args(p, role: str) -> None:
                         "memory speed: off only where that is measured to matter")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
+    p.add_argument("--enable-profiling", action="store_true",
+                   help="answer Admin.Profile (pdserve profile): record the torch profiler on demand")
     if role == "decode":
         p.add_argument("--transfer-timeout", type=float, default=60.0,
                        help="seconds a reservation waits for its KV before it is freed")
@@ -306,6 +327,7 @@ def configs_from_args(args, role: str) -> tuple[WorkerConfig, EngineConfig, Tran
         kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
         enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, long_prefill_chunk=args.long_prefill_chunk,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         speculative=speculative_from_args(args) if role == "decode" else None)
     advertise = advertised_host(args.host, args.advertise_host)
     worker = WorkerConfig(role=role, host=args.host, port=args.port, advertise_host=advertise, redis_url=args.redis_url,

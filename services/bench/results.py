@@ -5,7 +5,7 @@
 
     {"bench": name, "date": ISO-8601 UTC, "commit": git commit (+ "-dirty"),
      "machine": {cpu_model, cpu_flags (the SIMD ones that choose kernels), cpus, memory_gib,
-                 kernel, loadavg_1m at save time},
+                 cpu_kernel_level (kernels/cpu_isa.py), kernel, loadavg_1m at save time},
      "versions": {python, torch, transformers, ...},
      "argv": the command line, "result": what the bench printed with --json}
 
@@ -62,7 +62,18 @@ def _memory_gib() -> float | None:
 def machine() -> dict:
     model, flags = _cpuinfo()
     return {"cpu_model": model, "cpu_flags": flags, "cpus": os.cpu_count(), "memory_gib": _memory_gib(),
-            "kernel": platform.release(), "loadavg_1m": round(os.getloadavg()[0], 2)}
+            "cpu_kernel_level": _kernel_level(), "kernel": platform.release(),
+            "loadavg_1m": round(os.getloadavg()[0], 2)}
+
+
+def _kernel_level() -> str:
+    """The CPU kernel level this process (and the workers it starts) runs: kernels/cpu_isa.py."""
+    from kernels import cpu_isa
+
+    try:
+        return cpu_isa.selected()
+    except ValueError as exc:
+        return f"invalid: {exc}"
 
 
 def versions() -> dict:

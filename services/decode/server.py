@@ -26,7 +26,7 @@ from kvtransfer import PendingTransfer, Receiver
 from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import phases, telemetry
 from services.engine.sampling_params import SamplingParams
-from services.errors import InvalidRequestError
+from services.errors import InvalidRequestError, ReservationLostError
 from services.grpc_codec import abort_with, check_deadline, chunk_from_output, load_message, sampling_from_proto
 from services.decode.step_results import StepResultWriter
 from services.handoff import EngineBlockOwner, decode_after_transfer, reserve_for_transfer
@@ -138,8 +138,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 else:
                     res = self.reservations.pop(rid, None)
                     if res is None:
-                        raise InvalidRequestError(f"request {rid!r} has no reservation here (Reserve first)",
-                                                  param="request_id")
+                        # the router Decodes only what it reserved: the reservation was freed under it
+                        # (expired, aborted). The server's fault, not the request's: not a 400 but
+                        # ABORTED, which the router retries on another worker.
+                        raise ReservationLostError(f"request {rid!r} has no reservation here (expired or "
+                                                   "freed before its Decode came)")
                     async for msg in self._decode_reserved(rid, res, started):
                         yield msg
             except Exception as exc:
@@ -217,8 +220,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self._drop(rid, res.pending)
             return worker_pb2.AbortResponse(aborted=True)
         known = self.rt.engine is not None and rid in self.rt.engine.requests
-        if known:
-            self.receiver.cancel(rid, "aborted")  # a claimed transfer still in flight
+        # A claimed reservation whose KV is still coming: the receiver frees the blocks once no chunk
+        # can land in them (kvtransfer/ownership.py), and the Decode call ends with the transfer's error.
+        # Aborting the request here too would free them under a chunk being written.
+        if known and not self.receiver.cancel(rid, "aborted"):
             self.rt.aengine.abort(rid)
         return worker_pb2.AbortResponse(aborted=known)
 

@@ -27,10 +27,11 @@ from typing import AsyncIterator, Callable
 
 from services.engine.engine import Engine
 from services.engine.outputs import RequestOutput
+from services.engine.request import Status
 from services.engine.sampling_params import SamplingParams
 from services import phases
 from services.errors import InvalidRequestError
-from services.phases import ENGINE_LOOP_SECONDS, phase
+from services.phases import ENGINE_LOOP_SECONDS, phase, profiler_range
 
 _ids = itertools.count()
 log = logging.getLogger(__name__)
@@ -78,7 +79,8 @@ class AsyncEngine:
                     self._wake.clear()
             else:
                 try:
-                    outputs = self.engine.step()
+                    with profiler_range("engine.step"):  # what `pdserve profile` counts as a worker's activity
+                        outputs = self.engine.step()
                 except Exception as exc:  # a bug or device failure: fail the in-flight requests, keep serving
                     log.exception("engine step failed")
                     outputs = self._fail_all(f"engine step failed: {exc}")
@@ -112,8 +114,15 @@ class AsyncEngine:
             self._deliver(out.request_id, out)
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
+        """Fail the requests a step runs (waiting or running). A reservation (its KV transfer may be
+        writing into its blocks) and a prefilled request (a sender may be reading them) are left to
+        their owners, who release them once no transfer touches the blocks (kvtransfer/ownership.py):
+        freed here, the blocks would be handed out under the transfer, and the decode that follows
+        would find no reservation."""
         outputs = []
-        for request_id in list(self.engine.requests):
+        for request_id, req in list(self.engine.requests.items()):
+            if req.status in (Status.RESERVED, Status.PREFILLED):
+                continue
             self.engine.abort(request_id)
             outputs.append(RequestOutput(request_id, finished=True, finish_reason="error", error=message))
         self.engine.step_outputs_discard()

@@ -24,7 +24,7 @@ from kernels.ops import select_ops
 from services.config import EngineConfig
 from services.engine.block_pool import BlockPool, KVEvent
 from services.engine.cuda_graph import capture_decode_graphs
-from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache, dtype_from_name
 from services.engine.kv_manager import KVManager
 from services.engine.loader import load_model
 from services.engine.model_source import resolve_model
@@ -61,14 +61,17 @@ class Engine:
         self.eos_token_ids = tuple(mcfg.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ()
         )
-        self.kv_spec = KVCacheSpec(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, config.block_size, config.dtype)
+        kv_dtype = "int8" if config.kv_cache_dtype == "int8" else config.dtype
+        self.kv_spec = KVCacheSpec(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, config.block_size, kv_dtype)
         # prefix-cache namespace: blocks are only shared between identical models and layouts
-        self.namespace = f"{self.model_name}|{config.dtype}|bs{config.block_size}"
+        # (quantized weights compute other KV values than the model's own)
+        self.namespace = f"{self.model_name}|{config.dtype}|bs{config.block_size}" + "".join(
+            f"|{tag}" for tag in (config.quantization, "kv-int8" if kv_dtype == "int8" else None) if tag)
 
-        dtype = self.kv_spec.torch_dtype
+        dtype = dtype_from_name(config.dtype)
         max_len = min(mcfg.max_position_embeddings, config.max_model_len or mcfg.max_position_embeddings)
         self.model = load_model(self.source, select_ops(config.device, config.kernels), dtype, config.device,
-                                max_positions=max_len, seed=config.seed)
+                                max_positions=max_len, seed=config.seed, quantization=config.quantization)
         num_blocks = self.kv_spec.num_blocks_for_budget(self._kv_budget())
         self.kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, config.device)
         self.block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -88,6 +91,19 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # produced outside step() (abort, start_decode)
+
+    def describe(self) -> str:
+        """What runs, in a few words: dtype, device, quantization, KV dtype, CPU kernel level."""
+        from kernels import native
+
+        parts = [self.config.dtype, self.config.device]
+        if self.config.quantization:
+            parts.append(f"{self.config.quantization} weights")
+        if self.kv_spec.dtype == "int8":
+            parts.append("int8 KV")
+        if self.config.device == "cpu":
+            parts.append(f"CPU kernels {native.level() or 'off (torch)'}")
+        return ", ".join(parts)
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_bytes is not None:
@@ -316,6 +332,10 @@ class Engine:
     # ---- introspection --------------------------------------------------
     def take_kv_events(self) -> list[KVEvent]:
         return self.block_pool.take_events()
+
+    def cached_block_hashes(self) -> list[int]:
+        """Every block hash the prefix cache holds now (a KV-event resync after lost events)."""
+        return list(self.block_pool.cached)
 
     def stats(self) -> dict[str, float]:
         pool = self.block_pool

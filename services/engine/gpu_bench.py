@@ -272,7 +272,8 @@ def collect(args: argparse.Namespace, device: str) -> dict:
 
     The attention section needs CUDA; decode and mixed also run on CPU (a smoke
     test of this code, not a benchmark)."""
-    from services.engine.bench import hf_mixed, make_workload, pdserve_mixed
+    from services.engine.bench import make_workload, pdserve_mixed
+    from services.engine.bench_hf import hf_mixed
     from services.engine.engine import Engine
     from services.engine.hf_baseline import DeviceGenerate, hf_twin
 

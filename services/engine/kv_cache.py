@@ -16,6 +16,9 @@ through ``layer_view`` (a strided view, no copy); gathering a block's 6 KiB of
 K for one layer costs the same in either order.
 
 Block 0 is the null block: never allocated, used to pad block tables.
+
+An int8 cache (``--kv-cache-dtype int8``, kernels/kv_int8.py) has rows of ``head_dim + 4``
+int8: the quantized values, then their fp32 scale's bytes, so a block is still one run.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
+_INT8_SCALE_BYTES = 4  # the fp32 scale at the end of each int8 row (kernels/kv_int8.py)
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -49,7 +53,7 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # "float32" | "bfloat16" | "float16" | "int8" (rows of head_dim int8 + an fp32 scale)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -62,15 +66,20 @@ class KVCacheSpec:
         return dtype_from_name(self.dtype)
 
     @property
+    def row_elems(self) -> int:
+        """Elements of one (token, KV head) row: head_dim, + the scale's 4 bytes for int8."""
+        return self.head_dim + (_INT8_SCALE_BYTES if self.dtype == "int8" else 0)
+
+    @property
     def block_numel(self) -> int:
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.row_elems
 
     @property
     def block_bytes(self) -> int:
         return self.block_numel * self.torch_dtype.itemsize
 
     def shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.row_elems)
 
     def num_blocks_for_budget(self, budget_bytes: int) -> int:
         return max(0, budget_bytes // self.block_bytes)

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.decode_layers_cpu import DecodeLayers
+from kernels.gguf_linear import GGUFLinear
 from kernels.linear_cpu import PackedLinear
 from kernels.ops import Ops
 from services.engine.attention_metadata import AttentionMetadata
@@ -104,7 +106,10 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.logits_proj: PackedLinear | None = None  # set by pack_linears
+        self.logits_proj: PackedLinear | GGUFLinear | None = None  # set by pack_linears / gguf_weights
+        # tied embeddings whose output projection differs from the lookup table (the int8
+        # reference path: the dequantized table multiplies, the original one is looked up)
+        self.output_weight: torch.Tensor | None = None
         self.register_buffer(
             "cos_sin_cache",
             build_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling),
@@ -114,29 +119,52 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""
         x = self.embed_tokens(input_ids)
+        if not meta.has_prefill and x.device.type == "cpu":
+            fused = self._decode_layers(meta.kv_cache)
+            if fused is not None and (out := fused(x, positions, meta)) is not None:
+                return out
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, meta, self.ops, self.cos_sin_cache)
         x, _ = self.ops.rms_norm(x, self.norm.weight, self.norm.eps, residual)
         return x
 
+    def _decode_layers(self, kv_cache: torch.Tensor) -> DecodeLayers | None:
+        """The C driver of decode-only steps over this cache (kernels/decode_layers_cpu.py), built once."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape))
+        if getattr(self, "_fused_key", None) != key:
+            self._fused_key, self._fused = key, DecodeLayers.build(self, kv_cache)
+        return self._fused
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.logits_proj is not None:
             return self.logits_proj(hidden, out_dtype=torch.float32)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.output_weight is not None:
+            weight = self.output_weight
         return F.linear(hidden, weight).float()
 
-    def pack_linears(self) -> None:
-        """bf16 on CPU: every projection becomes a ``PackedLinear`` (kernels/linear_cpu.c, fp32
-        FMAs over bf16 weights; torch's bf16 matmul runs at half that rate on CPUs without AMX),
-        and the output projection is packed too, giving fp32 logits. The embedding table stays
-        as it is for lookups, so with tied embeddings the model holds it twice."""
-        for module in list(self.modules()):
+    def pack_linears(self, int8: dict | None = None) -> None:
+        """CPU: every projection becomes a ``PackedLinear`` (kernels/linear_cpu.c), and the output
+        projection is packed too, giving fp32 logits. bf16 weights (fp32 FMAs, or AMX tiles for
+        many rows), or with ``int8`` (name -> (int8 weight, scale), services/engine/quantize.py)
+        weight-only int8. The embedding table stays as it is for lookups, so with tied
+        embeddings the model holds it twice."""
+        from services.engine.quantize import OUTPUT
+
+        def packed(name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
+            if int8 is None:
+                return PackedLinear(weight, bias)
+            q, scale = int8[name]
+            return PackedLinear(q, bias, scale)
+
+        for prefix, module in list(self.named_modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(module, name, PackedLinear.from_linear(child))
+                    full = f"{prefix}.{name}" if prefix else name
+                    setattr(module, name, packed(full, child.weight, child.bias))
         if self.lm_head is None:
-            self.logits_proj = PackedLinear(self.embed_tokens.weight)
+            self.logits_proj = packed(OUTPUT, self.embed_tokens.weight, None)
         else:
             self.logits_proj = self.lm_head  # already packed above
 
@@ -144,10 +172,11 @@ class LlamaForCausalLM(nn.Module):
         """Our weights by our (fused) parameter names, packed projections unpacked."""
         tensors = {name: p.data for name, p in self.named_parameters()}
         for name, module in self.named_modules():
-            if isinstance(module, PackedLinear) and name != "logits_proj":  # logits_proj: a copy of the embedding
-                tensors[f"{name}.weight"] = module.unpacked_weight()
+            if isinstance(module, (PackedLinear, GGUFLinear)) and name != "logits_proj":  # logits_proj: the embedding
+                dtype = self.embed_tokens.weight.dtype  # int8 weights: dequantized to the model's dtype
+                tensors[f"{name}.weight"] = module.unpacked_weight(dtype)
                 if module.bias is not None:
-                    tensors[f"{name}.bias"] = module.bias.to(module.packed.dtype)
+                    tensors[f"{name}.bias"] = module.bias.to(dtype)
         return tensors
 
     # HF checkpoint name -> (our parameter name, (start, end) rows of the fused tensor or None)

@@ -53,6 +53,7 @@ class ModelSource:
     config: ModelConfig
     weights_dir: Path | None  # HF directory with config.json and *.safetensors; None for dummy
     tokenizer_dir: Path | None
+    gguf_file: Path | None = None  # the GGUF file weights_dir was converted from (--quantization gguf reads it)
 
 
 def cache_dir() -> Path:
@@ -208,4 +209,4 @@ def resolve_model(spec: str | None) -> ModelSource:
     card = model_card(spec)
     directory = convert_gguf(where) if where.is_file() else where
     return ModelSource(name=card.name, config=_hf_config(directory), weights_dir=directory,
-                       tokenizer_dir=card.tokenizer_dir)
+                       tokenizer_dir=card.tokenizer_dir, gguf_file=where if where.is_file() else None)

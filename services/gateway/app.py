@@ -4,6 +4,7 @@
     GET  /v1/requests/{id}/events                resume a request's SSE stream after Last-Event-ID
     POST /tokenize                               {"prompt"} or {"messages"} -> token ids
     GET  /metrics
+    POST /admin/profile?seconds=S                only with --enable-profiling (profile_route.py)
     models, health, version: info_routes.py; the Responses API: responses_api.py
 
 Request headers: ``Authorization: Bearer <key>``, ``Idempotency-Key``,
@@ -34,7 +35,8 @@ from services.gateway.responses_api import responses_router
 from services.gateway.responses_format import RESPONSE
 
 
-def create_app(core: GatewayCore) -> FastAPI:
+def create_app(core: GatewayCore, profiler=None) -> FastAPI:
+    """``profiler``: a services.profiling Profiler when profiling is enabled (adds POST /admin/profile)."""
     app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.core = core
     install_handlers(app)
@@ -43,6 +45,10 @@ def create_app(core: GatewayCore) -> FastAPI:
     app.add_middleware(HttpMetricsMiddleware)  # added last: outermost, counts the others' answers too
     app.include_router(info_router(core))
     app.include_router(responses_router(core, ResponseStore(core.redis, core.config.response_ttl_s)))
+    if profiler is not None:
+        from services.gateway.profile_route import profile_router
+
+        app.include_router(profile_router(core, profiler))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -47,6 +47,8 @@ class GatewayConfig:
     # priority tiers, highest first (the queue's); tenant of an unauthenticated gateway gets default_tier
     tiers: tuple[str, ...] = DEFAULT_TIERS
     default_tier: str = "standard"
+    # identical greedy or seeded requests in flight are computed once (coalescing.py); False: each on its own
+    coalesce: bool = True
     # answer 503 while no decode worker is ready (False: queue anyway, e.g. workers start later)
     require_ready_worker: bool = True
 

@@ -9,6 +9,7 @@ is refused)::
     queue under the limits? -> 429 + Retry-After          (cached depth)
     tenant's budgets        -> 429 + x-ratelimit-*        (takes them)
     record, claim the key   -> lost the race: attach to the winner
+    greedy or seeded twin?  -> follow the identical request in flight (coalescing.py)
     enqueue                 -> 429 if the queue filled meanwhile (atomic check)
 
 Redis is asked on the way only what must be current: the Idempotency-Key and
@@ -25,7 +26,9 @@ waiting request holds no Redis connection, and the client's Redis pool
 (``--redis-max-connections``) bounds what this process opens however many
 requests wait. ``detach`` runs when a client stops reading: when it left before
 the terminal event and no other client is attached ``disconnect_grace_s`` later
-(on any replica), the request is cancelled.
+(on any replica), the request is cancelled. A coalesced follower reads, counts
+and cancels its leader's generation (``record.stream_id``), so a generation
+shared by twins is cancelled only when every one of their clients has gone.
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from services.errors import DeadlineExceededError, InvalidRequestError, ModelNotFoundError, PdserveError
-from services.gateway import prompts
+from services.errors import (DeadlineExceededError, InvalidRequestError, ModelNotFoundError, PdserveError,
+                             ServiceUnavailableError)
+from services.gateway import metrics, prompts
 from services.gateway.api_keys import ApiKeys, Tenant
 from services.gateway.backpressure import QueueLoad
+from services.gateway.coalescing import Coalescer, Role
 from services.gateway.config import GatewayConfig
 from services.gateway.delivery import ResultDelivery, id_key
 from services.gateway.idempotency import IdempotencyKeys, validate_key
@@ -76,6 +81,7 @@ class Admission:
     tier: str
     attached: bool  # True: joined an earlier request with the same Idempotency-Key; nothing was queued
     rate: RateStatus | None = None
+    coalesced: bool = False  # True: follows an identical request in flight (record.source); nothing was queued
 
     @property
     def request_id(self) -> str:
@@ -94,6 +100,7 @@ class GatewayCore:
         self.workers = DecodeWorkers(redis, config.retry_after_s, config.workers_cache_s)
         self.limiter = RateLimiter(redis)
         self.idempotency = IdempotencyKeys(redis, config.idempotency_ttl_s)
+        self.coalescer = Coalescer(redis, config.coalesce)
         # a record outlives the longest request and its result stream, so every resume finds it
         self.records = RequestRecords(redis, max(config.record_ttl_s, math.ceil(config.max_timeout_s) + 600))
         self.reader = ResultReader(redis)
@@ -183,9 +190,12 @@ class GatewayCore:
         record = RequestRecord(self.delivery.new_request_id(), req.kind, model, int(time.time()), tenant.name, req.include_usage,
                                req.logprobs, deadline, len(token_ids))
         queued = QueuedRequest(record.request_id, tenant.name, tier, model, token_ids, req.sampling, deadline,
-                               traceparent)
+                               traceparent, session_key=req.session_key)
+        key = self.coalescer.key(tenant.name, tier, model, token_ids, req.sampling)
         if idempotency_key is None:
-            await self._save_and_enqueue(record, queued)
+            if key is not None and await self._coalesce(record, key):
+                return Admission(record, tier, attached=False, rate=rate, coalesced=True)
+            await self._lead(record, queued, save=True)
             return Admission(record, tier, attached=False, rate=rate)
         # with a key, the record must exist before the key names it, and the key be ours before we queue
         await self.records.save(record)
@@ -195,13 +205,42 @@ class GatewayCore:
             if earlier is not None:
                 return earlier
         try:
-            await self.queue.enqueue(queued)
+            if key is not None and await self._coalesce(record, key):
+                return Admission(record, tier, attached=False, rate=rate, coalesced=True)
+            await self._lead(record, queued, save=bool(record.coalesce))  # saved again: with its key
         except Exception as exc:  # let the client retry with the same key; tell anyone attached
             await self.idempotency.release(tenant.name, idempotency_key, record.request_id)
-            if isinstance(exc, PdserveError):
+            if isinstance(exc, PdserveError) and not record.coalesce:  # _lead told them already
                 await self.queue_error(record.request_id, exc)
             raise
         return Admission(record, tier, attached=False, rate=rate)
+
+    async def _coalesce(self, record: RequestRecord, key: str) -> bool:
+        """Follow an identical request in flight (True: ``record`` is saved as its follower), or lead (False:
+        ``record.coalesce`` is set, so the caller queues it holding the key) or stay alone (False)."""
+        role, leader = await self.coalescer.claim(key, record.request_id, record.deadline)
+        if role is Role.FOLLOW:
+            record.source, record.coalesce = leader, key
+            await self.records.save(record)
+            metrics.count_coalesced(record.kind)
+            return True
+        if role is Role.LEAD:
+            record.coalesce = key
+        return False
+
+    async def _lead(self, record: RequestRecord, queued: QueuedRequest, save: bool) -> None:
+        """Queue a request (and save its record, with ``save``); when it leads twins and cannot be queued,
+        they fail with its error (written to its result stream) and the key is let go."""
+        try:
+            await (self._save_and_enqueue(record, queued) if save else self.queue.enqueue(queued))
+        except Exception as exc:
+            if record.coalesce:
+                with contextlib.suppress(Exception):
+                    await self.coalescer.release(record.coalesce, record.request_id)
+                    error = exc if isinstance(exc, PdserveError) else ServiceUnavailableError(
+                        f"the request could not be queued: {type(exc).__name__}")
+                    await self.queue_error(record.request_id, error)
+            raise
 
     async def _save_and_enqueue(self, record: RequestRecord, queued: QueuedRequest) -> None:
         """The record and the queue entry in one round trip (side by side).
@@ -246,7 +285,7 @@ class GatewayCore:
 
     async def follow(self, record: RequestRecord, last_id: str = "0") -> AsyncIterator[tuple[str, str, Any]]:
         """``(entry_id, type, data)`` after ``last_id`` up to the terminal event, with heartbeats between."""
-        rid = record.request_id
+        rid = record.stream_id  # a coalesced follower reads its leader's results
         deadline = record.deadline or time.time() + self.config.default_timeout_s
         give_up = deadline + self.config.deadline_grace_s
         if last_id != "0":  # resuming after the terminal event: nothing is left
@@ -265,6 +304,8 @@ class GatewayCore:
                     exists, status = await self.delivery.quiet_check(sub)
                     events = await sub.next(0)
                 for entry_id, kind, data in events:
+                    if kind in TERMINAL and record.coalesce:  # done: later twins are computed afresh
+                        self.spawn(self._release_key(record))
                     yield entry_id, kind, data
                     if kind in TERMINAL:
                         return
@@ -287,30 +328,44 @@ class GatewayCore:
 
     # -- clients coming and going ---------------------------------------------------------------
 
-    async def attach(self, request_id: str) -> None:
-        await self.records.add_reader(request_id, 1)
+    async def attach(self, record: RequestRecord) -> None:
+        """Count a client reading the request (on the record of the generation it shares, for a follower)."""
+        if not record.source:
+            await self.records.add_reader(record.request_id, 1)
+        elif not await self.records.join(record.source):
+            raise ServiceUnavailableError(f"the identical request {record.source} that this one shares was "
+                                          "cancelled (all its clients left) as this one joined; send it again")
 
-    def detach(self, request_id: str, counted: bool, finished: bool) -> None:
+    def detach(self, record: RequestRecord, counted: bool, finished: bool) -> None:
         """A client stopped reading (done, or gone: then maybe cancel). Safe to call from a cancelled task."""
-        self.spawn(self._detach(request_id, counted, finished))
+        self.spawn(self._detach(record, counted, finished))
 
-    async def _detach(self, request_id: str, counted: bool, finished: bool) -> None:
+    async def _detach(self, record: RequestRecord, counted: bool, finished: bool) -> None:
+        generation = record.stream_id
         try:
             if counted:
-                await self.records.add_reader(request_id, -1)
+                await self.records.add_reader(generation, -1)
             if finished:
                 return
             if self.config.disconnect_grace_s:
                 await asyncio.sleep(self.config.disconnect_grace_s)  # time to resume before we give up on it
-            if await self.records.readers(request_id) > 0:
-                return
-            last = await self.reader.last_event(request_id)
+            last = await self.reader.last_event(generation)
             if last is not None and last[1] in TERMINAL:
                 return
-            log.info("request %s: its client left; cancelling", request_id)
-            await request_cancel(self.redis, request_id)
+            if not await self.records.mark_cancelled(generation):  # someone reads it: a twin, or a resume
+                return
+            if record.coalesce:
+                await self.coalescer.release(record.coalesce, generation)
+            log.info("request %s: its clients left; cancelling", generation)
+            await request_cancel(self.redis, generation)
         except Exception as exc:
-            log.warning("request %s: detaching failed: %s", request_id, exc)
+            log.warning("request %s: detaching failed: %s", record.request_id, exc)
+
+    async def _release_key(self, record: RequestRecord) -> None:
+        try:
+            await self.coalescer.release(record.coalesce, record.stream_id)
+        except Exception as exc:  # its TTL ends it anyway
+            log.warning("request %s: releasing its coalescing key failed: %s", record.request_id, exc)
 
     def spawn(self, coro) -> asyncio.Task:
         """Run ``coro`` on its own (outlives a cancelled request task); kept referenced until done."""

@@ -32,6 +32,7 @@ from services.gateway.request_record import CHAT, COMPLETION
 from services.grpc_codec import abort_with, append_chunk, sampling_from_proto
 from services.grpc_decode import add_servicer
 from services.queue.results import CHUNK, ERROR, FINAL
+from services.session_key import HEADER, session_key_of
 
 _STATUS_BY_HTTP = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
                    403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
@@ -109,6 +110,7 @@ class GatewayGenerationServicer(generate_pb2_grpc.GenerationServicer):
                 md = _metadata(context)
                 tenant = core.authenticate(md.get("authorization"))
                 req = self._generation_request(request)
+                req.session_key = session_key_of(request.session_key, md.get(HEADER), "session_key")
                 tier = self._tier(tenant, md, request.priority)
                 remaining = context.time_remaining()
                 deadline = time.time() + remaining if remaining else core.resolve_deadline(md.get("x-pdserve-timeout"))
@@ -119,7 +121,7 @@ class GatewayGenerationServicer(generate_pb2_grpc.GenerationServicer):
                 admitted = time.perf_counter()
                 first_at = None
                 reply_id = request.request_id or rid
-                await core.attach(rid)
+                await core.attach(admission.record)
                 counted = True
                 stream = not request.HasField("stream") or request.stream
                 merged = common_pb2.TokenChunk()
@@ -160,7 +162,7 @@ class GatewayGenerationServicer(generate_pb2_grpc.GenerationServicer):
             finally:
                 metrics.count("grpc", outcome)
                 if rid is not None:
-                    core.detach(rid, bool(counted), finished)
+                    core.detach(admission.record, bool(counted), finished)
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context):
         try:

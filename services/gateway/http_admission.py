@@ -19,6 +19,7 @@ from services.gateway import metrics, protocol, sse
 from services.gateway.api_keys import Tenant
 from services.gateway.core import Admission, GatewayCore
 from services.gateway.protocol import GenerationRequest
+from services.session_key import HEADER, session_key_of
 
 # body, tenant -> the request (async: the Responses API reads the previous response first)
 Parser = Callable[[dict, Tenant], Awaitable[GenerationRequest]]
@@ -43,6 +44,7 @@ async def admit(core: GatewayCore, request: Request, api: str, parse: Parser) ->
         tenant = core.authenticate(headers.get("authorization"))
         body = protocol.parse_json_body(await request.body())
         req = await parse(body, tenant)
+        req.session_key = session_key_of(req.session_key, headers.get(HEADER))
         tier = core.resolve_tier(tenant, headers.get("x-pdserve-priority"))
         deadline = core.resolve_deadline(headers.get("x-pdserve-timeout"))
         last_id = sse.resume_id(headers.get("last-event-id"))

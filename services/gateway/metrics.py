@@ -3,7 +3,9 @@
 ``pdserve_gateway_requests_total{api, outcome}`` tells the refusals apart
 (unauthorized, rate_limited, overloaded, unavailable); the shared
 ``pdserve_requests_total{role="gateway"}`` gets the coarse outcome every role
-reports. Queue depth per tier (``pdserve_queue_depth``) is set where the depth
+reports. ``pdserve_gateway_coalesced_requests_total{kind}`` counts the requests
+that followed an identical one in flight instead of being queued (coalescing.py).
+Queue depth per tier (``pdserve_queue_depth``) is set where the depth
 is read (backpressure.py).
 """
 
@@ -24,6 +26,9 @@ _COARSE = {"ok": "ok", "aborted": "aborted", "error": "error", "invalid": "inval
 
 GATEWAY_REQUESTS = Counter("pdserve_gateway_requests_total", "Gateway generation requests by API and outcome.",
                            ["api", "outcome"])
+COALESCED_REQUESTS = Counter("pdserve_gateway_coalesced_requests_total",
+                            "Requests served by following an identical request in flight (not computed again), "
+                            "by kind (chat|completion|response).", ["kind"])
 
 
 def outcome_of(exc: BaseException) -> str:
@@ -46,6 +51,10 @@ def outcome_of(exc: BaseException) -> str:
 def count(api: str, outcome: str) -> None:
     GATEWAY_REQUESTS.labels(api, outcome).inc()
     telemetry.REQUESTS.labels("gateway", _COARSE[outcome]).inc()
+
+
+def count_coalesced(kind: str) -> None:
+    COALESCED_REQUESTS.labels(kind).inc()
 
 
 def observe_ttft(seconds: float) -> None:

@@ -11,7 +11,8 @@ Supported: chat ``messages`` (string content or ``text`` parts), completion
 ``prompt`` (a string or token ids, one prompt), ``max_tokens`` /
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
 ``presence_penalty``, ``frequency_penalty``, ``n`` (1), ``stream``,
-``stream_options.include_usage``, ``logprobs`` / ``top_logprobs``, ``user``; and
+``stream_options.include_usage``, ``logprobs`` / ``top_logprobs``, ``user``,
+``prompt_cache_key`` (session affinity; completions too, as an extension); and
 vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``. Every other field of OpenAI's
 API is listed in spec_fields.py: features pdserve does not have (tools,
@@ -30,6 +31,7 @@ from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError
 from services.gateway.request_record import CHAT, COMPLETION
 from services.gateway.spec_fields import CHAT_FIELDS, COMPLETION_FIELDS, refuse_unsupported
+from services.session_key import validate_session_key
 
 _INT64 = (-(2 ** 63), 2 ** 63 - 1)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -48,6 +50,7 @@ class GenerationRequest:
     prompt: str | list[int] | None = None  # completion
     user: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    session_key: str = ""  # prompt_cache_key ("" for none; X-Session-ID fills it in at admission)
 
     @property
     def max_tokens(self) -> int | None:
@@ -153,7 +156,8 @@ def _common(body: dict, kind: str) -> tuple[dict, dict]:
             raise InvalidRequestError("stream_options.include_obfuscation: pdserve never pads its chunks",
                                       param="stream_options.include_obfuscation")
     settings = {"model": get_typed(body, "model", (str,)), "stream": stream, "include_usage": include_usage,
-                "user": get_typed(body, "user", (str,))}
+                "user": get_typed(body, "user", (str,)),
+                "session_key": validate_session_key(body.get("prompt_cache_key"), "prompt_cache_key")}
     return sampling, settings
 
 

@@ -5,7 +5,9 @@ finds the request id, through an Idempotency-Key or the events endpoint, finds
 its record) and expires after ``ttl_s``. ``readers`` counts the clients attached
 to the request's result stream right now, on every gateway replica: a request is
 cancelled only when its last reader left and nobody re-attached within the grace
-period (core.py).
+period (core.py). A coalesced follower (coalescing.py) has a record of its own
+that names the leader as its ``source``; its readers are counted on the
+leader's record, beside the leader's own, since they share one generation.
 """
 
 from __future__ import annotations
@@ -32,12 +34,20 @@ class RequestRecord:
     logprobs: int | None = None  # top-n alternatives per token; None: no logprobs
     deadline: float = 0.0  # unix seconds; 0 = none
     prompt_tokens: int = 0
+    source: str = ""  # a coalesced follower: the leader whose generation and result stream it shares
+    coalesce: str = ""  # the coalescing key its generation holds (coalescing.py); "" when not coalescible
+
+    @property
+    def stream_id(self) -> str:
+        """The request id whose result stream, reader count and cancellation this request's are."""
+        return self.source or self.request_id
 
     def to_fields(self) -> dict[str, str]:
         return {"kind": self.kind, "model": self.model, "created": str(self.created), "tenant": self.tenant,
                 "include_usage": "1" if self.include_usage else "0",
                 "logprobs": "" if self.logprobs is None else str(self.logprobs),
-                "deadline": repr(self.deadline), "prompt_tokens": str(self.prompt_tokens)}
+                "deadline": repr(self.deadline), "prompt_tokens": str(self.prompt_tokens),
+                "source": self.source, "coalesce": self.coalesce}
 
     @classmethod
     def from_fields(cls, request_id: str, raw: dict) -> RequestRecord | None:
@@ -46,15 +56,34 @@ class RequestRecord:
         try:
             return cls(request_id, f["kind"], f["model"], int(f["created"]), f["tenant"],
                        f.get("include_usage") == "1", int(f["logprobs"]) if f.get("logprobs") else None,
-                       float(f.get("deadline", "0")), int(f.get("prompt_tokens", "0")))
+                       float(f.get("deadline", "0")), int(f.get("prompt_tokens", "0")), f.get("source", ""),
+                       f.get("coalesce", ""))
         except (KeyError, ValueError):
             return None
+
+
+# a follower joins a generation only if it is not being cancelled: -1, else the readers now
+_JOIN = """
+if redis.call('HGET', KEYS[1], 'cancelled') then return -1 end
+local readers = redis.call('HINCRBY', KEYS[1], 'readers', 1)
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return readers
+"""
+# the generation may be cancelled only if nobody reads it; marked so that no follower joins it after
+_MARK_CANCELLED = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 1 end
+if (tonumber(redis.call('HGET', KEYS[1], 'readers')) or 0) > 0 then return 0 end
+redis.call('HSET', KEYS[1], 'cancelled', '1')
+return 1
+"""
 
 
 class RequestRecords:
     def __init__(self, redis, ttl_s: int):
         self.redis = redis
         self.ttl_s = ttl_s
+        self._join = redis.register_script(_JOIN)
+        self._mark_cancelled = redis.register_script(_MARK_CANCELLED)
 
     async def save(self, record: RequestRecord) -> None:
         key = record_key(record.request_id)
@@ -75,6 +104,10 @@ class RequestRecords:
             readers, _ = await pipe.execute()
         return int(readers)
 
-    async def readers(self, request_id: str) -> int:
-        value = await self.redis.hget(record_key(request_id), "readers")
-        return int(value) if value is not None else 0
+    async def join(self, request_id: str) -> bool:
+        """Count a follower reading ``request_id``'s generation; False when that generation is being cancelled."""
+        return int(await self._join(keys=[record_key(request_id)], args=[self.ttl_s])) >= 0
+
+    async def mark_cancelled(self, request_id: str) -> bool:
+        """True, and nobody can join it any more, when nobody reads the request; False when someone does."""
+        return bool(await self._mark_cancelled(keys=[record_key(request_id)]))

@@ -84,7 +84,7 @@ async def sse_events(core: GatewayCore, record: RequestRecord, resume: sse.Resum
         return out
 
     try:
-        await core.attach(rid)
+        await core.attach(record)
         counted = True
         if prepare is not None:
             await prepare()
@@ -136,7 +136,7 @@ async def sse_events(core: GatewayCore, record: RequestRecord, resume: sse.Resum
             yield sse.done(position)
     finally:
         metrics.count(api, outcome)
-        core.detach(rid, counted, finished)
+        core.detach(record, counted, finished)
 
 
 def stream_response(core: GatewayCore, record: RequestRecord, last_id: str, include_usage: bool, api: str,
@@ -148,7 +148,7 @@ def stream_response(core: GatewayCore, record: RequestRecord, last_id: str, incl
     if record.kind == COMPLETION and record.logprobs is not None and resume.after != sse.START:
 
         async def count_offset() -> None:  # text_offset counts the output sent before the resume point
-            fmt.logprobs.text_offset = await core.text_before(record.request_id, resume.after)
+            fmt.logprobs.text_offset = await core.text_before(record.stream_id, resume.after)
 
         prepare = count_offset
 
@@ -199,8 +199,7 @@ async def json_response(core: GatewayCore, request: Request, record: RequestReco
                         headers: dict[str, str], started: float, aggregate: Aggregate | None = None,
                         admitted: float | None = None) -> Response:
     """Wait for the whole result; a client that leaves meanwhile is detached (and so cancelled)."""
-    rid = record.request_id
-    await core.attach(rid)
+    await core.attach(record)
     work = asyncio.ensure_future(_collect(core, record, started, aggregate or ResponseAggregate(record), admitted))
     gone = asyncio.ensure_future(_wait_disconnect(request))
     finished = False
@@ -224,4 +223,4 @@ async def json_response(core: GatewayCore, request: Request, record: RequestReco
     finally:
         for task in (work, gone):
             task.cancel()
-        core.detach(rid, True, finished)
+        core.detach(record, True, finished)

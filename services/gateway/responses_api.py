@@ -32,6 +32,7 @@ from services.gateway.response_store import ResponseStore
 from services.gateway.responses import json_response, sse_events, sse_stream
 from services.gateway.responses_format import RESPONSE, ResponseAggregate, ResponseContext, ResponseEvents
 from services.gateway.spec_fields import RESPONSE_FIELDS, refuse_unsupported
+from services.session_key import validate_session_key
 
 API = "responses"
 _INPUT_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -95,6 +96,7 @@ class ResponsesRequest:
         self.store = get_typed(body, "store", (bool,), True)
         self.metadata = self._metadata(get_typed(body, "metadata", (dict,), {}))
         self.user = get_typed(body, "user", (str,))
+        self.session_key = validate_session_key(body.get("prompt_cache_key"), "prompt_cache_key")
         fmt = (get_typed(body, "text", (dict,), {}) or {}).get("format")
         if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
             raise InvalidRequestError("only text.format type 'text' is supported", param="text.format")
@@ -122,7 +124,7 @@ class ResponsesRequest:
     def generation(self, earlier: list[dict]) -> GenerationRequest:
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         return GenerationRequest(RESPONSE, self.model, dict(self.sampling), stream=self.stream,
-                                 messages=system + earlier + self.input, user=self.user)
+                                 messages=system + earlier + self.input, user=self.user, session_key=self.session_key)
 
 
 def responses_router(core: GatewayCore, store: ResponseStore) -> APIRouter:

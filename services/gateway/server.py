@@ -28,7 +28,7 @@ def build_config(args) -> GatewayConfig:
                          default_timeout_s=args.default_timeout, max_timeout_s=args.max_timeout,
                          disconnect_grace_s=args.disconnect_grace, sse_heartbeat_s=args.sse_heartbeat,
                          max_model_len=args.max_model_len, require_ready_worker=not args.allow_no_worker,
-                         response_ttl_s=args.response_ttl,
+                         response_ttl_s=args.response_ttl, coalesce=not args.no_coalesce,
                          redis_max_connections=args.redis_max_connections,
                          redis_pool_timeout_s=args.redis_pool_timeout)
 
@@ -50,7 +50,8 @@ async def serve(args) -> None:
     redis = await connect_redis(args.redis_url, max_connections=config.redis_max_connections,
                                 pool_timeout_s=config.redis_pool_timeout_s, name="pdserve-gateway")
     core = GatewayCore(redis, config, model, keys)
-    server = uvicorn.Server(uvicorn.Config(create_app(core), host=args.host, port=args.port, lifespan="off",
+    profiler, admin_server, advert = await _start_admin(redis, args) if args.enable_profiling else (None,) * 3
+    server = uvicorn.Server(uvicorn.Config(create_app(core, profiler), host=args.host, port=args.port, lifespan="off",
                                            log_level="warning", access_log=False, backlog=args.backlog,
                                            timeout_graceful_shutdown=args.drain_timeout))
     # uvicorn restores the previous handlers and re-raises the signal after its shutdown: make that
@@ -75,10 +76,27 @@ async def serve(args) -> None:
               f"auth {'on' if keys.enabled else 'off'})", flush=True)
         await http
     finally:
+        if advert is not None:
+            await advert.stop()
+            await admin_server.stop(grace=None)
         if grpc_server is not None:
             await grpc_server.stop(grace=args.drain_timeout)
         await core.close()
         await redis.aclose()
+
+
+async def _start_admin(redis, args):
+    """Profiling on: the Admin service on its own free port (the public gRPC port may be off), advertised
+    in Redis so a router's fan-out finds this gateway."""
+    from services.advertise import advertised_host, host_port
+    from services.profiling.admin import front_profiler, serve_admin
+    from services.profiling.peers import AdminAdvert, Peer
+
+    profiler = front_profiler("gateway", redis, True)
+    admin_server, port = await serve_admin(profiler, args.host)
+    advert = AdminAdvert(redis, Peer("gateway", profiler.process_id, host_port(advertised_host(args.host), port)))
+    await advert.start()
+    return profiler, admin_server, advert
 
 
 def run(args) -> int:
@@ -124,7 +142,13 @@ def add_parser(sub) -> None:
     p.add_argument("--response-ttl", type=int, default=d.response_ttl_s,
                    help="seconds a Responses API response (store: true) is kept for GET /v1/responses/{id} "
                         "and previous_response_id")
+    p.add_argument("--no-coalesce", action="store_true",
+                   help="compute every request on its own; by default identical requests in flight (same tenant, "
+                        "tier, model, prompt tokens and sampling parameters, greedy or with a seed) are computed "
+                        "once and each gets the same output under its own id (PDSERVE_NO_COALESCE=1)")
     p.add_argument("--allow-no-worker", action="store_true",
                    help="queue requests even while no decode worker is ready (default: 503)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open streams get on shutdown")
+    p.add_argument("--enable-profiling", action="store_true",
+                   help="serve POST /admin/profile and Admin.Profile (pdserve profile) on a free gRPC port")
     p.set_defaults(func=run)

@@ -6,7 +6,7 @@ lacks). Three kinds:
 
     honoured       pdserve does what OpenAI documents (protocol.py / responses_api.py parse it)
     informational  accepted; by OpenAI's own description it does not change the output
-                   (``user``, ``safety_identifier``, ``prompt_cache_key``...)
+                   (``user``, ``safety_identifier``...)
     refused        a 400 naming the field, unless it is absent, null, empty, or one of the
                    listed values (OpenAI's default, or "off"): clients that send the default
                    keep working, and nobody gets a silently ignored feature
@@ -32,6 +32,10 @@ _INT = {"type": "integer"}
 _NUM = {"type": "number"}
 _STOP = {"anyOf": [_STR, {"type": "array", "items": _STR, "maxItems": 16}]}
 _META = {"type": "object", "additionalProperties": {"type": "string", "maxLength": 512}, "maxProperties": 16}
+_SESSION = {"type": "string", "maxLength": 256}
+_SESSION_NOTE = ("session affinity: requests with the same key go to the same decode worker while it is healthy and "
+                 "not overloaded, unless another worker holds more of the prompt (header X-Session-ID: the same; "
+                 "up to 256 bytes)")
 
 
 @dataclass(frozen=True)
@@ -89,8 +93,7 @@ CHAT_FIELDS: dict[str, SpecField] = {
     "response_format": _h("type text only; json_object and json_schema are a 400",
                           {"type": "object", "properties": {"type": {"enum": ["text"]}}}),
     "safety_identifier": _i("an end-user id for abuse detection; changes nothing", _STR),
-    "prompt_cache_key": _i("pdserve caches every prompt's prefix blocks by their content, with or "
-                           "without a key", _STR),
+    "prompt_cache_key": _h(_SESSION_NOTE, _SESSION),
     "metadata": _i("tags for stored completions; pdserve stores none (store true is a 400)", _META),
     "parallel_tool_calls": _i("there are no tools to call", _BOOL),
     "store": _r("stored chat completions are not implemented", False),
@@ -141,7 +144,7 @@ RESPONSE_FIELDS: dict[str, SpecField] = {
                          {"type": "object", "properties": {"include_obfuscation": _BOOL}}),
     "user": _i("an end-user id; changes nothing", _STR),
     "safety_identifier": _i("an end-user id for abuse detection; changes nothing", _STR),
-    "prompt_cache_key": _i("pdserve caches every prompt's prefix blocks by their content", _STR),
+    "prompt_cache_key": _h(_SESSION_NOTE, _SESSION),
     "parallel_tool_calls": _i("there are no tools to call", _BOOL),
     "max_tool_calls": _i("there are no tools to call", _INT),
     "background": _r("background responses are not implemented", False),

@@ -8,9 +8,14 @@ Dead letters are never trimmed; an operator inspects them and re-drives them
 
 Re-driving queues the request again as new: a fresh state key (delivery history
 reset), enqueued now, with its original time budget (deadline minus enqueue
-time) counted from now, and its old result stream (ending in the error event)
-deleted so a reader sees the new run from the start. It goes through admission
-like any request, and the dead letter is deleted in the same atomic step.
+time) counted from now. It goes through admission like any request, and the
+dead letter is deleted in the same atomic step. Only once it is queued are the
+old run's events (ending in the error event) deleted from its result stream, so
+a reader sees the new run from the start, and a re-drive that admission refuses
+(queue full, queued again) leaves the client's error event where it was. The
+result stream lives in another Cluster slot than the queue, so this is a second
+step: it deletes the entries up to the last one the old run wrote, never what
+the new run (a router may start it at once) wrote since.
 """
 
 from __future__ import annotations
@@ -27,6 +32,17 @@ from services.queue.keys import DEAD_STREAM, result_stream
 from services.queue.message import QueuedRequest, text, text_fields
 
 _ENTRY_ID = re.compile(r"\d{1,20}-\d{1,20}")
+
+# KEYS: the request's result stream. ARGV: the last entry id the old run wrote.
+# Nothing written since: the whole stream goes; else only the old run's entries.
+_FORGET_OLD_RUN = """
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #last == 0 then return 0 end
+if last[1][1] == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+local old = redis.call('XRANGE', KEYS[1], '-', ARGV[1])
+for _, entry in ipairs(old) do redis.call('XDEL', KEYS[1], entry[1]) end
+return #old
+"""
 
 
 @dataclass
@@ -75,6 +91,7 @@ class DeadLetters:
     def __init__(self, redis, config: QueueConfig | None = None):
         self.redis = redis
         self.admission = AdmissionQueue(redis, config)
+        self._forget_old_run = redis.register_script(_FORGET_OLD_RUN)
 
     async def count(self) -> int:
         return int(await self.redis.xlen(DEAD_STREAM))
@@ -104,8 +121,12 @@ class DeadLetters:
         now = time.time()
         budget = original.deadline - original.enqueued_at if original.deadline else 0.0
         fresh = replace(original, enqueued_at=now, deadline=now + max(budget, 0.0) if original.deadline else 0.0)
-        await self.redis.delete(result_stream(fresh.request_id))
-        return (await self.admission.admit(fresh, redrive_dead_id=dead_id)).entry_id
+        stream = result_stream(fresh.request_id)
+        old_run = await self.redis.xrevrange(stream, "+", "-", count=1)
+        entry_id = (await self.admission.admit(fresh, redrive_dead_id=dead_id)).entry_id
+        if old_run:
+            await self._forget_old_run(keys=[stream], args=[text(old_run[0][0])])
+        return entry_id
 
     async def redrive_all(self) -> list[tuple[str, str]]:
         """Re-drive every dead letter, oldest first; ``(dead id, new entry id)`` per request.

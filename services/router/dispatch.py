@@ -22,7 +22,8 @@ A failed attempt is retried on other workers, up to ``max_attempts``:
 Bad input (INVALID_ARGUMENT) is never retried. Each attempt has its own worker
 request id (``<id>.<attempt>``), so a failed attempt still being torn down on a
 worker never collides with its retry. A caller that goes away cancels the
-calls, which aborts the work and frees its blocks on both workers.
+calls, which aborts the work and frees its blocks on both workers; an attempt that
+ends without its Finish also Aborts its reservation, which no Decode call may claim.
 """
 
 from __future__ import annotations
@@ -145,14 +146,15 @@ class Dispatcher:
 
     async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0,
                        deadline: float = 0.0, results_to: str = "", emitted: list[int] | None = None,
-                       read_emitted: Callable[[], Awaitable[list[int]]] | None = None,
+                       read_emitted: Callable[[], Awaitable[list[int]]] | None = None, session_key: str = "",
                        ) -> AsyncIterator[common_pb2.TokenChunk | common_pb2.Finish]:
         """Stream the request's token chunks, then its Finish; raises a PdserveError on failure.
 
         ``results_to``: the decode workers write the chunks to that Redis result stream and
         only the Finish comes back here; ``read_emitted`` then tells, before a retry, which
         tokens the stream already holds (``emitted``: those it held before the first attempt,
-        when a request is redelivered after a router died).
+        when a request is redelivered after a router died). ``session_key``: the client's
+        affinity key ("" for none), a routing hint (policy.py).
         """
         started = time.perf_counter()
         emitted = list(emitted or [])
@@ -183,7 +185,8 @@ class Dispatcher:
                     remaining = dataclasses.replace(params, max_tokens=params.max_tokens - len(emitted))
                 try:
                     async for item in self._attempt(f"{request_id}.{attempt}", token_ids + emitted, remaining,
-                                                    priority, deadline, avoid_prefill, avoid_decode, results_to):
+                                                    priority, deadline, avoid_prefill, avoid_decode, results_to,
+                                                    session_key):
                         if isinstance(item, _Served):
                             served = dataclasses.replace(item, cached_tokens=max(item.cached_tokens,
                                                                                   served.cached_tokens))
@@ -237,7 +240,7 @@ class Dispatcher:
             telemetry.REQUESTS.labels(role="router", outcome=outcome).inc()
 
     async def _attempt(self, wrid: str, prompt: list[int], params: SamplingParams, priority: int, deadline: float,
-                       avoid_prefill: set[str], avoid_decode: set[str], results_to: str = ""):
+                       avoid_prefill: set[str], avoid_decode: set[str], results_to: str = "", session_key: str = ""):
         decode_workers = self.pool.decode_workers()
         if not decode_workers:
             raise _AttemptFailed(NoWorkerError("no decode worker is ready"), None, wait=True)
@@ -252,7 +255,8 @@ class Dispatcher:
                            if w.namespace == namespace and w.worker_id not in avoid_prefill]
         try:
             placement = place(self.policy, self.policy_config, self.config.disaggregation, self.pool, self.index,
-                              decode_workers, prefill_workers, hashes, len(prompt), block_size, avoid_decode)
+                              decode_workers, prefill_workers, hashes, len(prompt), block_size, avoid_decode,
+                              session_key)
         except PdserveError as exc:
             blocks_needed = -(-len(prompt) // block_size)
             fits_somewhere = blocks_needed <= max(w.kv_blocks_total for w in decode_workers)
@@ -284,6 +288,11 @@ class Dispatcher:
         token = begin_prefill(self.pool, self.index, choice, hashes, len(prompt), block_size)
         prefill_task: asyncio.Task | None = None
         call = None
+        # From the Reserve call on, the decode worker may hold blocks for this attempt. Unless the attempt
+        # reaches its Finish, Abort them (idempotent there): a Decode call that never reached the worker
+        # (cancelled between Reserve and Decode, or before Reserve answered) leaves nobody to claim them,
+        # and the worker's own expiry comes only after the transfer timeout plus a grace.
+        may_hold = finished = False
         try:
             # The prefill starts computing now; the descriptor follows once the decode worker
             # has reserved its blocks, so the Reserve round trip is not on the way to the first token.
@@ -292,14 +301,15 @@ class Dispatcher:
             descriptor: asyncio.Future = asyncio.get_running_loop().create_future()
             prefill_task = asyncio.create_task(self._prefill(prefill_call, request, descriptor, prefill))
             prefill_task.add_done_callback(lambda t: self.pool.end_prefill(token))
+            may_hold = True
             try:
                 reserved = await decode_stub.Reserve(worker_pb2.ReserveRequest(
                     request=request, transfer_timeout_s=self.config.transfer_timeout_s), metadata=metadata)
             except grpc.aio.AioRpcError as exc:
+                may_hold = False  # the worker answered: it reserved nothing
                 raise self._failure(exc, decode) from None
             failed = _prefill_failure(prefill_task)
             if failed is not None:  # before it even needed the descriptor: nobody will claim the blocks
-                self._abort_quietly(decode_stub, wrid, metadata)
                 raise self._failure(failed.rpc_error, failed.worker)
             descriptor.set_result(reserved.descriptor)
             call = decode_stub.Decode(worker_pb2.DecodeRequest(request=worker_pb2.WorkerRequest(request_id=wrid)),
@@ -310,6 +320,7 @@ class Dispatcher:
                 lambda t: t.cancelled() or t.exception() is None or call.cancel())
             async for item in self._relay(call, decode, prefill_task):
                 if isinstance(item, common_pb2.Finish):
+                    finished = True
                     result = None
                     with contextlib.suppress(Exception):  # its reply trails the KV by a moment
                         result = await asyncio.wait_for(asyncio.shield(prefill_task), 5.0)
@@ -322,6 +333,8 @@ class Dispatcher:
                 prefill_task.cancel()
             if call is not None and not call.done():
                 call.cancel()
+            if may_hold and not finished:
+                self._abort_quietly(decode_stub, wrid, metadata)
 
     def _count(self, worker: WorkerInfo, reason: str) -> None:
         telemetry.ROUTING_DECISIONS.labels(policy=self.policy_config.policy, role=worker.role,

@@ -32,14 +32,17 @@ class Placement:
 
 def place(policy: RoutingPolicy, policy_config: RouterPolicyConfig, disaggregation: str, pool: WorkerPool,
           index: PrefixIndex, decode_workers: Sequence[WorkerInfo], prefill_workers: Sequence[WorkerInfo],
-          hashes: Sequence[int], num_tokens: int, block_size: int, avoid_decode: Iterable[str] = ()) -> Placement:
+          hashes: Sequence[int], num_tokens: int, block_size: int, avoid_decode: Iterable[str] = (),
+          session_key: str = "") -> Placement:
     """Choose the workers for a prompt of ``num_tokens`` tokens whose full blocks hash to ``hashes``.
 
-    ``disaggregation``: auto (conditional) | always | never. Raises what ``choose_decode``
-    raises (NoWorkerError, CapacityError) when no decode worker can take the prompt.
+    ``disaggregation``: auto (conditional) | always | never. ``session_key``: the request's
+    affinity key ("" for none), for the decode choice (see policy.py). Raises what ``choose_decode`` raises
+    (NoWorkerError, CapacityError) when no decode worker can take the prompt.
     """
     blocks_needed = -(-num_tokens // block_size)
-    decode = policy.choose_decode(decode_workers, blocks_needed, pool, exclude=avoid_decode)
+    decode = policy.choose_decode(decode_workers, blocks_needed, pool, exclude=avoid_decode,
+                                  session_key=session_key, block_hashes=hashes, index=index)
     if not prefill_workers or disaggregation == "never":
         return Placement(decode, None)
     prefill = policy.choose_prefill(prefill_workers, hashes, block_size, pool, index)

@@ -11,7 +11,8 @@ are only useful to a worker as a *leading* run: a hit on block k without blocks
 0..k-1 cannot be served from cache, so overlap stops at the first miss.
 
 The index is advisory. It lags the workers by the stream's latency and may
-under- or over-count after trims or lost events; a wrong guess costs a cache
+under- or over-count after trims (events a worker failed to publish are
+resynced: kv_events.Publisher); a wrong guess costs a cache
 hit or a slightly worse placement, never a wrong answer (a worker verifies
 every hit against its stored tokens).
 """

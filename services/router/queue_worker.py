@@ -163,7 +163,7 @@ class QueueWorker:
                 async for item in self.dispatcher.generate(
                         req.request_id, req.token_ids, params, self._priority(d.tier), req.deadline,
                         results_to=req.request_id, emitted=emitted,
-                        read_emitted=lambda: self._emitted(req.request_id)):
+                        read_emitted=lambda: self._emitted(req.request_id), session_key=req.session_key):
                     finish = item  # results mode: only the Finish comes back
                 await self._final(d, {
                     "finish_reason": finish.finish_reason,

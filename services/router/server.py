@@ -20,16 +20,20 @@ import uuid
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from proto.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from proto.pdserve.v1 import admin_pb2_grpc, common_pb2, generate_pb2, generate_pb2_grpc
 from services import telemetry
+from services.advertise import advertised_host, host_port
 from services.errors import InvalidRequestError, NoWorkerError
 from services.grpc_codec import abort_with, append_chunk, sampling_from_proto
 from services.grpc_decode import add_servicer
+from services.profiling.admin import AdminServicer, front_profiler
+from services.profiling.peers import AdminAdvert, Peer
 from services.registry import connect_redis
 from services.router.dispatch import DispatchConfig, Dispatcher
 from services.router.policy import POLICY_NAMES, RouterPolicyConfig
 from services.router.prefix_index import KVEventFollower, PrefixIndex
 from services.router.worker_pool import WorkerPool
+from services.session_key import HEADER, session_key_of
 
 log = logging.getLogger(__name__)
 SERVICE = "pdserve.v1.Generation"
@@ -78,7 +82,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 stream = not request.HasField("stream") or request.stream
                 deadline = time.time() + context.time_remaining() if context.time_remaining() else 0.0
                 merged = common_pb2.TokenChunk()
-                async for item in self.dispatcher.generate(rid, prompt, params, request.priority, deadline):
+                metadata = {k.lower(): v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+                key = session_key_of(request.session_key, metadata.get(HEADER), "session_key")
+                async for item in self.dispatcher.generate(rid, prompt, params, request.priority, deadline,
+                                                           session_key=key):
                     if isinstance(item, common_pb2.TokenChunk):
                         if stream:
                             yield generate_pb2.GenerateResponse(chunk=item, request_id=rid)
@@ -106,13 +113,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 async def serve(args) -> None:
     telemetry.setup_tracing("pdserve-router")
     tokenizer, model_name = load_tokenizer(args.model)
+    policy = RouterPolicyConfig(policy=args.policy, temperature=args.temperature,
+                                local_prefill_max_tokens=args.local_prefill_max_tokens,
+                                prefill_queue_limit_tokens=args.prefill_queue_limit_tokens, seed=args.seed,
+                                affinity_load_factor=args.affinity_load_factor,
+                                affinity_override_blocks=args.affinity_override_blocks)
     redis = await connect_redis(args.redis_url, name="pdserve-router")
     index = PrefixIndex()
     pool = WorkerPool(redis, refresh_s=0.25, on_removed=index.drop_worker)
     follower = KVEventFollower(redis, index)
-    policy = RouterPolicyConfig(policy=args.policy, temperature=args.temperature,
-                                local_prefill_max_tokens=args.local_prefill_max_tokens,
-                                prefill_queue_limit_tokens=args.prefill_queue_limit_tokens, seed=args.seed)
     dispatcher = Dispatcher(pool, index, DispatchConfig(max_attempts=args.max_attempts,
                                                         transfer_timeout_s=args.transfer_timeout,
                                                         disaggregation=args.disaggregation), policy)
@@ -132,10 +141,13 @@ async def serve(args) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    admin = front_profiler("router", redis, args.enable_profiling)
+    add_servicer(server, AdminServicer(admin), admin_pb2_grpc.add_AdminServicer_to_server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     if port == 0:
         raise ValueError(f"cannot listen on {args.host}:{args.port}")
     await server.start()
+    advert = AdminAdvert(redis, Peer("router", admin.process_id, host_port(advertised_host(args.host, None), port)))
     metrics = telemetry.start_metrics_server(args.host, args.metrics_port) if args.metrics_port >= 0 else "off"
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -146,6 +158,7 @@ async def serve(args) -> None:
         await pool.start()
         await follower.start()
         await follower.caught_up()
+        await advert.start()
         if queue_worker is not None:
             await queue_worker.start()
             lag_monitor.start()
@@ -160,6 +173,7 @@ async def serve(args) -> None:
             queue_worker = None
         await server.stop(grace=args.drain_timeout)
     finally:
+        await advert.stop()
         if lag_monitor is not None:
             await lag_monitor.stop()
         if queue_worker is not None:
@@ -206,6 +220,12 @@ def add_parser(sub) -> None:
                    help="auto mode: uncached prompts up to this many tokens prefill on the decode worker (0: off)")
     p.add_argument("--prefill-queue-limit-tokens", type=int, default=0,
                    help="auto mode: prefill on the decode worker when the prefill queue exceeds this (0: off)")
+    p.add_argument("--affinity-load-factor", type=float, default=1.25,
+                   help="session affinity (prompt_cache_key, X-Session-ID): a key's worker keeps its sessions "
+                        "while it holds under this times the mean requests of its role (>= 1)")
+    p.add_argument("--affinity-override-blocks", type=int, default=1,
+                   help="session affinity: another worker holding at least this many more leading full blocks "
+                        "of the prompt than the key's worker takes the request (>= 1)")
     p.add_argument("--max-attempts", type=int, default=3, help="tries per request across workers")
     p.add_argument("--transfer-timeout", type=float, default=60.0)
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -217,6 +237,9 @@ def add_parser(sub) -> None:
                    help="reclaim queue entries another router left pending this long")
     p.add_argument("--max-deliveries", type=int, default=3,
                    help="deliveries after which a failing request is dead-lettered")
+    p.add_argument("--enable-profiling", action="store_true",
+                   help="answer Admin.Profile (pdserve profile): record this router's spans and fan out to "
+                        "every worker and gateway")
     p.set_defaults(func=run)
 
 

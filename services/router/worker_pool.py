@@ -41,6 +41,7 @@ class WorkerLoad:
     kv_blocks_free: int = 0
     inflight_requests: int = 0
     inflight_prefill_tokens: int = 0
+    ended_since_beat: int = 0  # this router's requests that ended after the heartbeat counted them
 
     @property
     def pending_prefill_tokens(self) -> int:
@@ -50,6 +51,14 @@ class WorkerLoad:
     @property
     def num_requests(self) -> int:
         return self.num_running + self.num_waiting + self.inflight_requests
+
+    @property
+    def active_requests(self) -> int:
+        """Requests on the worker, none counted twice: the larger of its heartbeat's count (other
+        routers' requests too, up to a second old), less this router's requests that ended since
+        that heartbeat, and this router's exact in-flight count. Without the discount a
+        conversation's next turn, sent as its last one ends, would find that one still counted."""
+        return max(self.num_running + self.num_waiting - self.ended_since_beat, self.inflight_requests)
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,8 @@ class InflightToken:
 class _Tracked:
     info: WorkerInfo
     beat_seen_at: float  # router clock when a new heartbeat_at was last observed
+    beats: int = 0  # new heartbeats observed
+    ended_since_beat: int = 0  # requests begun before the last observed beat, ended after it
 
 
 class WorkerPool:
@@ -80,6 +91,7 @@ class WorkerPool:
         self._workers: dict[str, _Tracked] = {}
         self._failed_until: dict[str, float] = {}  # worker id -> router clock
         self._tokens: dict[int, tuple[str, int]] = {}  # token id -> (worker id, prefill tokens)
+        self._begun_at_beat: dict[int, int] = {}  # token id -> its worker's beats when it began
         self._inflight: dict[str, list[int]] = {}  # worker id -> [requests, prefill tokens]
         self._ids = itertools.count()
         # worker id -> its WorkerLoad until its heartbeat or in-flight counts change: a policy reads
@@ -129,6 +141,8 @@ class WorkerPool:
             else:
                 if info.heartbeat_at != old.info.heartbeat_at:
                     old.beat_seen_at = now
+                    old.beats += 1
+                    old.ended_since_beat = 0
                 old.info = info
 
     # ---- who can take work ------------------------------------------------
@@ -175,6 +189,8 @@ class WorkerPool:
             raise ValueError(f"prefill_tokens must be >= 0, got {prefill_tokens}")
         token = InflightToken(next(self._ids), worker_id)
         self._tokens[token.id] = (worker_id, prefill_tokens)
+        tracked = self._workers.get(worker_id)
+        self._begun_at_beat[token.id] = tracked.beats if tracked is not None else -1
         self._loads.pop(worker_id, None)
         counts = self._inflight.setdefault(worker_id, [0, 0])
         counts[0] += 1
@@ -196,6 +212,10 @@ class WorkerPool:
             return
         worker_id, prefill_tokens = entry
         self._loads.pop(worker_id, None)
+        tracked = self._workers.get(worker_id)
+        # a heartbeat observed after it began may count it as running until the next one arrives
+        if tracked is not None and self._begun_at_beat.pop(token.id, tracked.beats) < tracked.beats:
+            tracked.ended_since_beat += 1
         counts = self._inflight[worker_id]
         counts[0] -= 1
         counts[1] -= prefill_tokens
@@ -207,10 +227,12 @@ class WorkerPool:
         cached = self._loads.get(worker_id)
         if cached is not None:
             return cached
-        info = self._workers[worker_id].info
+        tracked = self._workers[worker_id]
+        info = tracked.info
         requests, prefill_tokens = self._inflight.get(worker_id, (0, 0))
         load = self._loads[worker_id] = WorkerLoad(
             worker_id=worker_id, num_running=info.num_running, num_waiting=info.num_waiting,
             queued_prefill_tokens=info.queued_prefill_tokens, kv_blocks_free=info.kv_blocks_free,
-            inflight_requests=requests, inflight_prefill_tokens=prefill_tokens)
+            inflight_requests=requests, inflight_prefill_tokens=prefill_tokens,
+            ended_since_beat=tracked.ended_since_beat)
         return load

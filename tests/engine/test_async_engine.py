@@ -176,3 +176,55 @@ def test_consumer_cancelled_before_its_request_starts(engines):
         return await engine_state(async_engine, engine)
 
     assert run_async(main()) == ([], 0)
+
+
+def test_a_failed_step_fails_its_requests_not_the_blocks_a_transfer_owns(tiny_engine):
+    # issue 18: a failing step aborted every request, a reservation a KV transfer was still writing
+    # into included: its blocks went back to the pool under the transfer, and the decode that followed
+    # found no reservation (InvalidRequestError: a 400 dead letter for a server fault)
+    from kvtransfer import Receiver, Sender, TransferConfig
+    from services.handoff import EngineBlockOwner, decode_after_transfer, prefill_and_send, reserve_for_transfer
+
+    decode, prefill, reference = tiny_engine(), tiny_engine(), tiny_engine()
+    decode_async, prefill_async = AsyncEngine(decode), AsyncEngine(prefill)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+
+    def break_next_step():
+        real = decode.runner.execute
+
+        def device_lost(sched):
+            decode.runner.execute = real
+            raise RuntimeError("device lost")
+
+        decode.runner.execute = device_lost
+
+    async def main():
+        config = TransferConfig(transport="loopback")
+        owner = EngineBlockOwner(decode_async)
+        receiver = Receiver(decode.kv_cache, decode.namespace, owner, config)
+        await receiver.start()
+        sender = Sender(prefill.kv_cache, prefill.namespace, config, transport=receiver.transport)
+        pending = await reserve_for_transfer(decode_async, owner, receiver, "handed-off", PROMPTS["r1"], params, 30)
+        # a finished prefill-only request: its blocks are held for a sender until released
+        async for _ in decode_async.generate(PROMPTS["r3"], params, "held", prefill_only=True):
+            pass
+        await decode_async.call(break_next_step)
+        failed = await collect(decode_async, PROMPTS["r0"], params, "in-the-step")
+        survivors = await decode_async.call(lambda: {rid: (r.status.value, len(r.block_ids))
+                                                     for rid, r in decode.requests.items()})
+        await decode_async.call(lambda: decode.release("held"))
+        await prefill_and_send(prefill_async, sender, pending.descriptor, PROMPTS["r1"], params)
+        decoded = [out async for out in decode_after_transfer(decode_async, "handed-off", await pending)]
+        await receiver.close()
+        await prefill_async.call(lambda: None)  # the prefill side's release (queued by prefill_and_send) ran
+        return failed, survivors, decoded, await engine_state(decode_async, decode)
+
+    try:
+        failed, survivors, decoded, state = run_async(main())
+    finally:
+        decode_async.shutdown()
+        prefill_async.shutdown()
+    assert failed[-1].finish_reason == "error" and "device lost" in failed[-1].error
+    assert survivors == {"handed-off": ("reserved", 2), "held": ("prefilled", 4)}  # 30, 50 tokens
+    assert token_ids(decoded) == generate_alone(reference, {"r1": PROMPTS["r1"]}, params)["r1"]
+    assert state == ([], 0)

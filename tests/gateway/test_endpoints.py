@@ -137,3 +137,9 @@ def test_a_request_past_its_deadline_gets_a_deadline_error_and_is_cancelled(gate
             evs = events(s)
         assert evs[-2].json["error"]["type"] == "deadline_exceeded" and evs[-1].done
     assert wait_for(lambda: sync_redis.exists(cancel_key(rid)))  # nobody waits for it any more
+
+
+def test_profiling_endpoint_is_off_by_default(gateway):
+    h = gateway()
+    reply = httpx.post(f"{h.url}/admin/profile", params={"seconds": 1}, timeout=10)
+    assert reply.status_code == 404

@@ -1,4 +1,6 @@
-"""The bf16-weight linear kernel (linear_cpu.c) against F.linear, and the model using it."""
+"""The packed linear kernels (linear_cpu.c, linear_amx.c) against F.linear on the weights they
+hold (bf16, or int8 dequantized), at every CPU kernel level this machine can run, and the model
+using them."""
 
 from __future__ import annotations
 
@@ -6,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.linear_cpu import PackedLinear, kernel_available, pack_weight, unpack_weight
+from kernels import cpu_isa, native
+from kernels.linear_cpu import PackedLinear, dequantize_int8, kernel_available, pack_weight, quantize_int8, unpack_weight
 
 needs_kernel = pytest.mark.skipif(not kernel_available(), reason="needs the AVX-512 build of the CPU kernels")
 
@@ -65,8 +68,74 @@ def test_concurrent_callers_get_their_own_results():
 
 
 def test_rejects_weights_it_cannot_pack():
-    with pytest.raises(ValueError, match="bf16 CPU weight"):
+    with pytest.raises(ValueError, match="bf16 or int8 CPU weight"):
         PackedLinear(torch.randn(4, 4))
+    with pytest.raises(ValueError, match="per-row scale"):
+        PackedLinear(torch.zeros(4, 4, dtype=torch.int8))
+    with pytest.raises(ValueError, match="scale has shape"):
+        PackedLinear(torch.zeros(4, 4, dtype=torch.int8), scale=torch.ones(3))
+
+
+def test_int8_quantization_is_per_output_channel_and_symmetric():
+    w = torch.randn(6, 50)
+    w[2] *= 100  # one loud row must not coarsen the others
+    w[4] = 0
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (6,) and q.abs().max() <= 127
+    assert torch.equal(q.abs().amax(dim=1)[[0, 1, 2, 3, 5]], torch.full((5,), 127, dtype=torch.int8))
+    assert torch.equal(q[4], torch.zeros(50, dtype=torch.int8)) and scale[4] == 1
+    err = (dequantize_int8(q, scale) - w).abs()
+    assert (err <= scale[:, None] / 2 + 1e-6).all()  # rounding to nearest: half a step at most
+
+
+# the rows that choose each path: 1-4 (two accumulator sets), 5-31 (MR blocks), 32+ (AMX tiles
+# where the level has them), 96+ (panels widened once), 200 (two row chunks of the FMA kernel)
+ROWS = [1, 3, 5, 13, 32, 47, 100, 200]
+
+
+@pytest.fixture(params=cpu_isa.available())
+def level(request):
+    """Every CPU kernel level this machine can run, forced in turn (the lower ones are the
+    fallbacks other CPUs get)."""
+    previous = cpu_isa.force(request.param)
+    assert native.library() is not None and native.level() == request.param
+    yield request.param
+    cpu_isa.force(previous)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_every_level_matches_the_reference(level, weights):
+    gen = torch.Generator().manual_seed(7)
+    for in_f, out_f in [(576, 960), (70, 45)]:
+        w = torch.randn(out_f, in_f, generator=gen)
+        b = torch.randn(out_f, generator=gen).to(torch.bfloat16)
+        layer = PackedLinear(w.to(torch.bfloat16), b) if weights == "bf16" else PackedLinear.quantized(w, b)
+        held = layer.unpacked_weight(torch.float32)  # bf16 weights, or int8 ones dequantized
+        if weights == "int8":
+            q, scale = quantize_int8(w)
+            assert torch.equal(held, dequantize_int8(q, scale))
+        for rows in ROWS:
+            x = torch.randn(rows, in_f, generator=gen).to(torch.bfloat16)
+            exact = F.linear(x.float(), held, b.float())
+            got = layer(x, out_dtype=torch.float32)
+            torch.testing.assert_close(got, exact, atol=2e-3 * in_f ** 0.5, rtol=1e-4,
+                                       msg=lambda m: f"{level}, {weights}, {rows} rows: {m}")
+            assert torch.equal(layer(x), got.to(torch.bfloat16))  # the same sums, rounded to nearest even
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_portable_loop_matches_the_vector_kernels(weights):
+    # the avx2 / generic levels run linear_portable; at any level it can be called directly
+    lib = native.library()
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(100, 80, generator=gen)
+    layer = PackedLinear(w.to(torch.bfloat16)) if weights == "bf16" else PackedLinear.quantized(w)
+    x = torch.randn(9, 80, generator=gen).to(torch.bfloat16)
+    y = torch.empty(9, 100)
+    assert lib.pdserve_linear_packed_portable(
+        x.data_ptr(), 1, x.stride(0), layer.packed.data_ptr(), int(weights == "int8"),
+        None if layer.scale is None else layer.scale.data_ptr(), None, y.data_ptr(), 0, y.stride(0), 9, 100, 80) == 0
+    torch.testing.assert_close(y, layer(x, out_dtype=torch.float32), atol=1e-4, rtol=1e-5)
 
 
 @needs_kernel

@@ -1,6 +1,6 @@
 """A child process holding a real engine on one side of the hand-off, driven by JSON lines.
 
-    python -m tests.kvtransfer.engine_peer decode|prefill ucx|ucx-put|tcp DTYPE
+    python -m tests.kvtransfer.engine_peer decode|prefill ucx|ucx-put|tcp DTYPE [KV_CACHE_DTYPE]
 
 Decode: prints {"address": ...}; "reserve" answers with the descriptor, and later
 with the decoded tokens (or the transfer error). Prefill: "prefill" runs
@@ -28,8 +28,9 @@ def reply(obj: dict) -> None:
     sys.stdout.flush()
 
 
-async def main(role: str, transport: str, dtype: str) -> None:
-    engine = Engine(EngineConfig(dtype=dtype, long_prefill_chunk=64, max_num_batched_tokens=128))
+async def main(role: str, transport: str, dtype: str, kv_cache_dtype: str = "auto") -> None:
+    engine = Engine(EngineConfig(dtype=dtype, long_prefill_chunk=64, max_num_batched_tokens=128,
+                                 kv_cache_dtype=kv_cache_dtype))
     aengine = AsyncEngine(engine)
     # ucx-put: every payload split between the receiver's pull and the sender's put
     # (by default only messages of 4 MiB and more are; the test prompts' are smaller).
@@ -99,4 +100,4 @@ async def main(role: str, transport: str, dtype: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(*sys.argv[1:4]))
+    asyncio.run(main(*sys.argv[1:5]))

@@ -19,8 +19,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 class EnginePeer:
     def __init__(self, role: str, transport: str):
+        # "<transport>-kv8": bf16 engines with int8 KV caches (blocks of int8 rows + scales move as bytes)
+        args = [transport.removesuffix("-kv8"), "bf16", "int8"] if transport.endswith("-kv8") else [transport, "fp32"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.kvtransfer.engine_peer", role, transport, "fp32"],
+            [sys.executable, "-m", "tests.kvtransfer.engine_peer", role, *args],
             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         self.replies: queue.Queue = queue.Queue()
@@ -51,7 +53,7 @@ class EnginePeer:
                 self.proc.kill()
 
 
-@pytest.fixture(scope="module", params=["ucx", "ucx-put", "tcp"])
+@pytest.fixture(scope="module", params=["ucx", "ucx-put", "tcp", "tcp-kv8"])
 def peers(request):
     decode, prefill = EnginePeer("decode", request.param), EnginePeer("prefill", request.param)
     yield decode, prefill

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from services import deadletters_cli
-from services.errors import InvalidRequestError
+from services.errors import CapacityError, InvalidRequestError
 from services.queue import (
     AdmissionQueue,
     NotFoundError,
@@ -14,6 +14,7 @@ from services.queue import (
     QueueConsumer,
     ServiceUnavailableError,
 )
+from services.queue.dead_letters import DeadLetters
 from services.queue.keys import DEAD_STREAM, result_stream, tier_stream
 
 from .conftest import make_request
@@ -131,3 +132,23 @@ def test_errors_are_clear(redis_url, with_redis):
         cli("list", "--limit", "0", "--redis-url", redis_url)
     with pytest.raises(SystemExit):  # neither an id nor --all
         cli("redrive", "--redis-url", redis_url)
+
+
+def test_a_redrive_refused_by_a_full_queue_keeps_the_error_event(redis_url, with_redis):
+    # issue 18: the old result stream was deleted before admission, so a re-drive the queue refused
+    # left the client's stream empty (its error event gone) while the request stayed a dead letter
+    cfg = QueueConfig(max_queued_requests=1)
+    req = make_request()
+    [dead_id] = kill(with_redis, req)
+
+    async def refused(r):
+        before = await r.xrange(result_stream(req.request_id))
+        await AdmissionQueue(r, cfg).enqueue(make_request())  # the queue is full now
+        with pytest.raises(CapacityError, match="the queue is full"):
+            await DeadLetters(r, cfg).redrive(dead_id)
+        assert await r.xrange(result_stream(req.request_id)) == before  # the error event is still there
+        assert [e[0].decode() for e in await r.xrange(DEAD_STREAM)] == [dead_id]
+        return before
+
+    [(_, event)] = with_redis(refused, flush=False)
+    assert event[b"type"] == b"error" and b"exploded on" in event[b"data"]

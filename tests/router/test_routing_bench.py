@@ -48,8 +48,12 @@ def test_headline_keys_are_finite_numbers(report):
     # the headline is the median over pairs of (stack - in-process), with its spread
     assert report["ttft_overhead_ms_p50"] == o["ttft_overhead_ms_p50"]
     assert o["ttft_overhead_ms_p25"] <= o["ttft_overhead_ms_p50"] <= o["ttft_overhead_ms_p75"]
-    # the hops: the stack's TTFT less the prefill worker's own time, which is part of it
-    assert 0 < o["hops_ms_p50"] < o["disagg_ttft_ms_p50"] and 0 < o["prefill_ms_p50"] < o["disagg_ttft_ms_p50"]
+    # the hops: the stack's TTFT less the prefill worker's own time. Not asserted positive: the
+    # prefill worker's time ends when its reply is sent, which under load can trail the first token
+    # reaching the client, so a pair's difference (and on a loaded machine their median) can be < 0.
+    # Each pair's hops are its TTFT less a positive time, so their median is below the TTFT median.
+    assert _finite(o["hops_ms_p50"]) and o["hops_ms_p50"] < o["disagg_ttft_ms_p50"]
+    assert 0 < o["prefill_ms_p50"]
     # the default prefill cache: one system prompt per worker (64 tokens = 4 blocks) plus 4 requests
     # in flight with 3 private blocks each
     assert report["config"]["prefill_kv_cache_blocks"] == 4 + 4 * 3

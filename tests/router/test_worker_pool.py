@@ -149,3 +149,22 @@ def test_inflight_accounting():
         pool.begin("a", -1)
     with pytest.raises(KeyError):
         pool.load("unknown")
+
+
+def test_a_request_that_ended_since_the_heartbeat_is_not_counted_twice():
+    pool = WorkerPool(None)
+    pool.update([info("d1", role="decode", heartbeat_at=1.0)])
+    token = pool.begin("d1")
+    # the worker's next heartbeat counts it running; then it ends before the heartbeat after that
+    pool.update([info("d1", role="decode", heartbeat_at=2.0, num_running=1)])
+    assert pool.load("d1").active_requests == 1
+    pool.end(token)
+    assert pool.load("d1").active_requests == 0  # a conversation's next turn finds the worker free
+    # a request that began and ended between two heartbeats was never in one: nothing to discount
+    pool.end(pool.begin("d1"))
+    assert pool.load("d1").ended_since_beat == 1
+    pool.update([info("d1", role="decode", heartbeat_at=3.0, num_running=0)])
+    assert pool.load("d1").ended_since_beat == 0 and pool.load("d1").active_requests == 0
+    # another router's request in the heartbeat stays counted
+    pool.update([info("d1", role="decode", heartbeat_at=4.0, num_running=2)])
+    assert pool.load("d1").active_requests == 2

@@ -86,11 +86,13 @@ def test_resume_after_disconnect_equals_an_uninterrupted_run(stack, reference_te
 
 def test_overload_gets_429_with_retry_after_and_loses_nothing(stack):
     base = f"http://{stack.gateway_address}"
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}
+    # distinct prompts: identical greedy twins would be coalesced into one queued request
+    body = {"model": MODEL, "max_tokens": 6, "temperature": 0}
 
     async def burst():
         async with httpx.AsyncClient(base_url=base, timeout=300) as http:
-            return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(30)))
+            return await asyncio.gather(*(http.post("/v1/completions", json={**body, "prompt": f"Once upon a time {i}"})
+                                          for i in range(30)))
 
     replies = asyncio.run(burst())
     codes = [r.status_code for r in replies]

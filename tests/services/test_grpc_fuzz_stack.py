@@ -15,7 +15,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from proto.pdserve.v1 import generate_pb2, worker_pb2
+from proto.pdserve.v1 import admin_pb2, generate_pb2, worker_pb2
 from tests.proto_fuzz import invalid_utf8, messages, mutated, raw_call
 from tests.services.stack import Stack
 
@@ -34,6 +34,8 @@ TARGETS = [
     ("decode-0", "pdserve.v1.DecodeWorker", "Abort", worker_pb2.AbortRequest, False, False),
     ("prefill-0", "pdserve.v1.PrefillWorker", "Prefill", worker_pb2.PrefillRequest, False, True),
     ("prefill-0", "pdserve.v1.PrefillWorker", "GetLoad", worker_pb2.GetLoadRequest, False, False),
+    ("router", "pdserve.v1.Admin", "Profile", admin_pb2.ProfileRequest, False, False),  # profiling off here
+    ("decode-0", "pdserve.v1.Admin", "Profile", admin_pb2.ProfileRequest, False, False),
 ]
 
 

@@ -32,23 +32,41 @@ def _alive(stack: Stack, names: list[str]) -> list[str]:
     return [n for n in names if stack.procs[n].proc.poll() is None]
 
 
+def _router_retries(stack: Stack) -> float:
+    """``pdserve_retries_total{role="router"}`` from the router's /metrics (0 before the first retry)."""
+    for line in stack.metrics("router").splitlines():
+        if line.startswith('pdserve_retries_total{role="router"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_prefill_worker_killed_mid_request_is_retried_elsewhere(stack, reference):
     prompts = [f"{LONG_PROMPT} Question {i}: which box is first?" for i in range(4)]
+    retries_before = _router_retries(stack)
 
     async def run():
         tasks = [asyncio.create_task(stack.agenerate(stack.request(text=p, max_tokens=6))) for p in prompts]
-        await asyncio.sleep(0.4)  # the prefills are running
-        stack.kill("prefill-0")
-        return await asyncio.gather(*tasks)
+        # the victim is a prefill worker computing some of them (the kv-aware router may send a shared
+        # prefix's requests all to one worker: killing the idle one would test nothing)
+        while True:
+            loads = {n: await stack.aload(n) for n in ("prefill-0", "prefill-1")}
+            busy = [n for n, load in loads.items() if load.num_running + load.num_waiting > 0]
+            if busy:
+                break
+            await asyncio.sleep(0.05)
+        stack.kill(busy[0])
+        return busy[0], await asyncio.gather(*tasks)
 
     started = time.monotonic()
-    results = asyncio.run(run())
+    victim, results = asyncio.run(run())
     assert time.monotonic() - started < 60
     for prompt, (ids, _, finish) in zip(prompts, results):
         assert ids == reference(prompt, 6)
-        assert finish.prefill_worker != stack.procs["prefill-0"].worker_id or finish.prefill_worker == ""
-    assert stack.wait_idle(_alive(stack, ["prefill-1", "decode-0", "decode-1"])) == \
-        {"prefill-1": 0, "decode-0": 0, "decode-1": 0}
+        assert finish.prefill_worker != stack.procs[victim].worker_id
+    assert _router_retries(stack) > retries_before, "no request was retried: the kill hit no prefill"
+    survivor = "prefill-1" if victim == "prefill-0" else "prefill-0"
+    assert stack.wait_idle([survivor, "decode-0", "decode-1"]) == {survivor: 0, "decode-0": 0, "decode-1": 0}
+    stack.prefill_survivor = survivor
 
 
 def test_decode_worker_killed_mid_stream_resumes_without_gaps(stack, reference):
@@ -76,12 +94,13 @@ def test_decode_worker_killed_mid_stream_resumes_without_gaps(stack, reference):
     assert finish.usage.completion_tokens == 40
     assert finish.decode_worker != stack.procs[victim].worker_id
     survivor = "decode-1" if victim == "decode-0" else "decode-0"
-    assert stack.wait_idle(_alive(stack, ["prefill-1", survivor])) == {"prefill-1": 0, survivor: 0}
+    prefill = stack.prefill_survivor
+    assert stack.wait_idle(_alive(stack, [prefill, survivor])) == {prefill: 0, survivor: 0}
     stack.survivor = survivor
 
 
 def test_with_no_prefill_worker_the_decode_worker_prefills(stack, reference):
-    stack.kill("prefill-1")
+    stack.kill(stack.prefill_survivor)
     ids, _, finish = stack.generate(stack.request(text="Name a fruit:", max_tokens=5))
     assert ids == reference("Name a fruit:", 5)
     assert finish.prefill_worker == ""  # prefilled locally

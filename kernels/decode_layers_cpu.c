@@ -1,0 +1,119 @@
+/* Every decoder layer of a decode-only step in one call (kernels/decode_layers_cpu.py).
+ *
+ * At batch 1 a CPU decode step is ~30 layers x ~12 small kernel calls, and each call made
+ * from Python (the module call, argument checks, ctypes conversions, a fresh output tensor)
+ * costs a few microseconds: about a fifth of the step on a 2-core machine, serial, so the
+ * second thread cannot hide it. This driver makes the same kernel calls, with the same
+ * arguments and in the same order as the model's Python code (services/engine/model.py), so
+ * its output is bitwise the same; Python only checks, once per model, that every layer fits.
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+/* the kernels it drives (fused_cpu.c, linear_cpu.c, linear_quant.c, paged_attention_cpu.c) */
+int pdserve_rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *res, int64_t ldr, const uint16_t *w,
+                          uint16_t *out, int64_t ldo, uint16_t *res_out, int64_t ldro, int M, int H, float eps);
+int pdserve_rotary_bf16(uint16_t *x, int64_t ldt, int64_t ldh, int T, int H, int D, const int64_t *positions,
+                        const float *cos_sin, int64_t ldc);
+int pdserve_silu_and_mul_bf16(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t ldo, int M, int I);
+void pdserve_write_kv(const char *k, int64_t k_st, const char *v, int64_t v_st, char *kc, char *vc,
+                      int64_t c_sb, int64_t c_so, const int64_t *slots, int T, int row, int block_size,
+                      int elem_bytes);
+void pdserve_write_kv_int8(const void *k, int64_t k_st, const void *v, int64_t v_st, int src_bf16, int8_t *kc,
+                           int8_t *vc, int64_t c_sb, int64_t c_so, const int64_t *slots, int T, int HKV, int D,
+                           int block_size);
+int pdserve_linear_packed(const void *x, int x_bf16, int64_t ldx, const void *wp, int wkind, const float *scale,
+                          const float *bias, void *y, int y_bf16, int64_t ldy, int M, int N, int K);
+int pdserve_linear_gguf(const void *x, int x_bf16, int64_t ldx, const uint8_t *wp, int kind, void *y, int y_bf16,
+                        int64_t ldy, int M, int N, int K);
+void paged_decode_attention_bf16(const uint16_t *q, int64_t q_ss, int64_t q_sh, const uint16_t *k, int64_t k_sb,
+                                 int64_t k_st, int64_t k_sh, const uint16_t *v, int64_t v_sb, int64_t v_st,
+                                 int64_t v_sh, const int32_t *block_tables, int64_t bt_stride,
+                                 const int32_t *context_lens, uint16_t *out, int64_t o_ss, int64_t o_sh, int S, int H,
+                                 int HKV, int D, int BS, float scale);
+int paged_decode_attention_bf16_i8kv(const uint16_t *q, int64_t q_ss, int64_t q_sh, const int8_t *k, int64_t k_sb,
+                                     int64_t k_st, int64_t k_sh, const int8_t *v, int64_t v_sb, int64_t v_st,
+                                     int64_t v_sh, const int32_t *block_tables, int64_t bt_stride,
+                                     const int32_t *context_lens, uint16_t *out, int64_t o_ss, int64_t o_sh, int S,
+                                     int H, int HKV, int D, int BS, float scale);
+
+/* one projection: a PackedLinear (bf16 or int8 weights, optional bias) or a GGUFLinear (no bias) */
+typedef struct {
+    int32_t gguf;  /* 0: pdserve_linear_packed, 1: pdserve_linear_gguf */
+    int32_t kind;  /* the weight kind of that kernel */
+    const void *weight;
+    const float *scale; /* int8 packed: per output channel; else NULL */
+    const float *bias;  /* packed only; else NULL */
+    int32_t n, k;
+} pd_linear;
+
+typedef struct {
+    const uint16_t *input_norm, *post_norm; /* bf16 RMSNorm weights */
+    pd_linear qkv, o, gate_up, down;
+    char *k_cache, *v_cache; /* this layer's [blocks, block_size, kv_heads, head_dim] views */
+} pd_layer;
+
+typedef struct {
+    int32_t layers, heads, kv_heads, head_dim, hidden, inter, block_size, kv_int8;
+    float eps, scale;
+    int64_t c_sb, c_st, c_sh; /* the cache views' strides in elements: block, token, head */
+    const float *cos_sin;
+    int64_t ldc;
+} pd_model;
+
+static int linear(const pd_linear *l, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy, int M) {
+    if (l->gguf)
+        return pdserve_linear_gguf(x, 1, ldx, (const uint8_t *)l->weight, l->kind, y, 1, ldy, M, l->n, l->k);
+    return pdserve_linear_packed(x, 1, ldx, l->weight, l->kind, l->scale, l->bias, y, 1, ldy, M, l->n, l->k);
+}
+
+/* x: [M, hidden] the embeddings; on return, the hidden states after the final RMSNorm
+ * (``final_norm``), as LlamaForCausalLM.forward returns them. Scratch (bf16, row-major):
+ * res [M, hidden], h [M, hidden], qkv [M, q + 2 kv], attn [M, heads * head_dim],
+ * gu [M, 2 inter], act [M, inter]. Returns 0, or the first kernel's error code. */
+int pdserve_decode_layers(const pd_model *m, const pd_layer *layers, const uint16_t *final_norm, int M,
+                          uint16_t *x, const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
+                          int64_t bt_stride, const int32_t *context_lens, uint16_t *res, uint16_t *h,
+                          uint16_t *qkv, uint16_t *attn, uint16_t *gu, uint16_t *act) {
+    const int H = m->hidden, D = m->head_dim, q_size = m->heads * D, kv_size = m->kv_heads * D;
+    const int64_t ld_qkv = q_size + 2 * kv_size;
+    int rc;
+    for (int i = 0; i < m->layers; i++) {
+        const pd_layer *L = &layers[i];
+        /* the input norm: layer 0 starts the residual stream, the others add to it (x: the
+         * previous layer's MLP output) */
+        if (i == 0) {
+            for (int64_t j = 0; j < (int64_t)M * H; j++) res[j] = x[j];
+            rc = pdserve_rms_norm_bf16(x, H, NULL, 0, L->input_norm, h, H, NULL, H, M, H, m->eps);
+        } else {
+            rc = pdserve_rms_norm_bf16(x, H, res, H, L->input_norm, h, H, res, H, M, H, m->eps);
+        }
+        if (rc) return rc;
+        if ((rc = linear(&L->qkv, h, H, qkv, ld_qkv, M))) return rc;
+        uint16_t *q = qkv, *k = qkv + q_size, *v = qkv + q_size + kv_size;
+        if ((rc = pdserve_rotary_bf16(q, ld_qkv, D, M, m->heads, D, positions, m->cos_sin, m->ldc))) return rc;
+        if ((rc = pdserve_rotary_bf16(k, ld_qkv, D, M, m->kv_heads, D, positions, m->cos_sin, m->ldc))) return rc;
+        if (m->kv_int8) {
+            pdserve_write_kv_int8(k, ld_qkv, v, ld_qkv, 1, (int8_t *)L->k_cache, (int8_t *)L->v_cache, m->c_sb,
+                                  m->c_st, slots, M, m->kv_heads, D, m->block_size);
+            rc = paged_decode_attention_bf16_i8kv(q, ld_qkv, D, (const int8_t *)L->k_cache, m->c_sb, m->c_st, m->c_sh,
+                                                  (const int8_t *)L->v_cache, m->c_sb, m->c_st, m->c_sh, block_tables,
+                                                  bt_stride, context_lens, attn, q_size, D, M, m->heads, m->kv_heads,
+                                                  D, m->block_size, m->scale);
+            if (rc) return rc;
+        } else {
+            pdserve_write_kv((const char *)k, ld_qkv, (const char *)v, ld_qkv, L->k_cache, L->v_cache, m->c_sb,
+                             m->c_st, slots, M, kv_size, m->block_size, 2);
+            paged_decode_attention_bf16(q, ld_qkv, D, (const uint16_t *)L->k_cache, m->c_sb, m->c_st, m->c_sh,
+                                        (const uint16_t *)L->v_cache, m->c_sb, m->c_st, m->c_sh, block_tables,
+                                        bt_stride, context_lens, attn, q_size, D, M, m->heads, m->kv_heads, D,
+                                        m->block_size, m->scale);
+        }
+        if ((rc = linear(&L->o, attn, q_size, x, H, M))) return rc;
+        if ((rc = pdserve_rms_norm_bf16(x, H, res, H, L->post_norm, h, H, res, H, M, H, m->eps))) return rc;
+        if ((rc = linear(&L->gate_up, h, H, gu, 2 * m->inter, M))) return rc;
+        if ((rc = pdserve_silu_and_mul_bf16(gu, 2 * m->inter, act, m->inter, M, m->inter))) return rc;
+        if ((rc = linear(&L->down, act, m->inter, x, H, M))) return rc;
+    }
+    return pdserve_rms_norm_bf16(x, H, res, H, final_norm, x, H, res, H, M, H, m->eps);
+}

@@ -1,0 +1,138 @@
+"""A decode-only step's decoder layers in one call into the C kernels (decode_layers_cpu.c).
+
+At batch 1 on a small CPU, the model's Python code around its ~12 kernel calls per layer
+(module calls, argument checks, ctypes conversions, output tensors) cost about a fifth of a
+decode step, serially. ``DecodeLayers.build`` checks once per model and KV cache that every
+layer is one the C driver can run (the CPU kernels at AVX-512 or above, bf16 activations,
+PackedLinear or bias-free GGUFLinear projections, a cache layout the kernels take); the
+driver then makes the same kernel calls with the same arguments in the same order, so a
+step's output is bitwise what the Python path computes (tests/kernels/test_decode_layers.py).
+Steps with a prefill chunk, and models or caches it does not take, stay on the Python path.
+``PDSERVE_FUSED_DECODE=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from ctypes import c_float, c_int32, c_int64, c_void_p
+
+import torch
+
+from kernels import native
+from kernels.fused_cpu import _fused_available
+from kernels.gguf_linear import KINDS as GGUF_KINDS
+from kernels.gguf_linear import GGUFLinear
+from kernels.linear_cpu import _KINDS as PACKED_KINDS
+from kernels.linear_cpu import PackedLinear
+
+ENV = "PDSERVE_FUSED_DECODE"
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("gguf", c_int32), ("kind", c_int32), ("weight", c_void_p), ("scale", c_void_p),
+                ("bias", c_void_p), ("n", c_int32), ("k", c_int32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear), ("k_cache", c_void_p), ("v_cache", c_void_p)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("layers", c_int32), ("heads", c_int32), ("kv_heads", c_int32), ("head_dim", c_int32),
+                ("hidden", c_int32), ("inter", c_int32), ("block_size", c_int32), ("kv_int8", c_int32),
+                ("eps", c_float), ("scale", c_float), ("c_sb", c_int64), ("c_st", c_int64), ("c_sh", c_int64),
+                ("cos_sin", c_void_p), ("ldc", c_int64)]
+
+
+def _linear(mod) -> _Linear | None:
+    if isinstance(mod, PackedLinear) and mod.packed.dtype in PACKED_KINDS:
+        if mod.bias is not None and (mod.bias.dtype != torch.float32 or not mod.bias.is_contiguous()):
+            return None
+        return _Linear(0, PACKED_KINDS[mod.packed.dtype], mod.packed.data_ptr(),
+                       None if mod.scale is None else mod.scale.data_ptr(),
+                       None if mod.bias is None else mod.bias.data_ptr(), mod.out_features, mod.in_features)
+    if isinstance(mod, GGUFLinear) and mod.bias is None:
+        return _Linear(1, GGUF_KINDS[mod.kind], mod.packed.data_ptr(), None, None, mod.out_features, mod.in_features)
+    return None
+
+
+def _bf16_vector(t: torch.Tensor, size: int) -> bool:
+    return t.dtype == torch.bfloat16 and t.is_contiguous() and t.numel() == size and t.device.type == "cpu"
+
+
+class DecodeLayers:
+    def __init__(self, lib, model: _Model, layers, final_norm: torch.Tensor, q_size: int, kv_size: int):
+        self.lib, self.model, self.layers, self.final_norm = lib, model, layers, final_norm
+        self.q_size, self.kv_size = q_size, kv_size
+
+    @classmethod
+    def build(cls, model, kv_cache: torch.Tensor) -> DecodeLayers | None:
+        """The driver for ``model`` (a LlamaForCausalLM) over ``kv_cache``, or None where it does not apply."""
+        from services.engine.kv_cache import layer_view
+
+        lib = native.library()
+        lim = native.limits()
+        if (os.environ.get(ENV, "1") == "0" or lib is None or lim is None or not hasattr(lib, "pdserve_decode_layers")
+                or not _fused_available(lib) or not lib.pdserve_linear_available()
+                or getattr(model.ops, "name", "") != "cpu" or kv_cache.device.type != "cpu"
+                or model.embed_tokens.weight.dtype != torch.bfloat16):
+            return None
+        cfg = model.config
+        attn0 = model.layers[0].self_attn
+        heads, kv_heads, head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        k0, v0 = layer_view(kv_cache, 0)
+        kv_int8 = k0.dtype == torch.int8
+        if kv_int8:
+            fits = k0.shape[3] == head_dim + 4 and head_dim % 32 == 0 and k0.stride(2) == k0.shape[3]
+        else:
+            fits = k0.dtype == torch.bfloat16 and k0.stride(2) == head_dim
+        cos_sin = model.cos_sin_cache
+        if (not fits or k0.stride(3) != 1 or k0.stride() != v0.stride() or heads % kv_heads
+                or heads // kv_heads > lim.max_group or head_dim > lim.max_head_dim or head_dim % 2 or head_dim > 512
+                or k0.shape[1] > lim.max_block_size or cos_sin.dtype != torch.float32 or cos_sin.stride(1) != 1):
+            return None
+        layers = (_Layer * len(model.layers))()
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(p is None for p in projections) or not all(_bf16_vector(w, cfg.hidden_size) for w in norms):
+                return None
+            k, v = layer_view(kv_cache, i)
+            layers[i] = _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *projections, k.data_ptr(), v.data_ptr())
+        if not _bf16_vector(model.norm.weight, cfg.hidden_size):
+            return None
+        spec = _Model(len(model.layers), heads, kv_heads, head_dim, cfg.hidden_size, cfg.intermediate_size,
+                      k0.shape[1], int(kv_int8), model.layers[0].input_layernorm.eps, attn0.scale,
+                      k0.stride(0), k0.stride(1), k0.stride(2), cos_sin.data_ptr(), cos_sin.stride(0))
+        if any(layer.input_layernorm.eps != spec.eps or layer.post_attention_layernorm.eps != spec.eps
+               for layer in model.layers) or model.norm.eps != model.layers[0].input_layernorm.eps:
+            return None
+        return cls(lib, spec, layers, model.norm.weight, heads * head_dim, kv_heads * head_dim)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor | None:
+        """The final hidden states of a decode-only step (``x``: its embeddings, overwritten), or
+        None when this step's inputs are not ones the driver takes."""
+        m = x.shape[0]
+        bt, lens, slots = meta.decode_block_tables, meta.decode_context_lens, meta.slot_mapping
+        if (m == 0 or meta.has_prefill or meta.num_decode_tokens != m or not x.is_contiguous()
+                or x.dtype != torch.bfloat16 or positions.dtype != torch.int64 or not positions.is_contiguous()
+                or slots.dtype != torch.int64 or not slots.is_contiguous() or bt is None or bt.dtype != torch.int32
+                or bt.stride(1) != 1 or bt.shape[0] != m or lens.dtype != torch.int32 or not lens.is_contiguous()):
+            return None
+        s = self.model
+        hidden, inter = s.hidden, s.inter
+        widths = (hidden, hidden, self.q_size + 2 * self.kv_size, self.q_size, 2 * inter, inter)
+        scratch = torch.empty(m * sum(widths), dtype=torch.bfloat16)
+        ptrs, offset = [], 0
+        for w in widths:
+            ptrs.append(scratch.data_ptr() + offset * 2)
+            offset += m * w
+        rc = self.lib.pdserve_decode_layers(ctypes.addressof(s), ctypes.addressof(self.layers), self.final_norm.data_ptr(), m, x.data_ptr(),
+                                            positions.data_ptr(), slots.data_ptr(), bt.data_ptr(), bt.stride(0),
+                                            lens.data_ptr(), *ptrs)
+        if rc != 0:
+            raise RuntimeError(f"the fused decode layers failed (kernel error {rc})")
+        return x

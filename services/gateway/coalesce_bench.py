@@ -1,0 +1,175 @@
+"""``pdserve bench coalesce``: request coalescing on against off, one stack, paired blocks.
+
+Workload: retry storms and fan-out clients send a request that is already in
+flight. Per block, ``--requests`` greedy chat requests (``--max-tokens`` each,
+EOS ignored, streaming) of which ``--duplicate-share`` copy an earlier one of the
+same block: each copy is placed ``--gap`` places after its original in the
+send order, so it goes out while the original runs. ``--clients`` concurrent
+clients (closed loop: each sends its next request when its last is answered)
+keep the stack saturated, so output tokens per second is what it sustains.
+With ``--max-num-seqs`` below ``--clients`` the workers run at most that many
+sequences at once and the rest wait, as on a server at capacity: a follower
+takes no slot, so what coalescing saves is whole requests' turns, not only the
+(on a CPU, small) difference between a step of a larger and a smaller batch.
+
+One stack (embedded Redis, 1 prefill + 1 decode worker, router) with two
+gateway replicas on the same queue and workers: one as deployed (coalescing
+on), one started with ``--no-coalesce``. Blocks alternate on, off, off, on
+(``--rounds`` times), each with its own prompts (so no block reuses another's
+prefix cache), so a machine whose speed drifts slows both alike. Per side:
+client-visible output tok/s and requests/s, TTFT p50/p99, the decode worker's
+generated tokens (the work done, from its ``/metrics``) and the coalesced
+count (the gateway's ``pdserve_gateway_coalesced_requests_total``). Ratios are
+on / off; the goal is >= 1.25x throughput at a 30% duplicate share (the
+ideal is 1 / (1 - share) = 1.43x when every copy overlaps its original).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import sys
+import urllib.request
+
+from services.bench import results as result_files
+from services.bench.http_client import Connection
+from services.bench.load import OpenAIClient, OpenAIRequest, closed_loop
+from services.bench.stats import ratio, summarize
+from services.gateway.bench import prompts
+
+SIDES = ("on", "off")
+_ORDER = ("on", "off", "off", "on")  # per round: equal mean distance from the start for both sides
+
+
+def workload(seed: int, requests: int, share: float, gap: int, words: int) -> list[str]:
+    """``requests`` prompts, ``round(share * requests)`` of them copies sent about ``gap`` places after their
+    original (copies are inserted from the back, so a later copy can push an earlier one a place further)."""
+    copies = round(share * requests)
+    originals = prompts(seed, requests - copies, words)
+    order = list(originals)
+    for i in sorted(random.Random(seed).sample(range(len(originals)), min(copies, len(originals))), reverse=True):
+        order.insert(min(i + gap, len(order)), originals[i])
+    return order
+
+
+def metric_total(address: str, name: str) -> float:
+    """A Prometheus metric of the process serving /metrics at ``address``, summed over its labels."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+
+
+async def _bench(args, stack, off_address: str) -> dict:
+    decode = stack.procs["decode-0"].metrics
+    host, port = stack.gateway_address.rsplit(":", 1)
+    model = json.loads((await Connection(host, int(port)).request("GET", "/v1/models")).body)["data"][0]["id"]
+    clients = {}
+    for side, address in (("on", stack.gateway_address), ("off", off_address)):
+        host, port = address.rsplit(":", 1)
+        clients[side] = (OpenAIClient(host, int(port), model), address)
+    for side in SIDES:  # warm-up: both gateways once, so first-call costs are not measured
+        await clients[side][0].send(OpenAIRequest("chat", f"Warm up {side}.", 2))
+    samples = {side: [] for side in SIDES}
+    tally = {side: {"wall_s": 0.0, "generated_tokens": 0.0, "coalesced": 0.0} for side in SIDES}
+    block = 0
+    for _ in range(args.rounds):
+        for side in _ORDER:
+            client, address = clients[side]
+            items = [OpenAIRequest("chat", p, args.max_tokens, stream=True, extra={"ignore_eos": True})
+                     for p in workload(args.seed + block, args.requests, args.duplicate_share, args.gap,
+                                       args.prompt_words)]
+            generated, coalesced = metric_total(decode, "pdserve_generation_tokens_total"), \
+                metric_total(address, "pdserve_gateway_coalesced_requests_total")
+            got, wall = await closed_loop(client.send, items, args.clients)
+            t = tally[side]
+            t["wall_s"] += wall
+            t["generated_tokens"] += metric_total(decode, "pdserve_generation_tokens_total") - generated
+            t["coalesced"] += metric_total(address, "pdserve_gateway_coalesced_requests_total") - coalesced
+            samples[side] += got
+            done = sum(s.tokens for s in got if s.ok)
+            _log(f"block {block + 1} coalescing {side}: {done / wall:.1f} tok/s over {wall:.1f} s, "
+                 f"{sum(not s.ok for s in got)} failed")
+            block += 1
+    out = {}
+    for side in SIDES:
+        t = tally[side]
+        out[side] = {**summarize(samples[side], t["wall_s"], args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3),
+                     "generated_tokens": t["generated_tokens"], "coalesced_requests": t["coalesced"]}
+    on, off = out["on"], out["off"]
+    return {
+        "throughput_ratio": ratio(on["output_tok_s"], off["output_tok_s"]),
+        "requests_s_ratio": ratio(on["requests_s"], off["requests_s"]),
+        "ttft_p99_ratio": ratio(on["ttft_ms_p99"], off["ttft_ms_p99"]),
+        "generated_tokens_ratio": ratio(on["generated_tokens"], off["generated_tokens"]),
+        "goal_throughput_ratio": 1.25, "on": on, "off": off,
+        "config": {"requests_per_block": args.requests, "rounds": args.rounds, "order": list(_ORDER),
+                   "duplicate_share": args.duplicate_share, "gap": args.gap, "clients": args.clients,
+                   "max_tokens": args.max_tokens, "prompt_words": args.prompt_words, "dtype": args.dtype,
+                   "max_num_seqs": args.max_num_seqs or None,
+                   "threads_per_worker": args.threads, "seed": args.seed,
+                   "ideal_throughput_ratio": round(1 / (1 - args.duplicate_share), 3)},
+    }
+
+
+def run(args) -> int:
+    from services.launcher import LocalStack, StackSpec
+
+    if args.requests < 2 or args.max_tokens < 1 or args.clients < 1 or args.rounds < 1 or args.gap < 1:
+        raise ValueError("requests must be >= 2; max-tokens, clients, rounds and gap >= 1")
+    if not 0 <= args.duplicate_share < 1:
+        raise ValueError(f"duplicate-share must be in [0, 1); got {args.duplicate_share}")
+    spec = StackSpec(prefill=1, decode=1, model=args.model, dtype=args.dtype, threads=args.threads,
+                     kv_cache_gb=args.kv_cache_gb, gateway=True,
+                     worker_args=["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else [])
+    _log("starting the stack (embedded Redis, 1 prefill, 1 decode, router, a gateway with coalescing on)")
+    with LocalStack(spec) as stack:
+        off = stack.start_gateway("gateway-no-coalesce", ["--no-coalesce"])
+        _log(f"second gateway with --no-coalesce on {off.address}")
+        result = asyncio.run(_bench(args, stack, off.address))
+    result_files.report("coalesce", result, args, print_table)
+    return 0
+
+
+def print_table(result: dict) -> None:
+    print(f"{'coalescing':>10} {'tok/s':>7} {'req/s':>6} {'TTFT p50/p99 ms':>17} {'E2E p50/p99 ms':>17} "
+          f"{'decoded tok':>11} {'coalesced':>9} {'failed':>6}")
+    for side in SIDES:
+        r = result[side]
+        print(f"{side:>10} {r['output_tok_s']:>7.1f} {r['requests_s']:>6.2f} "
+              f"{r['ttft_ms_p50']:>8.1f}/{r['ttft_ms_p99']:<8.1f} {r['e2e_ms_p50']:>8.1f}/{r['e2e_ms_p99']:<8.1f} "
+              f"{r['generated_tokens']:>11.0f} {r['coalesced_requests']:>9.0f} {r['failed']:>6}")
+    c = result["config"]
+    print(f"\nthroughput on/off: {result['throughput_ratio']}  (goal >= {result['goal_throughput_ratio']}, "
+          f"ideal {c['ideal_throughput_ratio']} at a {c['duplicate_share']:.0%} duplicate share); "
+          f"p99 TTFT on/off: {result['ttft_p99_ratio']}; decoded tokens on/off: {result['generated_tokens_ratio']}")
+
+
+def _log(msg: str) -> None:
+    print(f"[bench coalesce] {msg}", file=sys.stderr, flush=True)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("coalesce", help="request coalescing on vs off: a workload with duplicates in flight",
+                       description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--requests", type=int, default=48, help="requests per block")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of four blocks (on, off, off, on)")
+    p.add_argument("--duplicate-share", type=float, default=0.3,
+                   help="share of each block's requests that copy an earlier one of the block")
+    p.add_argument("--gap", type=int, default=2, help="a copy is sent this many places after its original")
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients (closed loop)")
+    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (EOS ignored)")
+    p.add_argument("--prompt-words", type=int, default=40, help="words per prompt (~1.3 tokens each)")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: TTFT at most this")
+    p.add_argument("--slo-itl-ms", type=float, default=200.0, help="goodput: median inter-token gap at most this")
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--max-num-seqs", type=int, default=0,
+                   help="the workers' batch limit (0: theirs, 128); below --clients, requests wait for a slot as "
+                        "on a server at capacity")
+    p.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV cache per worker")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
