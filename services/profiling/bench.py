@@ -117,6 +117,9 @@ def report(rows: list[dict]) -> dict:
 def run(args) -> int:
     from services.launcher import LocalStack, StackSpec
 
+    if not args.baseline_code:
+        raise ValueError("--baseline-code DIR is required: a pdserve checkout without profiling to compare against, "
+                         "e.g. `git archive <commit> | tar -x -C DIR`")
     baseline = Path(args.baseline_code).resolve()
     if not (baseline / "services" / "cli.py").is_file():
         raise ValueError(f"--baseline-code {args.baseline_code} is not a pdserve checkout (no services/cli.py)")
@@ -149,8 +152,8 @@ def print_table(result: dict) -> None:
 def add_parser(sub) -> None:
     p = sub.add_parser("profiling", help="profiling compiled in but off vs a build without it (paired blocks)",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--baseline-code", required=True, metavar="DIR",
-                   help="a pdserve checkout without profiling, e.g. `git archive <commit> | tar -x -C DIR`")
+    p.add_argument("--baseline-code", default=None, metavar="DIR",
+                   help="(required) a pdserve checkout without profiling, e.g. `git archive <commit> | tar -x -C DIR`")
     p.add_argument("--pairs", type=int, default=6, help="block pairs (order alternates AB, BA)")
     p.add_argument("--requests", type=int, default=16, help="requests per block")
     p.add_argument("--clients", type=int, default=4, help="concurrent clients (closed loop)")
