@@ -87,10 +87,11 @@ def _interval(values: list[float]) -> dict:
 
 def phase_cost_us(calls: int = 20_000) -> dict:
     """The probe behind the ratio: what the one per-step change costs with no profiler running, per call
-    (``phase("engine.step")``, a ``record_function``), against an empty ``with`` of a null context."""
+    (``profiler_range("engine.step")``: a ``record_function`` while the profiler records, NVTX on CUDA),
+    against an empty ``with`` of a null context."""
     import time
 
-    from services.phases import phase
+    from services.phases import profiler_range
 
     def timed(make) -> float:
         started = time.perf_counter()
@@ -99,8 +100,8 @@ def phase_cost_us(calls: int = 20_000) -> dict:
                 pass
         return (time.perf_counter() - started) / calls * 1e6
 
-    timed(lambda: phase("engine.step"))  # warm-up: the first call loads the profiler ops
-    return {"phase_us": round(timed(lambda: phase("engine.step")), 3),
+    timed(lambda: profiler_range("engine.step"))  # warm-up: the first call loads the profiler ops
+    return {"phase_us": round(timed(lambda: profiler_range("engine.step")), 3),
             "null_context_us": round(timed(contextlib.nullcontext), 3), "calls": calls}
 
 
