@@ -24,6 +24,8 @@ from kernels.ops import select_ops
 from services.config import EngineConfig
 from services.engine.block_pool import BlockPool, KVEvent
 from services.engine.cuda_graph import capture_decode_graphs
+from services.engine.grammar import GrammarCompiler
+from services.engine.grammar_masks import StructuredDecoding
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache, dtype_from_name
 from services.engine.kv_manager import KVManager
 from services.engine.loader import load_model
@@ -88,6 +90,7 @@ class Engine:
         self.sampler = Sampler()
         # Speculative decoding (prompt lookup): decoding requests verify draft tokens each step
         self.speculator = Speculator(config.speculative, self.max_model_len) if config.speculative else None
+        self._structured: StructuredDecoding | None = None  # built at the first structured request
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # produced outside step() (abort, start_decode)
@@ -131,6 +134,17 @@ class Engine:
             raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})", param="prompt")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none", param="stop")
+        if params.structured is not None and self.tokenizer is None:
+            raise InvalidRequestError("structured output needs a tokenizer; this model has none",
+                                      param="response_format")
+
+    @property
+    def structured(self) -> StructuredDecoding:
+        if self._structured is None:
+            compiler = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
+                                       self.eos_token_ids)
+            self._structured = StructuredDecoding(compiler)
+        return self._structured
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, prefill_only: bool = False) -> None:
@@ -143,6 +157,8 @@ class Engine:
         self.scheduler.add(req)
 
     def _track(self, req: Request) -> None:
+        if req.params.structured is not None:
+            self.structured.add(req)  # raises InvalidRequestError before anything is held
         self.requests[req.request_id] = req
         if self.tokenizer is not None and not req.prefill_only:
             self._detok[req.request_id] = IncrementalDetokenizer(
@@ -158,13 +174,19 @@ class Engine:
         self.validate(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, priority=priority,
                       eos_token_ids=self.eos_token_ids)
+        if params.structured is not None:
+            self.structured.compiler.compile(params.structured)  # an invalid spec holds no blocks
         if not self.kv.allocate(req, req.num_tokens):
             raise CapacityError(
                 f"no room for {self.kv.blocks_needed(req.num_tokens)} KV blocks "
                 f"({self.block_pool.num_free} free of {self.block_pool.num_usable})"
             )
         req.status = Status.RESERVED
-        self._track(req)
+        try:
+            self._track(req)
+        except InvalidRequestError:
+            self.kv.free(req)
+            raise
         return list(req.block_ids)
 
     def start_decode(self, request_id: str, first_token_id: int, first_logprobs: TokenLogprobs | None = None) -> None:
@@ -216,27 +238,39 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         with phase("schedule"):
-            if self.speculator is not None:
-                self.speculator.propose(self.scheduler.running)
+            if self.speculator is not None:  # constrained requests get no drafts (grammar_masks.py)
+                self.speculator.propose([r for r in self.scheduler.running if r.params.structured is None])
             sched = self.scheduler.schedule()
         if not sched:
             return outputs
+        # the grammar masks of this step's constrained rows are computed while the forward runs
+        masks_job = self._structured.begin([s.request for s in sched.scheduled if s.samples]) \
+            if self._structured is not None and self._structured.active else None
         with phase(_forward_kind(sched.scheduled)):
             sampled, logits = self.runner.execute(sched)
         drafts = {s.request.request_id: s.spec_token_ids for s in sched.scheduled if s.spec_token_ids}
         with phase("sample"):
-            result = self._sample(sampled, logits, drafts)
+            result = self._sample(sampled, logits, drafts, masks_job)
         with phase("postprocess"):
             self._postprocess(sched, sampled, result, drafts, outputs)
         return outputs
 
-    def _sample(self, sampled: list[Request], logits, drafts: dict[str, list[int]]) -> VerifiedOutput | None:
+    def _sample(self, sampled: list[Request], logits, drafts: dict[str, list[int]],
+                masks_job=None) -> VerifiedOutput | None:
         """Sample the rows that sample; a request with drafts gets them verified."""
         if not sampled:
             return None
+        blocked = None
+        if masks_job is not None:
+            with phase("grammar_mask_wait"):
+                blocked = self._structured.masks(masks_job, sampled, logits.shape[-1], logits.device)
         if drafts:
-            return self.sampler.verify(logits, sampled, [drafts.get(r.request_id, ()) for r in sampled])
-        one = self.sampler(logits, sampled)
+            # constrained rows have no drafts, so each still owns one row when others verify
+            if blocked is not None:
+                rows = [i for i, r in enumerate(sampled) for _ in range(len(drafts.get(r.request_id, ())) + 1)]
+                blocked = blocked[rows]
+            return self.sampler.verify(logits, sampled, [drafts.get(r.request_id, ()) for r in sampled], blocked)
+        one = self.sampler(logits, sampled, blocked)
         return VerifiedOutput([[t] for t in one.token_ids], [[lp] for lp in one.logprobs])
 
     def _postprocess(self, sched, sampled: list[Request], result: VerifiedOutput | None,
@@ -281,6 +315,8 @@ class Engine:
         n = 0
         for token in tokens:
             req.append_output(token)
+            if self._structured is not None:
+                self._structured.accept(req, token)
             n += 1
             if (token in p.stop_token_ids) or (not p.ignore_eos and token in req.eos_token_ids):
                 reason = "stop"
@@ -305,6 +341,8 @@ class Engine:
         req.status, req.finish_reason = Status.FINISHED, reason
         self.requests.pop(req.request_id, None)
         self.sampler.forget(req.request_id)
+        if self._structured is not None:
+            self._structured.forget(req.request_id)
         if self.speculator is not None:
             self.speculator.forget(req.request_id)
 

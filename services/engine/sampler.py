@@ -5,7 +5,8 @@ frequency on output), then greedy argmax, or temperature, top-k, top-p, min-p
 and a draw. Draws use the exponential race (argmax of p / Exp(1)), which is a
 categorical sample; a request with a seed draws its noise from its own
 generator, so its output does not depend on what it was batched with.
-Logprobs are of the raw model distribution, before any of the above.
+Logprobs are of the raw model distribution, before any of the above. A structured-output
+row's grammar mask (``grammar_masks.py``) comes before everything: forbidden tokens get -inf.
 
 Speculative decoding (``verify``): a request brings draft tokens and one logits row per
 position. Draft token x_j at a row whose (penalised, filtered) distribution is p_j is
@@ -99,14 +100,18 @@ class Sampler:
         return gen
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, reqs: list[Request],
+                 blocked: torch.Tensor | None = None) -> SamplerOutput:
         """One token per request. ``logits``: fp32 ``[len(reqs), vocab]``; modified in place (the
-        runner's logits are inference tensors, so this must run in inference mode too)."""
-        out = self.verify(logits, reqs, [()] * len(reqs))
+        runner's logits are inference tensors, so this must run in inference mode too).
+        ``blocked``: bool ``[len(reqs), vocab]``, True for tokens a row's grammar forbids
+        (structured output); they get no probability, before penalties and filters."""
+        out = self.verify(logits, reqs, [()] * len(reqs), blocked)
         return SamplerOutput([t[0] for t in out.token_ids], [lp[0] for lp in out.logprobs])
 
     @torch.inference_mode()
-    def verify(self, logits: torch.Tensor, reqs: list[Request], drafts: list) -> VerifiedOutput:
+    def verify(self, logits: torch.Tensor, reqs: list[Request], drafts: list,
+               blocked: torch.Tensor | None = None) -> VerifiedOutput:
         """Tokens per request, given draft tokens to check. Request i owns ``len(drafts[i]) + 1``
         consecutive rows of ``logits``: the model's distribution after its last token, then after
         each draft token. It gets the longest prefix of its draft the model accepts, then one token
@@ -127,6 +132,8 @@ class Sampler:
             row_req += [req] * (len(draft) + 1)
         want_logprobs = any(r.params.logprobs is not None for r in reqs)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+        if blocked is not None:  # one row per request: constrained requests never have drafts
+            logits.masked_fill_(blocked, float("-inf"))
         if penalised:
             _apply_penalties(logits, penalised)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.engine.structured_output import StructuredOutput
 from services.errors import InvalidRequestError
 
 
@@ -23,8 +24,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token; 0 = just the chosen one
     skip_special_tokens: bool = True
+    # What the output must match (response_format, a gRPC regex or grammar); None: free text.
+    # A dict (from the queue's JSON) becomes a StructuredOutput.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
+        self.structured = StructuredOutput.coerce(self.structured)
         def bad(param: str, why: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param} {why}", param=param)
 

@@ -1,0 +1,106 @@
+"""Structured output in the engine: grammar masks in the sampler, per sequence, next to
+unconstrained requests; EOS only where the grammar accepts; the disaggregated hand-off."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from services.engine.sampling_params import SamplingParams
+from services.engine.structured_output import StructuredOutput
+from services.errors import InvalidRequestError
+from tests.engine.recording import run_to_completion
+from tests.engine.test_disagg_lifecycle import assert_no_leaks, handoff
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "colour": {"type": "string", "enum": ["red", "green", "blue"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 2}},
+    "required": ["name", "age", "colour"], "additionalProperties": False}
+
+
+def _chat(engine, text: str) -> list[int]:
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+def _text(engine, outs) -> str:
+    return "".join(o.new_text for o in outs)
+
+
+def test_json_schema_next_to_unconstrained_requests(default_model):
+    """One batch: a constrained request (sampled, seeded) between two free ones; the constrained
+    output parses and validates, the free ones are the tokens they get alone."""
+    engine = default_model
+    free = SamplingParams(max_tokens=24, temperature=0)
+    prompt_free = _chat(engine, "Tell me about cats.")
+    engine.add_request("alone", prompt_free, free)
+    alone = [t for o in run_to_completion(engine)["alone"] for t in o.new_token_ids]
+
+    constrained = SamplingParams(max_tokens=120, temperature=0.8, seed=3,
+                                 structured=StructuredOutput.json_schema(SCHEMA))
+    engine.add_request("free-a", prompt_free, free)
+    engine.add_request("json", _chat(engine, "Describe a person as JSON."), constrained)
+    engine.add_request("free-b", prompt_free, free)
+    outs = run_to_completion(engine)
+    doc = json.loads(_text(engine, outs["json"]))
+    jsonschema.validate(doc, SCHEMA)
+    assert outs["json"][-1].finish_reason == "stop"
+    for rid in ("free-a", "free-b"):
+        assert [t for o in outs[rid] for t in o.new_token_ids] == alone
+
+
+def test_regex_and_grammar(default_model):
+    engine = default_model
+    engine.add_request("re", _chat(engine, "Give me a date."),
+                       SamplingParams(max_tokens=30, temperature=0, structured=StructuredOutput("regex", r"20[0-9]{2}-[01][0-9]-[0-3][0-9]")))
+    engine.add_request("lark", _chat(engine, "Is the sky blue?"),
+                       SamplingParams(max_tokens=30, temperature=1.0, seed=1,
+                                      structured=StructuredOutput("grammar", 'start: ("yes" | "no") "!"')))
+    outs = run_to_completion(engine)
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", _text(engine, outs["re"]))
+    assert _text(engine, outs["lark"]) in ("yes!", "no!")
+    assert outs["re"][-1].finish_reason == outs["lark"][-1].finish_reason == "stop"
+
+
+def test_max_tokens_mid_object_is_length(default_model):
+    engine = default_model
+    engine.add_request("cut", _chat(engine, "JSON please."),
+                       SamplingParams(max_tokens=3, temperature=0, structured=StructuredOutput("json_object")))
+    outs = run_to_completion(engine)["cut"]
+    assert outs[-1].finish_reason == "length"
+    assert _text(engine, outs).startswith("{")
+
+
+def test_invalid_spec_is_refused_and_holds_nothing(default_model):
+    engine = default_model
+    for spec in (StructuredOutput("json_schema", '{"type": "frob"}'), StructuredOutput("regex", "[0-9")):
+        with pytest.raises(InvalidRequestError, match="cannot be compiled") as err:
+            engine.add_request("bad", [1, 2, 3], SamplingParams(structured=spec))
+        assert err.value.param == "response_format"
+        with pytest.raises(InvalidRequestError):
+            engine.reserve("bad", [1, 2, 3], SamplingParams(structured=spec))
+    assert not engine.requests and engine.block_pool.num_used == 0
+
+
+@pytest.mark.slow
+def test_handoff_constrains_the_first_token():
+    """The prefill engine samples the first token under the grammar; the decode engine's matcher
+    consumes it and constrains the rest. A regex whose first character the model would never pick
+    unconstrained shows the first token was constrained."""
+    from services.config import EngineConfig
+    from services.engine.engine import Engine
+
+    cfg = EngineConfig(dtype="fp32", kv_cache_bytes=64 << 20)
+    prefill, decode = Engine(cfg), Engine(cfg)
+    prompt = _chat(prefill, "What is the capital of France?")
+    pattern = r"Q[0-9]{3}"
+    free = handoff(prefill, decode, "free", prompt, SamplingParams(max_tokens=5, temperature=0))
+    assert not prefill.tokenizer.decode(free).startswith("Q")
+    tokens = handoff(prefill, decode, "re", prompt,
+                     SamplingParams(max_tokens=10, temperature=0, structured=StructuredOutput("regex", pattern)))
+    assert re.fullmatch(pattern, prefill.tokenizer.decode(tokens))
+    assert_no_leaks(prefill, decode)
