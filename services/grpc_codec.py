@@ -14,6 +14,7 @@ import grpc
 from proto.pdserve.v1 import common_pb2, worker_pb2
 from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
+from services.engine.structured_output import StructuredOutput
 from services.errors import DeadlineExceededError, InvalidRequestError, PdserveError, is_described
 
 _OPTIONAL_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -30,6 +31,12 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     kwargs["stop"] = list(msg.stop)
     kwargs["stop_token_ids"] = list(msg.stop_token_ids)
     kwargs["ignore_eos"] = msg.ignore_eos
+    if msg.HasField("structured"):
+        s = msg.structured
+        try:
+            kwargs["structured"] = StructuredOutput(s.kind, s.spec, tuple(s.replay))
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"sampling.structured: {exc.message}", param="sampling.structured") from None
     return SamplingParams(**kwargs)
 
 
@@ -44,6 +51,9 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.structured is not None:
+        s = params.structured
+        msg.structured.CopyFrom(common_pb2.StructuredOutput(kind=s.kind, spec=s.spec, replay=s.replay))
     return msg
 
 

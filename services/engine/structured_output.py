@@ -52,8 +52,8 @@ class StructuredOutput:
 
     @classmethod
     def json_schema(cls, schema: dict | bool) -> "StructuredOutput":
-        # sorted keys: one schema, one cache key, whatever order the client wrote it in
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        # key order kept: properties are generated in the schema's order
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
 
     @property
     def key(self) -> str:

@@ -55,6 +55,7 @@ from services.gateway.protocol import GenerationRequest
 from services.gateway.rate_limit import RateLimiter, RateStatus
 from services.gateway.readiness import DecodeWorkers
 from services.gateway.request_record import RequestRecord, RequestRecords
+from services.gateway.response_format import GrammarCheck
 from services.gateway.served_model import ServedModel
 from services.queue import AdmissionQueue, QueuedRequest, ResultReader, ResultWriter
 from services.queue.cancel import request_cancel
@@ -101,6 +102,7 @@ class GatewayCore:
         self.limiter = RateLimiter(redis)
         self.idempotency = IdempotencyKeys(redis, config.idempotency_ttl_s)
         self.coalescer = Coalescer(redis, config.coalesce)
+        self.grammar = GrammarCheck(model)
         # a record outlives the longest request and its result stream, so every resume finds it
         self.records = RequestRecords(redis, max(config.record_ttl_s, math.ceil(config.max_timeout_s) + 600))
         self.reader = ResultReader(redis)
@@ -167,6 +169,7 @@ class GatewayCore:
                 return earlier
 
         token_ids = await prompts.encode(self.model, req.messages, req.prompt)
+        await self.grammar.check(req.sampling.get("structured"), req.structured_param)
         max_len = await self.max_model_len()
         prompts.check_context(len(token_ids), req.max_tokens, max_len)
         if self.config.require_ready_worker:

@@ -84,7 +84,7 @@ class GatewayGenerationServicer(generate_pb2_grpc.GenerationServicer):
             raise InvalidRequestError("give a prompt: text, chat or token_ids", param="input")
         params = sampling_from_proto(request.sampling)  # validates; InvalidRequestError names the field
         common = {"model": request.model or None, "sampling": dataclasses.asdict(params),
-                  "logprobs": params.logprobs}
+                  "logprobs": params.logprobs, "structured_param": "sampling.structured"}
         if kind == "chat":
             messages = protocol.parse_messages([{"role": m.role, "content": m.content}
                                                 for m in request.chat.messages])

@@ -12,7 +12,8 @@ Supported: chat ``messages`` (string content or ``text`` parts), completion
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
 ``presence_penalty``, ``frequency_penalty``, ``n`` (1), ``stream``,
 ``stream_options.include_usage``, ``logprobs`` / ``top_logprobs``, ``user``,
-``prompt_cache_key`` (session affinity; completions too, as an extension); and
+``prompt_cache_key`` (session affinity; completions too, as an extension), ``response_format``
+(``json_object``, ``json_schema``; completions too, as vLLM does: response_format.py); and
 vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``. Every other field of OpenAI's
 API is listed in spec_fields.py: features pdserve does not have (tools,
@@ -30,6 +31,7 @@ from typing import Any
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError
 from services.gateway.request_record import CHAT, COMPLETION
+from services.gateway.response_format import parse_response_format
 from services.gateway.spec_fields import CHAT_FIELDS, COMPLETION_FIELDS, refuse_unsupported
 from services.session_key import validate_session_key
 
@@ -51,6 +53,7 @@ class GenerationRequest:
     user: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     session_key: str = ""  # prompt_cache_key ("" for none; X-Session-ID fills it in at admission)
+    structured_param: str = "response_format"  # what a structured-output error names (gRPC: sampling.structured)
 
     @property
     def max_tokens(self) -> int | None:
@@ -161,15 +164,19 @@ def _common(body: dict, kind: str) -> tuple[dict, dict]:
     return sampling, settings
 
 
+def _structured(body: dict, sampling: dict) -> None:
+    """response_format into the sampling dict, as the queue message carries it (plain JSON)."""
+    spec = parse_response_format(body.get("response_format"))
+    if spec is not None:
+        sampling["structured"] = {"kind": spec.kind, "spec": spec.spec}
+
+
 def validate_sampling(sampling: dict) -> None:
     SamplingParams(**sampling)  # raises InvalidRequestError naming the parameter
 
 
 def parse_chat(body: dict) -> GenerationRequest:
     refuse_unsupported(body, CHAT_FIELDS)
-    fmt = get_typed(body, "response_format", (dict,))
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise InvalidRequestError("only response_format type 'text' is supported", param="response_format")
     if "messages" not in body:
         raise InvalidRequestError("messages is required", param="messages")
     raw = get_typed(body, "messages", (list,))
@@ -184,6 +191,7 @@ def parse_chat(body: dict) -> GenerationRequest:
         raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
     if logprobs:
         sampling["logprobs"] = top or 0
+    _structured(body, sampling)
     validate_sampling(sampling)
     return GenerationRequest(CHAT, sampling=sampling, messages=messages,
                              logprobs=sampling.get("logprobs"), **settings)
@@ -234,6 +242,7 @@ def parse_completion(body: dict) -> GenerationRequest:
     logprobs = get_typed(body, "logprobs", (int,))
     if logprobs is not None:
         sampling["logprobs"] = logprobs
+    _structured(body, sampling)
     validate_sampling(sampling)
     return GenerationRequest(COMPLETION, sampling=sampling, prompt=prompt, logprobs=sampling.get("logprobs"),
                              **settings)

@@ -33,6 +33,13 @@ _NUM = {"type": "number"}
 _STOP = {"anyOf": [_STR, {"type": "array", "items": _STR, "maxItems": 16}]}
 _META = {"type": "object", "additionalProperties": {"type": "string", "maxLength": 512}, "maxProperties": 16}
 _SESSION = {"type": "string", "maxLength": 256}
+_RESPONSE_FORMAT = {"oneOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+    {"type": "object", "required": ["type", "json_schema"], "properties": {
+        "type": {"enum": ["json_schema"]},
+        "json_schema": {"type": "object", "required": ["name", "schema"], "properties": {
+            "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": _STR,
+            "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}}]}
 _SESSION_NOTE = ("session affinity: requests with the same key go to the same decode worker while it is healthy and "
                  "not overloaded, unless another worker holds more of the prompt (header X-Session-ID: the same; "
                  "up to 256 bytes)")
@@ -90,8 +97,11 @@ CHAT_FIELDS: dict[str, SpecField] = {
     "max_completion_tokens": _h("default: until the context is full", {**_INT, "minimum": 1}),
     "logprobs": _h("the chosen token's logprob, every token the first included", _BOOL),
     "top_logprobs": _h("0-20 alternatives per token (needs logprobs)", {**_INT, "minimum": 0, "maximum": 20}),
-    "response_format": _h("type text only; json_object and json_schema are a 400",
-                          {"type": "object", "properties": {"type": {"enum": ["text"]}}}),
+    "response_format": _h("text; json_object (any JSON object); json_schema (name, schema, strict): the "
+                          "output is guaranteed to parse and validate (a grammar mask on every token; strict "
+                          "false is enforced too); a schema that does not compile is a 400 before queueing; "
+                          "max_tokens reached mid-object ends with finish_reason length",
+                          _RESPONSE_FORMAT),
     "safety_identifier": _i("an end-user id for abuse detection; changes nothing", _STR),
     "prompt_cache_key": _h(_SESSION_NOTE, _SESSION),
     "metadata": _i("tags for stored completions; pdserve stores none (store true is a 400)", _META),

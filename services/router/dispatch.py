@@ -17,7 +17,8 @@ A failed attempt is retried on other workers, up to ``max_attempts``:
 - after tokens were streamed (the decode worker died mid-stream): the prompt
   plus the tokens already streamed, with max_tokens reduced by as many, so the
   caller sees no duplicate or missing token (greedy output is unchanged;
-  sampled output continues from a fresh random stream).
+  sampled output continues from a fresh random stream; a structured-output request's
+  grammar replays the streamed tokens first).
 
 Bad input (INVALID_ARGUMENT) is never retried. Each attempt has its own worker
 request id (``<id>.<attempt>``), so a failed attempt still being torn down on a
@@ -183,6 +184,9 @@ class Dispatcher:
                         outcome = "ok"
                         return
                     remaining = dataclasses.replace(params, max_tokens=params.max_tokens - len(emitted))
+                if emitted and params.structured is not None:  # the grammar picks up where the stream is
+                    remaining = dataclasses.replace(remaining, structured=dataclasses.replace(
+                        params.structured, replay=params.structured.replay + tuple(emitted)))
                 try:
                     async for item in self._attempt(f"{request_id}.{attempt}", token_ids + emitted, remaining,
                                                     priority, deadline, avoid_prefill, avoid_decode, results_to,

@@ -1,0 +1,158 @@
+"""Structured output over the real disaggregated stack: openai client -> gateway -> queue -> router
+-> prefill worker (first token, constrained) -> KV over UCX -> decode worker (the rest)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import jsonschema
+import pytest
+import redis
+
+from proto.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from services.launcher import LocalStack, StackSpec
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 24},
+    "population": {"type": "integer", "minimum": 0, "maximum": 99999999},
+    "continent": {"type": "string", "enum": ["Europe", "Asia", "Africa", "America", "Oceania"]},
+    "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 2}},
+    "required": ["city", "population", "continent"], "additionalProperties": False}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url):
+    redis.Redis.from_url(redis_url).flushdb()
+    spec = StackSpec(prefill=1, decode=1, dtype="fp32", threads=1, kv_cache_gb=0.25, redis_url=redis_url)
+    with LocalStack(spec) as s:
+        s.redis_url = redis_url
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"http://{stack.gateway_address}/v1", api_key="none", max_retries=0)
+
+
+def _messages(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_json_schema_streaming_and_not_next_to_a_free_request(client):
+    """Three requests in flight together: json_schema (non-streaming, sampled), json_schema
+    streaming, and an unconstrained one; the structured outputs parse and validate."""
+    def constrained():
+        reply = client.chat.completions.create(model=MODEL, messages=_messages("Describe Paris as JSON."),
+                                               response_format=FORMAT, max_tokens=150, temperature=0.7, seed=5)
+        return reply.choices[0].message.content, reply.choices[0].finish_reason
+
+    def streamed():
+        chunks = list(client.chat.completions.create(model=MODEL, messages=_messages("Describe Tokyo as JSON."),
+                                                     response_format=FORMAT, max_tokens=150, temperature=0,
+                                                     stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+
+    def free():
+        reply = client.chat.completions.create(model=MODEL, messages=_messages("Describe Rome."),
+                                               max_tokens=40, temperature=0)
+        return reply.choices[0].message.content, reply.choices[0].finish_reason
+
+    with ThreadPoolExecutor(3) as pool:
+        jobs = [pool.submit(f) for f in (constrained, streamed, free)]
+        (a, fa), (b, fb), (c, _) = [j.result() for j in jobs]
+    for text, finish in ((a, fa), (b, fb)):
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert c and not c.lstrip().startswith("{")  # the free request was not constrained
+
+
+def test_json_object_on_completions(client):
+    reply = client.completions.create(model=MODEL, prompt="A JSON object describing a dog: ", max_tokens=80,
+                                      temperature=0, extra_body={"response_format": {"type": "json_object"}})
+    choice = reply.choices[0]
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.text), dict)
+    else:  # max_tokens mid-object: "length", and the text is a prefix of an object
+        assert choice.finish_reason == "length" and choice.text.startswith("{")
+
+
+def _queued(stack) -> int:
+    r = redis.Redis.from_url(stack.redis_url)
+    return sum(r.xlen(k) for k in r.scan_iter("pd:{q}:req:*"))
+
+
+@pytest.mark.parametrize("fmt, named", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}, "frob"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}, "missing"),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema"),
+    ({"type": "yaml"}, "response_format.type"),
+])
+def test_invalid_schema_is_a_400_naming_it_and_not_queued(stack, client, fmt, named):
+    import openai
+
+    before = _queued(stack)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=_messages("hi"), response_format=fmt, max_tokens=5)
+    body = err.value.body
+    assert body["param"].startswith("response_format")
+    assert named in body["message"] or named == body["param"]
+    assert _queued(stack) == before
+
+
+def _generate(stack, **structured):
+    async def run():
+        async with grpc.aio.insecure_channel(stack.router_address) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            req = generate_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(
+                max_tokens=20, temperature=0, structured=common_pb2.StructuredOutput(**structured)))
+            req.chat.messages.append(generate_pb2.ChatMessage(role="user", content="What is the capital of France?"))
+            ids, finish = [], None
+            async for msg in stub.Generate(req, timeout=120):
+                if msg.HasField("chunk"):
+                    ids += msg.chunk.token_ids
+                else:
+                    finish = msg.finish
+            return ids, finish
+    return asyncio.run(run())
+
+
+def test_grpc_regex_constrains_the_first_token_across_the_handoff(stack):
+    """The model answers this prompt with "The capital..." unconstrained; under the regex its first
+    token (sampled on the prefill worker) is "Q", and the decode worker continues the match."""
+    from services.engine.tokenizer import Tokenizer
+    from services.engine.model_source import model_card
+
+    tok = Tokenizer(model_card(None).tokenizer_dir)
+    ids, finish = _generate(stack, kind="regex", spec=r"Q-[0-9]{3}-(yes|no)")
+    text = tok.decode(ids)
+    assert re.fullmatch(r"Q-[0-9]{3}-(yes|no)", text), text
+    assert finish.finish_reason == "stop"
+    assert finish.prefill_worker.startswith("prefill-") and finish.decode_worker.startswith("decode-")
+
+
+def test_grpc_lark_grammar(stack):
+    from services.engine.tokenizer import Tokenizer
+    from services.engine.model_source import model_card
+
+    ids, finish = _generate(stack, kind="grammar", spec='start: "Answer: " ("Paris" | "Rome") "."')
+    assert Tokenizer(model_card(None).tokenizer_dir).decode(ids) in ("Answer: Paris.", "Answer: Rome.")
+
+
+@pytest.mark.parametrize("kind, spec", [("gbnf", 'root ::= "a"'), ("regex", "[0-9")])
+def test_grpc_unsupported_or_invalid_is_invalid_argument(stack, kind, spec):
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(stack, kind=kind, spec=spec)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert kind in err.value.details()
