@@ -31,6 +31,7 @@ BENCHES = {
     "kvtransfer": "services.bench.transfer",
     "gpu": "services.engine.gpu_bench",
     "spec": "services.engine.spec_bench",
+    "structured": "services.engine.structured_bench",
     "routing": "services.router.bench",
     "serve": "services.gateway.bench",
     "coalesce": "services.gateway.coalesce_bench",

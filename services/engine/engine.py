@@ -269,8 +269,9 @@ class Engine:
             if blocked is not None:
                 rows = [i for i, r in enumerate(sampled) for _ in range(len(drafts.get(r.request_id, ())) + 1)]
                 blocked = blocked[rows]
-            return self.sampler.verify(logits, sampled, [drafts.get(r.request_id, ()) for r in sampled], blocked)
-        one = self.sampler(logits, sampled, blocked)
+            args = (logits, sampled, [drafts.get(r.request_id, ()) for r in sampled])
+            return self.sampler.verify(*args) if blocked is None else self.sampler.verify(*args, blocked)
+        one = self.sampler(logits, sampled) if blocked is None else self.sampler(logits, sampled, blocked)
         return VerifiedOutput([[t] for t in one.token_ids], [[lp] for lp in one.logprobs])
 
     def _postprocess(self, sched, sampled: list[Request], result: VerifiedOutput | None,
