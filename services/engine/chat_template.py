@@ -85,10 +85,10 @@ def find_chat_template(directory: Path, tokenizer_config: dict) -> str | None:
 
 
 def render(source: str, messages: list[dict[str, Any]], special_tokens: dict[str, str],
-           add_generation_prompt: bool = True) -> str:
+           add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
     """The prompt text; a template that rejects the conversation is the request's fault (400)."""
     try:
-        return compile_template(source).render(messages=messages, tools=None, documents=None,
+        return compile_template(source).render(messages=messages, tools=tools, documents=None,
                                        add_generation_prompt=add_generation_prompt, **special_tokens)
     except jinja2.exceptions.TemplateError as exc:
         raise InvalidRequestError(f"the model's chat template rejected the messages: {exc}",

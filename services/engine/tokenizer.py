@@ -72,7 +72,13 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` list (else the gateway writes it into a
+        system message: services/gateway/tools.py)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list", param="messages")
         for m in messages:
@@ -82,7 +88,7 @@ class Tokenizer:
                 )
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template; send a raw prompt instead")
-        text = chat_template.render(self.chat_template, messages, self.special_tokens)
+        text = chat_template.render(self.chat_template, messages, self.special_tokens, tools=tools)
         return self.encode(text, add_special_tokens=False)
 
 

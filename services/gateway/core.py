@@ -55,6 +55,7 @@ from services.gateway.protocol import GenerationRequest
 from services.gateway.rate_limit import RateLimiter, RateStatus
 from services.gateway.readiness import DecodeWorkers
 from services.gateway.request_record import RequestRecord, RequestRecords
+from services.engine.structured_output import StructuredOutput
 from services.gateway.response_format import GrammarCheck
 from services.gateway.served_model import ServedModel
 from services.queue import AdmissionQueue, QueuedRequest, ResultReader, ResultWriter
@@ -168,8 +169,10 @@ class GatewayCore:
             if earlier is not None:
                 return earlier
 
-        token_ids = await prompts.encode(self.model, req.messages, req.prompt)
-        await self.grammar.check(req.sampling.get("structured"), req.structured_param)
+        token_ids = await prompts.encode(self.model, req.messages, req.prompt, req.tools)
+        for i, tool in enumerate(req.tools):
+            await self.grammar.check(StructuredOutput.json_schema(tool.parameters), f"tools[{i}].function.parameters")
+        await self.grammar.check(req.sampling.get("structured"), "tools" if req.tool_choice else req.structured_param)
         max_len = await self.max_model_len()
         prompts.check_context(len(token_ids), req.max_tokens, max_len)
         if self.config.require_ready_worker:
@@ -191,7 +194,8 @@ class GatewayCore:
     async def _admit(self, tenant: Tenant, req: GenerationRequest, token_ids: list[int], model: str, tier: str,
                      deadline: float, idempotency_key: str | None, traceparent: str, rate: RateStatus | None) -> Admission:
         record = RequestRecord(self.delivery.new_request_id(), req.kind, model, int(time.time()), tenant.name, req.include_usage,
-                               req.logprobs, deadline, len(token_ids))
+                               req.logprobs, deadline, len(token_ids),
+                               tools=req.tool_choice.dumps() if req.tool_choice is not None else "")
         queued = QueuedRequest(record.request_id, tenant.name, tier, model, token_ids, req.sampling, deadline,
                                traceparent, session_key=req.session_key)
         key = self.coalescer.key(tenant.name, tier, model, token_ids, req.sampling)

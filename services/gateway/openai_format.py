@@ -11,6 +11,13 @@ Completion streams (``text_completion``) are the same without the opening, with
 ``text`` instead of ``delta``. With ``include_usage`` every chunk carries
 ``"usage": null`` except the last, as OpenAI's do.
 
+Tool calls (``record.tools``; the format and modes are in tools.py): with a named function
+every text delta is an ``arguments`` delta of call 0 (its first delta carries ``id``, ``type``
+and ``name``); with ``required`` or ``auto`` the text is held back once it may be a call
+(``auto``: from a ``<tool_call>`` tag on; text before it streams as content) and the calls
+come as one delta each (``index``, ``id``, ``type``, ``name``, whole ``arguments``) before
+the final chunk, whose finish_reason is then ``tool_calls``.
+
 ``system_fingerprint`` names this server's version (OpenAI types it as a string);
 a chat message's ``refusal`` is always null (nothing here refuses to answer).
 """
@@ -20,6 +27,7 @@ from __future__ import annotations
 from importlib import metadata
 from typing import Any
 
+from services.gateway import tools
 from services.gateway.request_record import CHAT, RequestRecord
 
 
@@ -92,6 +100,9 @@ class StreamFormatter:
         self.object = "chat.completion.chunk" if record.kind == CHAT else "text_completion"
         self.logprobs = LogprobsFormat(record.kind, text_offset) if record.logprobs is not None else None
         self.completion_tokens = 0
+        self.tools = tools.ToolChoice.loads(record.tools) if record.kind == CHAT else None
+        self.held = ""  # tool-call text not yet shown
+        self.call_id = ""  # named function: the call's id once its first delta went out
 
     def _chunk(self, choices: list[dict], **extra: Any) -> dict:
         out = {"id": self.id, "object": self.object, "created": self.record.created, "model": self.record.model,
@@ -123,13 +134,58 @@ class StreamFormatter:
         text = data.get("text") or ""
         entries = data.get("logprobs") or []
         logprobs = self.logprobs.convert(entries) if self.logprobs is not None and entries else None
+        if self.tools is not None:
+            return self._tool_chunk(text, logprobs)
         if not text and logprobs is None:
             return []
         return [self._chunk([self._choice(text, None, logprobs)])]
 
+    def _tool_chunk(self, text: str, logprobs: dict | None) -> list[dict]:
+        mode, _ = tools.mode_of(self.tools)
+        if mode == tools.NAMED:
+            if not text:
+                return []
+            call: dict = {"index": 0, "function": {"arguments": text}}
+            if not self.call_id:
+                self.call_id = tools.new_call_id()
+                call = {"index": 0, "id": self.call_id, "type": "function",
+                        "function": {"name": self.tools.name, "arguments": text}}
+            return [self._chunk([{"index": 0, "delta": {"tool_calls": [call]}, "logprobs": logprobs,
+                                  "finish_reason": None}])]
+        self.held += text
+        if mode == tools.AUTO:
+            at = self.held.find(tools.OPEN_TAG)
+            if at < 0:  # show all but what could be the start of a tag
+                keep = next((k for k in range(len(tools.OPEN_TAG) - 1, 0, -1)
+                             if self.held.endswith(tools.OPEN_TAG[:k])), 0)
+                shown, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+            else:
+                shown, self.held = self.held[:at].rstrip(), self.held[at:]
+            if shown:
+                return [self._chunk([self._choice(shown, None, logprobs)])]
+        return []
+
+    def _tool_final(self, reason: str) -> tuple[list[dict], str]:
+        """The held-back calls (or text) at the end, and the finish reason."""
+        mode, _ = tools.mode_of(self.tools)
+        if mode == tools.NAMED:
+            return [], "tool_calls" if reason == "stop" and self.call_id else reason
+        content, calls = tools.parse_output(self.held, self.tools)
+        out = []
+        if content and not calls:
+            out.append(self._chunk([self._choice(content, None)]))
+        for i, call in enumerate(calls):
+            delta = {"tool_calls": [{"index": i, "id": tools.new_call_id(), "type": "function",
+                                     "function": {"name": call["name"], "arguments": call["arguments"]}}]}
+            out.append(self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]))
+        return out, "tool_calls" if calls and reason == "stop" else reason
+
     def final(self, data: dict) -> list[dict]:
         reason = data.get("finish_reason") or "stop"
-        out = [self._chunk([self._choice(None if self.record.kind == CHAT else "", reason)])]
+        out = []
+        if self.tools is not None:
+            out, reason = self._tool_final(reason)
+        out += [self._chunk([self._choice(None if self.record.kind == CHAT else "", reason)])]
         if self.include_usage:
             out.append(self._chunk([], usage=usage(data, self.record, self.completion_tokens)))
         return out
@@ -165,8 +221,16 @@ class ResponseAggregate:
         logprobs = LogprobsFormat.merge(rec.kind, self.logprobs_parts) if self.logprobs is not None else None
         reason = final.get("finish_reason") or "stop"
         if rec.kind == CHAT:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": logprobs, "finish_reason": reason}
+            message = {"role": "assistant", "content": text, "refusal": None}
+            choice_tools = tools.ToolChoice.loads(rec.tools)
+            if choice_tools is not None:
+                content, calls = tools.parse_output(text, choice_tools)
+                if calls:
+                    message["content"] = content
+                    message["tool_calls"] = [{"id": tools.new_call_id(), "type": "function", "function": c}
+                                             for c in calls]
+                    reason = "tool_calls" if reason == "stop" else reason
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}

@@ -9,12 +9,27 @@ from __future__ import annotations
 import asyncio
 
 from services.errors import InvalidRequestError
+from services.gateway import tools
 from services.gateway.served_model import ServedModel
 
 _INLINE_CHARS = 4096  # below this, tokenizing inline is cheaper than a thread hop
 
 
-def _encode(model: ServedModel, messages: list[dict] | None, prompt: str | list[int] | None) -> list[int]:
+def _with_tools(model: ServedModel, messages: list[dict], tool_list: list) -> tuple[list[dict], list | None]:
+    """The template's own tool rendering where it has one; else the tool list as a system message."""
+    if not tool_list:
+        return messages, None
+    if model.tokenizer.renders_tools:
+        return messages, [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                             "parameters": t.parameters}} for t in tool_list]
+    text = tools.system_prompt(tool_list)
+    if messages[0]["role"] == "system":
+        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]], None
+    return [{"role": "system", "content": text}, *messages], None
+
+
+def _encode(model: ServedModel, messages: list[dict] | None, prompt: str | list[int] | None,
+            tool_list: list | None = None) -> list[int]:
     if messages is None and isinstance(prompt, list):
         bad = [t for t in prompt if t >= model.vocab_size] if model.vocab_size else []
         if bad:
@@ -26,7 +41,8 @@ def _encode(model: ServedModel, messages: list[dict] | None, prompt: str | list[
                                   "/v1/completions", param="messages" if messages is not None else "prompt")
     if messages is not None:
         try:
-            ids = model.tokenizer.apply_chat_template(messages)
+            messages, template_tools = _with_tools(model, messages, tool_list or [])
+            ids = model.tokenizer.apply_chat_template(messages, template_tools)
         except InvalidRequestError:
             raise
         except Exception as exc:  # the template itself refused (e.g. roles must alternate)
@@ -46,10 +62,10 @@ def _size(messages: list[dict] | None, prompt: str | list[int] | None) -> int:
 
 
 async def encode(model: ServedModel, messages: list[dict] | None = None,
-                 prompt: str | list[int] | None = None) -> list[int]:
-    if _size(messages, prompt) < _INLINE_CHARS:
-        return _encode(model, messages, prompt)
-    return await asyncio.to_thread(_encode, model, messages, prompt)
+                 prompt: str | list[int] | None = None, tool_list: list | None = None) -> list[int]:
+    if _size(messages, prompt) < _INLINE_CHARS and not tool_list:
+        return _encode(model, messages, prompt, tool_list)
+    return await asyncio.to_thread(_encode, model, messages, prompt, tool_list)
 
 
 def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError
 from services.gateway.request_record import CHAT, COMPLETION
+from services.gateway import tools
 from services.gateway.response_format import parse_response_format
 from services.gateway.spec_fields import CHAT_FIELDS, COMPLETION_FIELDS, refuse_unsupported
 from services.session_key import validate_session_key
@@ -54,6 +55,8 @@ class GenerationRequest:
     extra: dict[str, Any] = field(default_factory=dict)
     session_key: str = ""  # prompt_cache_key ("" for none; X-Session-ID fills it in at admission)
     structured_param: str = "response_format"  # what a structured-output error names (gRPC: sampling.structured)
+    tools: list = field(default_factory=list)  # tools.Tool, for the prompt and the schema check
+    tool_choice: Any = None  # tools.ToolChoice when the output may hold calls
 
     @property
     def max_tokens(self) -> int | None:
@@ -192,9 +195,17 @@ def parse_chat(body: dict) -> GenerationRequest:
     if logprobs:
         sampling["logprobs"] = top or 0
     _structured(body, sampling)
+    tool_list, choice = tools.parse_tools(body)
+    constraint = tools.structured_output(tool_list, choice)
+    if constraint is not None:
+        if "structured" in sampling:
+            raise InvalidRequestError("response_format cannot be combined with tool_choice required or a named "
+                                      "function (both constrain the output)", param="response_format")
+        sampling["structured"] = {"kind": constraint.kind, "spec": constraint.spec}
     validate_sampling(sampling)
-    return GenerationRequest(CHAT, sampling=sampling, messages=messages,
-                             logprobs=sampling.get("logprobs"), **settings)
+    prompt_tools = tool_list if body.get("tool_choice") != "none" else []
+    return GenerationRequest(CHAT, sampling=sampling, messages=messages, logprobs=sampling.get("logprobs"),
+                             tools=prompt_tools, tool_choice=choice, **settings)
 
 
 def parse_messages(raw: Any) -> list[dict[str, str]]:
@@ -215,6 +226,13 @@ def _message(m: Any, i: int) -> dict[str, str]:
     content = m.get("content")
     if content is None and role == "assistant":
         content = ""
+    calls = m.get("tool_calls") if role == "assistant" else None
+    if calls is not None:
+        if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str) for c in calls):
+            raise InvalidRequestError(f"{param}.tool_calls must be an array of function calls with a name",
+                                      param=f"{param}.tool_calls")
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
@@ -230,6 +248,8 @@ def _message(m: Any, i: int) -> dict[str, str]:
     if not isinstance(content, str):
         raise InvalidRequestError(f"{param}.content must be a string or an array of text parts",
                                   param=f"{param}.content")
+    if calls:  # the calls as the model writes them (tools.py), after any text
+        content = "\n".join(part for part in (content, tools.render_calls(calls)) if part)
     return {"role": _ROLES[role], "content": content}
 
 

@@ -36,6 +36,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     source: str = ""  # a coalesced follower: the leader whose generation and result stream it shares
     coalesce: str = ""  # the coalescing key its generation holds (coalescing.py); "" when not coalescible
+    tools: str = ""  # tools.ToolChoice as JSON when the output may hold tool calls; "" otherwise
 
     @property
     def stream_id(self) -> str:
@@ -47,7 +48,7 @@ class RequestRecord:
                 "include_usage": "1" if self.include_usage else "0",
                 "logprobs": "" if self.logprobs is None else str(self.logprobs),
                 "deadline": repr(self.deadline), "prompt_tokens": str(self.prompt_tokens),
-                "source": self.source, "coalesce": self.coalesce}
+                "source": self.source, "coalesce": self.coalesce, "tools": self.tools}
 
     @classmethod
     def from_fields(cls, request_id: str, raw: dict) -> RequestRecord | None:
@@ -57,7 +58,7 @@ class RequestRecord:
             return cls(request_id, f["kind"], f["model"], int(f["created"]), f["tenant"],
                        f.get("include_usage") == "1", int(f["logprobs"]) if f.get("logprobs") else None,
                        float(f.get("deadline", "0")), int(f.get("prompt_tokens", "0")), f.get("source", ""),
-                       f.get("coalesce", ""))
+                       f.get("coalesce", ""), f.get("tools", ""))
         except (KeyError, ValueError):
             return None
 

@@ -91,7 +91,8 @@ _PENALTIES = {
 
 CHAT_FIELDS: dict[str, SpecField] = {
     "messages": _h("text content (a string or text parts); roles system, developer (as system), user, "
-                   "assistant, tool; other part types are a 400", {"type": "array", "minItems": 1}),
+                   "assistant (with tool_calls), tool; other part types are a 400",
+                   {"type": "array", "minItems": 1}),
     **_SAMPLING, **_PENALTIES,
     "max_tokens": _h("deprecated alias of max_completion_tokens", {**_INT, "minimum": 1}),
     "max_completion_tokens": _h("default: until the context is full", {**_INT, "minimum": 1}),
@@ -105,11 +106,22 @@ CHAT_FIELDS: dict[str, SpecField] = {
     "safety_identifier": _i("an end-user id for abuse detection; changes nothing", _STR),
     "prompt_cache_key": _h(_SESSION_NOTE, _SESSION),
     "metadata": _i("tags for stored completions; pdserve stores none (store true is a 400)", _META),
-    "parallel_tool_calls": _i("there are no tools to call", _BOOL),
+    "parallel_tool_calls": _h("false: at most one call (required: exactly one)", _BOOL),
     "store": _r("stored chat completions are not implemented", False),
     "service_tier": _r("one tier per API key here (x-pdserve-priority)", "auto", "default"),
-    "tools": _r("tool calling is not implemented yet"),
-    "tool_choice": _r("tool calling is not implemented yet", "none", "auto"),
+    "tools": _h("function tools: rendered by the chat template where it renders tools, else as a system "
+                "message; calls in Hermes' <tool_call> format, returned as tool_calls with finish_reason "
+                "tool_calls; a parameters schema that does not compile is a 400 naming it",
+                {"type": "array", "items": {"type": "object", "required": ["function"], "properties": {
+                    "type": {"enum": ["function"]}, "function": {"type": "object", "required": ["name"],
+                                                                 "properties": {"name": _STR, "description": _STR,
+                                                                                "parameters": {"type": "object"}}}}}}),
+    "tool_choice": _h("none; auto (the model's calls parsed out of its text); required (a grammar: one or more "
+                      "calls); a named function (a grammar: that function's parameter schema); an unknown name "
+                      "is a 400",
+                      {"anyOf": [{"enum": ["none", "auto", "required"]}, {"type": "object", "properties": {
+                          "type": {"enum": ["function"]}, "function": {"type": "object", "properties": {
+                              "name": _STR}}}}]}),
     "functions": _r("tool calling is not implemented yet"),
     "function_call": _r("tool calling is not implemented yet", "none", "auto"),
     "audio": _r("text only"),

@@ -156,3 +156,91 @@ def test_grpc_unsupported_or_invalid_is_invalid_argument(stack, kind, spec):
         _generate(stack, kind=kind, spec=spec)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert kind in err.value.details()
+
+
+# ---- tool calls ---------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                   "required": ["city"], "additionalProperties": False}}}
+ASK = _messages("What is the weather in Paris?")
+
+
+def _check_call(call, tools=(WEATHER, TIME)):
+    fn = next(t["function"] for t in tools if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), fn["parameters"])
+    assert call.type == "function" and call.id.startswith("call_")
+
+
+def test_named_function_call(client):
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=60,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    _check_call(call)
+
+
+def test_named_function_call_streams_incremental_arguments(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=60, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert len(deltas) > 1  # the arguments arrive in pieces
+    assert deltas[0].id and deltas[0].function.name == "get_weather" and deltas[0].type == "function"
+    assert all(d.index == 0 for d in deltas) and not any(d.id for d in deltas[1:])
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_single_call(client, stream):
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                  parallel_tool_calls=False, max_tokens=80)
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls, finish = choice.message.tool_calls, choice.finish_reason
+    else:
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        calls = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    assert finish == "tool_calls" and len(calls) == 1
+    _check_call(calls[0])
+
+
+def test_a_conversation_with_tool_results(client):
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
+                                           max_tokens=30, temperature=0)
+    assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
+    assert reply.usage.prompt_tokens > 60  # the call and its result are in the prompt
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": {"type": "function"}}, "tools"),
+    ({"tools": [{"type": "function", "function": {"description": "x"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+])
+def test_bad_tools_are_a_400_naming_the_field(stack, client, extra, param):
+    import openai
+
+    before = _queued(stack)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, extra_body=extra)
+    assert err.value.body["param"] == param
+    assert _queued(stack) == before
