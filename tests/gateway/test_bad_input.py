@@ -49,7 +49,16 @@ CASES = [
     (CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
     (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    (CHAT, {"messages": MSG, "tools": {"type": "function", "function": {"name": "f"}}}, 400, "tools"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {}}]}, 400, "tools[0].function.name"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}]}, 400, "tools[0].function.parameters"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    (CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "frob"}}}}, 400, "response_format"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, 400, "response_format.type"),
     (CHAT, {"messages": MSG, "model": "gpt-4o"}, 404, "model"),  # unknown model
     (CHAT, {"messages": [{"role": "user", "content": "word " * 400}]}, 400, None),  # prompt over context
     (CHAT, {"messages": MSG, "max_tokens": 500}, 400, "max_tokens"),  # prompt + output over context
