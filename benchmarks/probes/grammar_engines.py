@@ -2,6 +2,9 @@
 
     PYTHONPATH=. python benchmarks/probes/grammar_engines.py [--save]
 
+xgrammar is not a pdserve dependency (it requires torch and triton, and would let pip replace a
+CPU torch): install it for the probe with ``pip install --no-deps xgrammar apache-tvm-ffi``.
+
 Both engines get SmolLM2-135M-Instruct's tokenizer (49,152 tokens) and the 24 schemas of
 ``services/bench/structured_schemas.json``. Per engine it times:
 
