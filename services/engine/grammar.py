@@ -87,10 +87,10 @@ class GrammarCompiler:
         try:
             text = grammar_text(spec)
         except InvalidRequestError as exc:
-            raise InvalidRequestError(exc.message, param=param) from exc
+            raise InvalidRequestError(f"{param}: {exc.message}", param=param) from exc
         matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
         if matcher.is_error():
-            raise InvalidRequestError(f"the {spec.kind.replace('_', ' ')} cannot be compiled: "
+            raise InvalidRequestError(f"{param}: the {spec.kind.replace('_', ' ')} cannot be compiled: "
                                       f"{matcher.get_error()}", param=param)
         with self._lock:
             self.misses += 1

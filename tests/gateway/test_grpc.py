@@ -88,3 +88,27 @@ def test_tokenize_and_list_models(grpc_gateway):
     assert list(r.token_ids) == h.model.tokenizer.encode("Hello world") and r.max_model_len == 2048
     models = stub.ListModels(generate_pb2.ListModelsRequest(), metadata=AUTH, timeout=10)
     assert [m.id for m in models.models] == [h.model.name]
+
+
+@pytest.mark.parametrize("structured, says", [
+    (common_pb2.StructuredOutput(kind="gbnf", spec='root ::= "a"'), "gbnf"),
+    (common_pb2.StructuredOutput(kind="regex", spec="(unclosed"), "regex cannot be compiled"),
+    (common_pb2.StructuredOutput(kind="json_schema", spec='{"type": "frob"}'), "frob"),
+])
+def test_structured_output_the_gateway_cannot_compile_is_invalid_argument(grpc_gateway, sync_redis, structured, says):
+    """Refused before queueing, naming the field and the problem."""
+    h, stub = grpc_gateway
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(chat(sampling=common_pb2.SamplingParams(structured=structured)), metadata=AUTH, timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert says in info.value.details() and "structured" in info.value.details()
+    assert not h.router.seen
+
+
+def test_structured_output_reaches_the_queue(grpc_gateway):
+    h, stub = grpc_gateway
+    spec = common_pb2.StructuredOutput(kind="regex", spec="[0-9]+")
+    list(stub.Generate(chat(sampling=common_pb2.SamplingParams(max_tokens=4, structured=spec)), metadata=AUTH,
+                       timeout=10))
+    (queued,) = [r for r in h.router.seen if r.sampling.get("structured")]
+    assert queued.sampling["structured"]["kind"] == "regex" and queued.sampling["structured"]["spec"] == "[0-9]+"
