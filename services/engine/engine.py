@@ -261,9 +261,8 @@ class Engine:
         if not sampled:
             return None
         blocked = None
-        if masks_job is not None:
-            with phase("grammar_mask_wait"):
-                blocked = self._structured.masks(masks_job, sampled, logits.shape[-1], logits.device)
+        if masks_job is not None:  # waiting for the masks counts as sampling (phases tile the step)
+            blocked = self._structured.masks(masks_job, sampled, logits.shape[-1], logits.device)
         if drafts:
             # constrained rows have no drafts, so each still owns one row when others verify
             if blocked is not None:
