@@ -104,3 +104,24 @@ def test_handoff_constrains_the_first_token():
                      SamplingParams(max_tokens=10, temperature=0, structured=StructuredOutput("regex", pattern)))
     assert re.fullmatch(pattern, prefill.tokenizer.decode(tokens))
     assert_no_leaks(prefill, decode)
+
+
+def test_a_resumed_request_replays_the_streamed_tokens(default_model):
+    """What the router sends after a decode worker died mid-stream: prompt + streamed tokens, the
+    streamed tokens as the grammar's replay. The greedy output continues exactly where it was."""
+    engine = default_model
+    spec = StructuredOutput.json_schema(SCHEMA)
+    prompt = _chat(engine, "Describe a person as JSON.")
+    engine.add_request("whole", prompt, SamplingParams(max_tokens=80, temperature=0, structured=spec))
+    whole = [t for o in run_to_completion(engine)["whole"] for t in o.new_token_ids]
+    k = 6
+    resumed = StructuredOutput(spec.kind, spec.spec, tuple(whole[:k]))
+    engine.add_request("rest", prompt + whole[:k], SamplingParams(max_tokens=80 - k, temperature=0,
+                                                                  structured=resumed))
+    rest = [t for o in run_to_completion(engine)["rest"] for t in o.new_token_ids]
+    assert whole[:k] + rest == whole
+    jsonschema.validate(json.loads(engine.tokenizer.decode(whole)), SCHEMA)
+    with pytest.raises(InvalidRequestError, match="do not match"):  # tokens the grammar refuses
+        engine.add_request("bad", prompt, SamplingParams(structured=StructuredOutput(
+            spec.kind, spec.spec, tuple(engine.tokenizer.encode("hello")))))
+    assert not engine.requests
