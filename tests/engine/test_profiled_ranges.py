@@ -13,6 +13,7 @@ import asyncio
 import json
 import threading
 
+import pytest
 import torch
 
 from services.engine.async_engine import AsyncEngine
@@ -120,3 +121,49 @@ def test_nvtx_ranges_balance_and_carry_the_phase_names(tiny_engine, monkeypatch)
         elif open_ranges:
             open_ranges.pop()
     assert depth_ok
+
+
+class PassThroughNvtx(NvtxRecorder):
+    """The recorder above, calling the real NVTX functions too (on a GPU: what Nsight Systems would see)."""
+
+    def __init__(self, real):
+        super().__init__()
+        self.real = real
+
+    def range_push(self, name: str) -> int:
+        super().range_push(name)
+        return self.real.range_push(name)
+
+    def range_pop(self) -> int:
+        super().range_pop()
+        return self.real.range_pop()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real CUDA engine needs a GPU")
+def test_on_cuda_nvtx_ranges_balance_and_profiled_steps_name_their_trace_ids(monkeypatch, tmp_path):
+    from services.config import EngineConfig
+    from services.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model="dummy:tiny", dtype="bf16", device="cuda", kv_cache_bytes=64 << 20,
+                                 max_model_len=1024))
+    recorder = PassThroughNvtx(torch.cuda.nvtx)
+    monkeypatch.setattr(torch.cuda, "nvtx", recorder)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with request_traces.bound("req-a", TRACE_A), request_traces.bound("req-b", TRACE_B):
+        with torch.profiler.profile(activities=activities) as prof:
+            _run(engine, {"req-a": list(range(20, 60)), "req-b": list(range(100, 140))}, tokens=6)
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    names = [e["name"] for e in events if e.get("cat") == "user_annotation"]
+    a, b = f"trace_id={TRACE_A:032x}", f"trace_id={TRACE_B:032x}"
+    assert any(n.startswith("requests forward_decode:") and a in n and b in n for n in names), names
+    assert any(e.get("cat") == "kernel" for e in events)  # the GPU's kernels are in the same trace
+    depth = 0
+    pushed = set()
+    for _, op, name in recorder.calls:
+        depth += 1 if op == "push" else -1
+        assert depth >= 0
+        pushed.add(name)
+    assert depth == 0
+    assert {"schedule", "forward_prefill", "forward_decode", "sample", "postprocess"} <= pushed, pushed
+    assert any(n and n.startswith("requests forward_decode:") for n in pushed)
