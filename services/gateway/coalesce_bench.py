@@ -12,14 +12,18 @@ sequences at once and the rest wait, as on a server at capacity: a follower
 takes no slot, so what coalescing saves is whole requests' turns, not only the
 (on a CPU, small) difference between a step of a larger and a smaller batch.
 
-One stack (embedded Redis, 1 prefill + 1 decode worker, router) with two
+Per model (``--models``: the default SmolLM2-135M and ``dummy:llama-3.2-1b``, a
+stand-in whose per-sequence decode cost dominates the front end, as on a GPU),
+one stack (embedded Redis, 1 prefill + 1 decode worker, router) with two
 gateway replicas on the same queue and workers: one as deployed (coalescing
 on), one started with ``--no-coalesce``. Blocks alternate on, off, off, on
 (``--rounds`` times), each with its own prompts (so no block reuses another's
 prefix cache), so a machine whose speed drifts slows both alike. Per side:
 client-visible output tok/s and requests/s, TTFT p50/p99, the decode worker's
-generated tokens (the work done, from its ``/metrics``) and the coalesced
-count (the gateway's ``pdserve_gateway_coalesced_requests_total``). Ratios are
+generated tokens, decode steps, mean batch and ms per decode step (the work
+done, from its ``/metrics``), the coalesced count (the gateway's
+``pdserve_gateway_coalesced_requests_total``) and every process's CPU seconds
+(psutil, per block): where the saved decode work goes. Ratios are
 on / off; the goal is >= 1.25x throughput at a 30% duplicate share (the
 ideal is 1 / (1 - share) = 1.43x when every copy overlaps its original).
 """
