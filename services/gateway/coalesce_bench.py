@@ -236,7 +236,8 @@ def _log(msg: str) -> None:
 def add_parser(sub) -> None:
     p = sub.add_parser("coalesce", help="request coalescing on vs off: a workload with duplicates in flight",
                        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--requests", type=int, default=48, help="requests per block")
+    p.add_argument("--requests", type=int, default=96,
+                   help="requests per block (the batch drains at a block's end: fewer make that tail a larger share)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of four blocks (on, off, off, on)")
     p.add_argument("--duplicate-share", type=float, default=0.3,
                    help="share of each block's requests that copy an earlier one of the block")
