@@ -35,6 +35,7 @@ BENCHES = {
     "serve": "services.gateway.bench",
     "coalesce": "services.gateway.coalesce_bench",
     "loadtools": "services.bench.loadtools",
+    "peer": "services.bench.peer",
     "frontdoor": "services.gateway.frontdoor_bench",
     "startup": "services.bench.startup",
     "chaos": "services.bench.chaos",

@@ -30,10 +30,12 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from services.bench import results as result_files
@@ -128,23 +130,51 @@ def read_aiperf(out: Path) -> dict:
             "output_tokens": d["total_output_tokens"]["avg"], "wall_s": d["benchmark_duration"]["avg"]}
 
 
+def exact_prompts(seed: int, n: int, tokens: int, model: str | None) -> list[str]:
+    """``n`` prompts of exactly ``tokens`` tokens of the served model's tokenizer, as the tools' synthetic
+    prompts are (bench serve's ``prompts`` run about 1.3 tokens a word, so a word count misses by ~10%)."""
+    from tokenizers import Tokenizer
+
+    from services.engine.model_source import model_card
+    from services.gateway.bench import prompts
+
+    tokenizer = Tokenizer.from_file(str(Path(model_card(model).tokenizer_dir) / "tokenizer.json"))
+    out = []
+    for i, text in enumerate(prompts(seed, n, tokens)):  # a word is at least one token: long enough
+        head, words = text.split(" ", 2)[:2], text.split(" ")[2:]
+        while words and len(tokenizer.encode(" ".join([*head, *words]), add_special_tokens=False).ids) > tokens:
+            words.pop()
+        out.append(" ".join([*head, *words]))
+    return out
+
+
+def per_request_itl(sample) -> float | None:
+    """The tools' inter-token latency of one request: its decode window over the tokens after the first,
+    ``(last content chunk - first content chunk) / (tokens - 1)`` (guidellm's and aiperf's definition)."""
+    if sample.tokens < 2:
+        return None
+    return sum(sample.gaps) / (sample.tokens - 1)
+
+
 async def pdserve_block(url: str, model: str, args, seed: int) -> dict:
     """pdserve's own generator (the one every serving bench shares) on the same load."""
     from urllib.parse import urlsplit
 
     from services.bench.load import OpenAIClient, OpenAIRequest, open_loop
-    from services.gateway.bench import prompts
 
-    words = max(1, round(args.prompt_tokens / 1.3))  # bench serve's prompts run ~1.3 tokens a word
     where = urlsplit(url)
     client = OpenAIClient(where.hostname, where.port, model)
     items = [OpenAIRequest("completion", p, args.output_tokens, extra={"ignore_eos": True})
-             for p in prompts(seed, args.requests, words)]
+             for p in exact_prompts(seed, args.requests, args.prompt_tokens, getattr(args, "model", None))]
+    cpu = time.process_time()
     samples, wall = await open_loop(client.send, items, args.rate, seed, poisson=args.arrivals == "poisson")
+    cpu = time.process_time() - cpu
     ok = [s for s in samples if s.ok]
+    itl = [v for v in map(per_request_itl, ok) if v is not None]
     return {"requests": len(samples), "failed": len(samples) - len(ok),
-            "ttft_ms": pct([s.ttft for s in ok], 50) * 1e3, "itl_ms": pct([g for s in ok for g in s.gaps], 50) * 1e3,
-            "output_tokens": sum(s.tokens for s in ok), "wall_s": wall}
+            "ttft_ms": pct([s.ttft for s in ok], 50) * 1e3, "itl_ms": pct(itl, 50) * 1e3,
+            "chunk_gap_ms": pct([g for s in ok for g in s.gaps], 50) * 1e3,
+            "output_tokens": sum(s.tokens for s in ok), "wall_s": wall, "client_cpu_s": round(cpu, 2)}
 
 
 def run_block(tool: str, url: str, model: str, tokenizer: str, cache: Path, args, seed: int) -> dict:
@@ -154,11 +184,16 @@ def run_block(tool: str, url: str, model: str, tokenizer: str, cache: Path, args
         out = Path(tmp) / ("guidellm.json" if tool == "guidellm" else "aiperf")
         cmd = guidellm_command(url, model, tokenizer, args, out) if tool == "guidellm" \
             else aiperf_command(url, model, tokenizer, args, out, seed)
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         done = subprocess.run(cmd, env=offline_env(cache), cwd=tmp, capture_output=True, text=True,
                               timeout=args.tool_timeout)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if done.returncode != 0:
             raise RuntimeError(f"{tool} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
-        return read_guidellm(out) if tool == "guidellm" else read_aiperf(out)
+        got = read_guidellm(out) if tool == "guidellm" else read_aiperf(out)
+        # the tool's own CPU time (all its processes, start-up included): what it takes from the stack it measures
+        got["client_cpu_s"] = round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 2)
+        return got
 
 
 def _pooled(blocks: list[dict]) -> dict:
@@ -167,7 +202,8 @@ def _pooled(blocks: list[dict]) -> dict:
     return {"requests": sum(b["requests"] for b in blocks), "failed": sum(b["failed"] for b in blocks),
             "ttft_ms_p50": sum(b["ttft_ms"] for b in blocks) / len(blocks),
             "itl_ms_p50": sum(b["itl_ms"] for b in blocks) / len(blocks),
-            "output_tok_s": tokens / wall if wall else 0.0, "blocks": blocks}
+            "output_tok_s": tokens / wall if wall else 0.0,
+            "client_cpu_s": sum(b.get("client_cpu_s", 0.0) for b in blocks), "blocks": blocks}
 
 
 def measure(stack_url: str, model: str, args) -> dict:

@@ -58,7 +58,8 @@ def ctrl_c(proc: subprocess.Popen) -> int:
 
 def test_up_serves_grpc_and_http_then_stops_on_ctrl_c():
     http_port, grpc_port, router_port = _free_port(), _free_port(), _free_port()
-    proc, lines, up = start_up("--port", str(http_port), "--grpc-port", str(grpc_port),
+    # --prefill 1: the disaggregated path (on a 2-core machine `up` alone chooses one aggregated worker)
+    proc, lines, up = start_up("--prefill", "1", "--port", str(http_port), "--grpc-port", str(grpc_port),
                                "--router-port", str(router_port))
     try:
         deadline = time.monotonic() + 240
@@ -66,6 +67,9 @@ def test_up_serves_grpc_and_http_then_stops_on_ctrl_c():
             assert proc.poll() is None, "\n".join(lines[-40:])
             assert time.monotonic() < deadline, "\n".join(lines[-40:])
         out = "\n".join(lines)
+        # what the flags left open was chosen and said (the weights, here), what they gave was not
+        assert re.search(r"^\[pdserve\] chose: \S+ weights because .*\(flags override\)$", out, re.M), out
+        assert "prefill worker" not in out.split("chose:")[1].splitlines()[0]
         # it printed where everything listens and copy-pasteable examples
         for name in ("redis", "prefill-0", "decode-0", "router", "gateway"):
             assert re.search(rf"^  {name}\s+\S+", out, re.M), out

@@ -1,0 +1,99 @@
+"""What ``pdserve up`` runs where its flags leave it open, chosen from the machine's cores by measurement.
+
+    choice = choose(cpus=os.cpu_count(), gguf_servable=True)   # nothing given: all chosen
+    choice.prefill, choice.decode, choice.threads, choice.quantization, choice.reasons
+
+Flags (and their ``PDSERVE_*`` variables) always win: only what the user left
+open is chosen, and each choice says why (``pdserve up`` prints
+``chose: ... because ...``). The figures behind the choices are in
+BENCHMARKS.md ("Defaults for small machines"), measured with ``pdserve bench
+peer --only pdserve --variant ...`` on the project's 2-core machine:
+
+- **Processes**: on a small machine (``SMALL_CPUS`` cores or fewer) one decode
+  worker prefills its own prompts (aggregated): a separate prefill process
+  splits two cores between two engines that each run only part of the time, and
+  the hand-off adds a hop to every request. Above that the disaggregated layout
+  (1 prefill + 1 decode) stays, as the design intends; it was not measured on
+  more cores here.
+- **Threads per worker**: the cores divided among the worker processes, at least
+  one, so engines never ask for more threads than there are cores (torch's own
+  default gives every worker all cores: two workers on two cores run four
+  threads, each OpenMP barrier waiting for a descheduled thread).
+- **Weights**: a GGUF model whose projections are all Q4_0/Q4_1/Q8_0 blocks is
+  served from those blocks (``--quantization gguf``): the same weights the file
+  holds (the bf16 copy is the same values, widened), at several times the decode
+  speed on the CPU kernels. Anything else stays in ``--dtype``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SMALL_CPUS = 2  # the largest core count measured to run best aggregated
+# the block types --quantization gguf serves (kernels/gguf_linear.KINDS; a test keeps the two equal,
+# so deciding here does not import torch)
+GGUF_SERVABLE = ("Q4_0", "Q4_1", "Q8_0")
+_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@dataclass
+class Choice:
+    prefill: int
+    decode: int
+    threads: int
+    quantization: str | None  # None: unquantized (--dtype)
+    reasons: list[str] = field(default_factory=list)  # one "chose X because Y" per value chosen here
+
+    def summary(self) -> str:
+        return "; ".join(self.reasons)
+
+
+def gguf_servable(path: Path | None) -> tuple[bool, str]:
+    """Whether ``--quantization gguf`` can serve this model file, and why not."""
+    if path is None or path.suffix != ".gguf":
+        return False, "the model is not a .gguf file"
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # an unreadable file is the loader's error to report, not a defaults question
+        return False, f"{path.name} could not be read ({type(exc).__name__})"
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    names = [n for n in kinds if n.startswith("blk.") and n.split(".")[2] in _PROJECTIONS]
+    names.append("output.weight" if "output.weight" in kinds else "token_embd.weight")
+    other = sorted({kinds.get(n, "missing") for n in names} - set(GGUF_SERVABLE))
+    if not names[:-1] or other:
+        return False, f"{path.name} stores projections as {', '.join(other) or 'none'}"
+    for fused in (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up")):  # one GGUFLinear each: one block type
+        for layer in {n.split(".")[1] for n in names[:-1]}:
+            if len({kinds.get(f"blk.{layer}.{part}.weight") for part in fused}) > 1:
+                return False, f"{path.name} mixes block types within layer {layer}'s {'/'.join(fused)}"
+    return True, f"{path.name}'s projections are {'/'.join(sorted({kinds[n] for n in names}))} blocks"
+
+
+def choose(cpus: int, *, prefill: int | None = None, decode: int | None = None, threads: int | None = None,
+           quantization: str | None = None, gguf: tuple[bool, str] = (False, "")) -> Choice:
+    """Fill in what was not given (None) for a machine of ``cpus`` cores; ``gguf``: ``gguf_servable``'s answer.
+    ``quantization`` "none" is an explicit choice of unquantized weights."""
+    cpus = max(1, cpus)
+    reasons = []
+    if prefill is None:
+        small = cpus <= SMALL_CPUS
+        prefill = 0 if small else 1
+        reasons.append(f"{prefill} prefill worker{'s' * (prefill != 1)} because {cpus} cores "
+                       + ("run best aggregated (the decode worker prefills; BENCHMARKS.md)" if small
+                          else f"are more than {SMALL_CPUS}: prefill and decode in their own processes"))
+    if decode is None:
+        decode = 1
+    if threads is None:
+        workers = prefill + decode
+        threads = max(1, cpus // workers)
+        reasons.append(f"{threads} thread{'s' * (threads != 1)} per worker because {cpus} cores / {workers} "
+                       f"worker{'s' * (workers != 1)}")
+    if quantization is None:
+        ok, why = gguf
+        quantization = "gguf" if ok else "none"
+        reasons.append(f"{quantization} weights because {why}" + (" (the file's own blocks, faster on CPU)"
+                                                                    if ok else ""))
+    return Choice(prefill, decode, threads, None if quantization == "none" else quantization, reasons)
