@@ -5,12 +5,20 @@ The standard load tools, run as a user would run them against ``pdserve up``
 ``pdserve bench serve``'s generator: arrivals at ``--rate`` (``--arrivals
 constant``, the default, spaces them evenly, so every tool sends the same
 schedule; ``poisson`` draws each tool's own), ``--requests`` streaming
-``/v1/completions`` per block, prompts of about ``--prompt-tokens``, exactly
-``--output-tokens`` (``ignore_eos``). Blocks run in the order
+``/v1/completions`` per block, prompts of exactly ``--prompt-tokens`` tokens
+(as the tools' synthetic prompts are), exactly ``--output-tokens``
+(``ignore_eos``). Blocks run in the order
 pdserve, guidellm, aiperf, aiperf, guidellm, pdserve, so a machine whose speed
 drifts slows every tool alike; each tool's two blocks are pooled. It prints each
 tool's TTFT p50, inter-token latency p50 and output throughput, and their ratios
-to pdserve's generator (the issue's goal: within 10%).
+to pdserve's generator (the issue's goal: within 10%), and each client's own CPU
+time (the tools' processes share the cores with the stack they measure).
+
+One definition per metric, the tools': TTFT from sending the request to the
+first content chunk; inter-token latency per request as ``(last content chunk -
+first content chunk) / (output tokens - 1)``, then the median over requests
+(guidellm and aiperf both; pdserve's generator's own ``itl_ms`` elsewhere is
+the median of all gaps between chunks, reported here as ``chunk_gap_ms``).
 
 Installing: each tool in its own virtualenv under ``~/.cache/pdserve/loadtools``
 (``$PDSERVE_LOADTOOLS_DIR``), created with ``--system-site-packages`` so the
@@ -254,13 +262,13 @@ def run(args) -> int:
 
 
 def print_table(result: dict) -> None:
-    print(f"{'tool':>9} {'requests':>8} {'failed':>6} {'TTFT p50 ms':>11} {'ITL p50 ms':>10} {'out tok/s':>9}   "
-          "vs pdserve (TTFT / ITL / tok/s)")
+    print(f"{'tool':>9} {'requests':>8} {'failed':>6} {'TTFT p50 ms':>11} {'ITL p50 ms':>10} {'out tok/s':>9} "
+          f"{'client CPU s':>12}   vs pdserve (TTFT / ITL / tok/s)")
     for tool, r in result["tools"].items():
         vs = r.get("vs_pdserve")
         ratios = " / ".join(f"{vs[k]:.3f}" if vs[k] is not None else "-" for k in vs) if vs else ""
         print(f"{tool:>9} {r['requests']:>8} {r['failed']:>6} {r['ttft_ms_p50']:>11.1f} {r['itl_ms_p50']:>10.1f} "
-              f"{r['output_tok_s']:>9.1f}   {ratios}")
+              f"{r['output_tok_s']:>9.1f} {r.get('client_cpu_s', 0.0):>12.1f}   {ratios}")
 
 
 def _log(msg: str) -> None:
