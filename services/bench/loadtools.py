@@ -48,7 +48,7 @@ from pathlib import Path
 
 from services.bench import results as result_files
 from services.bench.stats import percentile as pct
-from services.bench.stats import ratio
+from services.bench.stats import ratio, time_per_output_token
 
 TOOLS = {"guidellm": "guidellm==0.8.1", "aiperf": "aiperf==0.13.0"}
 _ORDER = ("pdserve", "guidellm", "aiperf", "aiperf", "guidellm", "pdserve")
@@ -156,14 +156,6 @@ def exact_prompts(seed: int, n: int, tokens: int, model: str | None) -> list[str
     return out
 
 
-def per_request_itl(sample) -> float | None:
-    """The tools' inter-token latency of one request: its decode window over the tokens after the first,
-    ``(last content chunk - first content chunk) / (tokens - 1)`` (guidellm's and aiperf's definition)."""
-    if sample.tokens < 2:
-        return None
-    return sum(sample.gaps) / (sample.tokens - 1)
-
-
 async def pdserve_block(url: str, model: str, args, seed: int) -> dict:
     """pdserve's own generator (the one every serving bench shares) on the same load."""
     from urllib.parse import urlsplit
@@ -178,7 +170,7 @@ async def pdserve_block(url: str, model: str, args, seed: int) -> dict:
     samples, wall = await open_loop(client.send, items, args.rate, seed, poisson=args.arrivals == "poisson")
     cpu = time.process_time() - cpu
     ok = [s for s in samples if s.ok]
-    itl = [v for v in map(per_request_itl, ok) if v is not None]
+    itl = [v for v in map(time_per_output_token, ok) if v is not None]
     return {"requests": len(samples), "failed": len(samples) - len(ok),
             "ttft_ms": pct([s.ttft for s in ok], 50) * 1e3, "itl_ms": pct(itl, 50) * 1e3,
             "chunk_gap_ms": pct([g for s in ok for g in s.gaps], 50) * 1e3,

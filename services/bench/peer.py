@@ -14,8 +14,10 @@ repeated-prompt pass: cached on both servers). Requests are streaming chat with
 ``stream_options.include_usage``, greedy, ``--max-tokens`` each with
 ``ignore_eos`` (every request produces the same number of tokens on both
 servers). Per server, level and pass: output tok/s (completion tokens over the
-pass's wall time), TTFT and inter-token latency (gaps between content chunks)
-p50/p90/p99, and errors; the ratios are pdserve over llama-server.
+pass's wall time), TTFT and inter-token latency (ITL: every gap between content
+chunks) p50/p90/p99, TPOT (per request, (last - first chunk) / (tokens - 1):
+what guidellm and aiperf call ITL, which tokens delivered in bursts do not
+lower), and errors; the ratios are pdserve over llama-server.
 
 Greedy check: after the levels, ``--check`` prompts of the largest level go
 again one at a time (batch 1); each server's batched answers to them (fresh and
@@ -95,7 +97,8 @@ async def drive(host: str, port: int, args) -> dict:
             batched[name] = dict(zip(prompts, (s.text if s.ok else None for s in samples)))
             _log(f"  {clients:>3} streams, {name:<6}: {row[name]['output_tok_s']:7.1f} tok/s, TTFT p50/p90 "
                  f"{row[name]['ttft_ms_p50']:.0f}/{row[name]['ttft_ms_p90']:.0f} ms, ITL p50 "
-                 f"{row[name]['itl_ms_p50']:.1f} ms, {row[name]['failed']} failed")
+                 f"{row[name]['itl_ms_p50']:.1f} ms, TPOT p50 {row[name]['tpot_ms_p50']:.1f} ms, "
+                 f"{row[name]['failed']} failed")
         levels.append(row)
     check = list(batched.get("fresh", {}))[:args.check]
     alone = [await client.send(item) for item in items(check)]
@@ -241,7 +244,7 @@ def print_table(result: dict) -> None:
                                f"{c['threads'] or 'default'} threads, {c['quantization']} weights"
         print(f"{name}: {how}")
     print(f"\n{'streams':>7} {'pass':<6} {'server':<14} {'tok/s':>7} {'TTFT p50/p90/p99 ms':>22} "
-          f"{'ITL p50/p90/p99 ms':>20} {'failed':>6}")
+          f"{'ITL p50/p90/p99 ms':>20} {'TPOT p50 ms':>11} {'failed':>6}")
     levels = [row["concurrency"] for row in next(iter(servers.values()))["levels"]] if servers else []
     for clients in levels:
         for name in ("fresh", "cached"):
@@ -249,7 +252,8 @@ def print_table(result: dict) -> None:
                 r = _level(s, clients)[name]
                 print(f"{clients:>7} {name:<6} {server:<14} {r['output_tok_s']:>7.1f} "
                       f"{r['ttft_ms_p50']:>8.0f}/{r['ttft_ms_p90']:.0f}/{r['ttft_ms_p99']:.0f} "
-                      f"{r['itl_ms_p50']:>9.1f}/{r['itl_ms_p90']:.1f}/{r['itl_ms_p99']:.1f} {r['failed']:>6}")
+                      f"{r['itl_ms_p50']:>9.1f}/{r['itl_ms_p90']:.1f}/{r['itl_ms_p99']:.1f} "
+                      f"{r['tpot_ms_p50']:>11.1f} {r['failed']:>6}")
     for server, s in servers.items():
         g = s["greedy_check"]
         print(f"greedy check, {server}: of {g['prompts']} prompts at batch 1, identical when batched: fresh "

@@ -51,8 +51,9 @@ def test_pdserve_prompts_have_exactly_the_tools_token_count():
 
 def test_inter_token_latency_is_the_tools_per_request_mean_not_the_median_gap():
     from services.bench.load import Sample
+    from services.bench.stats import time_per_output_token
 
     # 5 tokens delivered as a burst: two chunks at once, then 90 ms, twice (a median gap of 0)
     bursty = Sample(True, ttft=0.1, gaps=[0.0, 0.09, 0.0, 0.09], tokens=5)
-    assert loadtools.per_request_itl(bursty) == pytest.approx(0.045)
-    assert loadtools.per_request_itl(Sample(True, ttft=0.1, gaps=[], tokens=1)) is None
+    assert time_per_output_token(bursty) == pytest.approx(0.045)
+    assert time_per_output_token(Sample(True, ttft=0.1, gaps=[], tokens=1)) is None
