@@ -147,7 +147,7 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--prefill", type=int, default=None,
                    help="prefill workers (0: decode workers prefill themselves; default: chosen from the cores, "
-                        f"0 on up to {up_defaults.SMALL_CPUS}, else 1)")
+                        f"0 on {up_defaults.AGGREGATED_CPUS} core, else 1)")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
@@ -169,7 +169,7 @@ def add_parser(sub) -> None:
     p.add_argument("--policy", default="kv-aware", choices=["kv-aware", "least-load", "round-robin"])
     p.add_argument("--transport", default="ucx", choices=["ucx", "tcp"], help="KV transfer between workers")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per worker (default: the cores divided among the workers)")
+                   help="torch threads per worker (default: the core count)")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache per worker")
     p.add_argument("--speculative", default="off", choices=["off", "ngram"],
                    help="speculative decoding on the decode workers (ngram: prompt lookup; see pdserve generate)")

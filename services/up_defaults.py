@@ -1,28 +1,28 @@
 """What ``pdserve up`` runs where its flags leave it open, chosen from the machine's cores by measurement.
 
-    choice = choose(cpus=os.cpu_count(), gguf_servable=True)   # nothing given: all chosen
+    choice = choose(cpus=os.cpu_count(), gguf=gguf_servable(path))   # nothing given: all chosen
     choice.prefill, choice.decode, choice.threads, choice.quantization, choice.reasons
 
 Flags (and their ``PDSERVE_*`` variables) always win: only what the user left
 open is chosen, and each choice says why (``pdserve up`` prints
 ``chose: ... because ...``). The figures behind the choices are in
 BENCHMARKS.md ("Defaults for small machines"), measured with ``pdserve bench
-peer --only pdserve --variant ...`` on the project's 2-core machine:
+peer --only pdserve --variant ...`` on the project's 2-core machine
+(benchmarks/results/peer-20261126T015655Z.json and the paired run after it):
 
-- **Processes**: on a small machine (``SMALL_CPUS`` cores or fewer) one decode
-  worker prefills its own prompts (aggregated): a separate prefill process
-  splits two cores between two engines that each run only part of the time, and
-  the hand-off adds a hop to every request. Above that the disaggregated layout
-  (1 prefill + 1 decode) stays, as the design intends; it was not measured on
-  more cores here.
-- **Threads per worker**: the cores divided among the worker processes, at least
-  one, so engines never ask for more threads than there are cores (torch's own
-  default gives every worker all cores: two workers on two cores run four
-  threads, each OpenMP barrier waiting for a descheduled thread).
+- **Processes**: one prefill and one decode worker from 2 cores up: with fresh
+  prompts at 16 and 32 streams the separate prefill process kept the decode
+  batch running while prompts were computed, and served more tokens per second
+  than one aggregated worker. A single core cannot run the two side by side, so
+  there the decode worker prefills its own prompts (not measured).
+- **Threads per worker**: every core, as torch would pick on its own (now said
+  and explicit): on 2 cores, 2 threads per worker beat 1 at one stream (the
+  worker that computes gets both cores while the other waits) and under load.
 - **Weights**: a GGUF model whose projections are all Q4_0/Q4_1/Q8_0 blocks is
   served from those blocks (``--quantization gguf``): the same weights the file
-  holds (the bf16 copy is the same values, widened), at several times the decode
-  speed on the CPU kernels. Anything else stays in ``--dtype``.
+  holds (bf16 holds the same values, widened), decoded at 2-3 times the speed on
+  the CPU kernels, and batched greedy outputs matched batch 1 in the bench's
+  check where bf16's did not. Anything else stays in ``--dtype``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SMALL_CPUS = 2  # the largest core count measured to run best aggregated
+AGGREGATED_CPUS = 1  # at most this many cores: the decode worker prefills (no core for a prefill process)
 # the block types --quantization gguf serves (kernels/gguf_linear.KINDS; a test keeps the two equal,
 # so deciding here does not import torch)
 GGUF_SERVABLE = ("Q4_0", "Q4_1", "Q8_0")
@@ -79,18 +79,16 @@ def choose(cpus: int, *, prefill: int | None = None, decode: int | None = None, 
     cpus = max(1, cpus)
     reasons = []
     if prefill is None:
-        small = cpus <= SMALL_CPUS
-        prefill = 0 if small else 1
-        reasons.append(f"{prefill} prefill worker{'s' * (prefill != 1)} because {cpus} cores "
-                       + ("run best aggregated (the decode worker prefills; BENCHMARKS.md)" if small
-                          else f"are more than {SMALL_CPUS}: prefill and decode in their own processes"))
+        prefill = 0 if cpus <= AGGREGATED_CPUS else 1
+        reasons.append(f"{prefill} prefill worker{'s' * (prefill != 1)} because {cpus} core{'s' * (cpus != 1)} "
+                       + ("cannot run prefill beside decode" if prefill == 0
+                          else "measured faster disaggregated under load (BENCHMARKS.md)"))
     if decode is None:
         decode = 1
     if threads is None:
-        workers = prefill + decode
-        threads = max(1, cpus // workers)
-        reasons.append(f"{threads} thread{'s' * (threads != 1)} per worker because {cpus} cores / {workers} "
-                       f"worker{'s' * (workers != 1)}")
+        threads = cpus
+        reasons.append(f"{threads} thread{'s' * (threads != 1)} per worker because {cpus} core{'s' * (cpus != 1)}: "
+                       "a worker computing gets them all while the other waits (measured)")
     if quantization is None:
         ok, why = gguf
         quantization = "gguf" if ok else "none"

@@ -4,8 +4,8 @@ On a machine without a GPU, llama-server is the server people reach for
 (continuous batching over ``-np`` slots, a prompt cache per slot, OpenAI HTTP).
 The servers run one after the other on this machine: ``pdserve up`` with its
 defaults (what ``pdserve up`` with no flags would start here, parsed by its own
-parser), each extra ``--variant`` of it (by default ``--quantization gguf``:
-the GGUF file's own Q4/Q8 blocks), then ``llama-server -np 16`` with as many
+parser: the GGUF file's own Q4/Q8 blocks), each extra ``--variant`` of it (by
+default ``--quantization none``: the weights widened to bf16), then ``llama-server -np 16`` with as many
 threads as cores. Each is warmed, then driven by the load generator every
 serving bench shares (services/bench/load.py), closed loop: at each
 ``--concurrency`` level, ``max(--min-requests, --rounds x level)`` fresh
@@ -46,7 +46,7 @@ from services.bench.load import OpenAIClient, OpenAIRequest, closed_loop
 from services.bench.stats import ratio, summarize
 
 LLAMA = "llama-server"
-DEFAULT_VARIANTS = ("pdserve=", "pdserve-gguf=--quantization gguf")
+DEFAULT_VARIANTS = ("pdserve=", "pdserve-bf16=--quantization none")
 # the --json keys the issue names: (key, level, pass, metric), each pdserve over llama-server
 HEADLINE = (("throughput_ratio_c1", 1, "fresh", "output_tok_s"),
             ("throughput_ratio_c16", 16, "fresh", "output_tok_s"),

@@ -58,7 +58,7 @@ def ctrl_c(proc: subprocess.Popen) -> int:
 
 def test_up_serves_grpc_and_http_then_stops_on_ctrl_c():
     http_port, grpc_port, router_port = _free_port(), _free_port(), _free_port()
-    # --prefill 1: the disaggregated path (on a 2-core machine `up` alone chooses one aggregated worker)
+    # --prefill 1: the disaggregated path whatever the core count (on one core `up` alone would aggregate)
     proc, lines, up = start_up("--prefill", "1", "--port", str(http_port), "--grpc-port", str(grpc_port),
                                "--router-port", str(router_port))
     try:
