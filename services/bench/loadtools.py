@@ -94,8 +94,15 @@ def tokenizer_cache(model: str | None) -> tuple[Path, str]:
     return cache, repo
 
 
+# guidellm starts up to 10 worker processes by default (settings.max_worker_processes), each polling
+# its queues: about half a core of a 2-core machine (20 s of CPU per 41 s block, measured), taken from
+# the stack it measures. One worker holds thousands of concurrent requests; aiperf runs with --workers-max 1.
+GUIDELLM_ENV = {"GUIDELLM__MAX_WORKER_PROCESSES": "1"}
+
+
 def offline_env(cache: Path) -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(cache.parent / "hf")}
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(cache.parent / "hf"),
+            **GUIDELLM_ENV}
 
 
 def guidellm_command(url: str, model: str, tokenizer: str, args, out: Path) -> list[str]:
@@ -222,7 +229,8 @@ def measure(stack_url: str, model: str, args) -> dict:
             row["vs_pdserve"] = {key: ratio(row[key], base[key]) for key in ("ttft_ms_p50", "itl_ms_p50",
                                                                              "output_tok_s")}
     return {"tools": pooled, "commands": {
-        "guidellm": " ".join(guidellm_command("http://127.0.0.1:8000", model, tokenizer, args, Path("out.json"))),
+        "guidellm": " ".join([*(f"{k}={v}" for k, v in GUIDELLM_ENV.items()),
+                              *guidellm_command("http://127.0.0.1:8000", model, tokenizer, args, Path("out.json"))]),
         "aiperf": " ".join(aiperf_command("http://127.0.0.1:8000", model, tokenizer, args, Path("aiperf-out"),
                                           args.seed))},
         "config": {"rate": args.rate, "arrivals": args.arrivals, "requests_per_block": args.requests,
