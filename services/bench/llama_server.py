@@ -126,7 +126,8 @@ class LlamaServer:
             self.proc.wait()
 
     def describe(self) -> str:
-        return f"llama-server -np {self.parallel} -t {self.threads}" + (f" -b {self.batch}" if self.batch else "")
+        return " ".join(["llama-server -np", str(self.parallel), "-t", str(self.threads),
+                         *(["-b", str(self.batch)] if self.batch else []), *self.argv[self.argv.index("--no-webui") + 1:]])
 
     def __enter__(self) -> "LlamaServer":
         self.start()

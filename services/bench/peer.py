@@ -138,7 +138,7 @@ def run_pdserve(name: str, flags: list[str], args) -> dict:
 
 
 def run_llama(binary: Path, gguf: Path, args) -> dict:
-    extra = ["--no-repack"] if args.llama_no_repack else []
+    extra = [*(args.llama_arg or []), *(["--no-repack"] if args.llama_no_repack else [])]
     server = llama_server.LlamaServer(binary, gguf, parallel=args.llama_np, threads=args.llama_threads,
                                       batch=args.llama_batch, extra=extra)
     _log(f"{LLAMA}: {server.describe()} ({llama_server.version(binary)})")
@@ -146,14 +146,14 @@ def run_llama(binary: Path, gguf: Path, args) -> dict:
     try:
         server.start()
     except llama_server.LlamaServerError as exc:
-        if extra or exc.returncode != -11:
+        if "--no-repack" in extra or exc.returncode != -11:
             raise
         # A native build on an AMX CPU crashes repacking the weights for AMX at load
         # (ggml-org/llama.cpp#20824); without repacking it runs.
         _log(f"{LLAMA} crashed at load (SIGSEGV: the AMX repacking crash, ggml-org/llama.cpp#20824); "
              "running it with --no-repack")
         server = llama_server.LlamaServer(binary, gguf, parallel=args.llama_np, threads=args.llama_threads,
-                                          batch=args.llama_batch, extra=["--no-repack"])
+                                          batch=args.llama_batch, extra=[*extra, "--no-repack"])
         server.start()
     try:
         config = {"argv": " ".join(shlex.quote(a) for a in server.argv[1:]), "np": args.llama_np,
@@ -296,6 +296,8 @@ def add_parser(sub) -> None:
     p.add_argument("--llama-np", type=int, default=16, help="llama-server --parallel slots")
     p.add_argument("--llama-threads", type=int, default=os.cpu_count() or 1, help="llama-server threads")
     p.add_argument("--llama-batch", type=int, default=None, help="llama-server -b (default: its own)")
+    p.add_argument("--llama-arg", action="append", default=[], metavar="ARG",
+                   help="one more llama-server argument (repeatable), e.g. --llama-arg=--poll=0")
     p.add_argument("--llama-no-repack", action="store_true",
                    help="llama-server --no-repack (without it, a build that crashes repacking is retried with it)")
     p.add_argument("--only", default=None, choices=["pdserve", LLAMA],
