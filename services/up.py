@@ -39,8 +39,9 @@ def choice_from_args(args) -> Choice:
         except ModelNotFoundError:
             path = None  # the workers say so, with how to install it
         gguf = gguf_servable(path)
+    given = any(a.split("=", 1)[0] == "--local-prefill-max-tokens" for a in args.router_arg)
     return up_defaults.choose(os.cpu_count() or 1, prefill=args.prefill, decode=args.decode, threads=args.threads,
-                              quantization=args.quantization, gguf=gguf)
+                              quantization=args.quantization, gguf=gguf, local_prefill_given=given)
 
 
 def spec_from_args(args, choice: Choice | None = None) -> StackSpec:
@@ -51,7 +52,8 @@ def spec_from_args(args, choice: Choice | None = None) -> StackSpec:
                      transport=args.transport, threads=choice.threads, kv_cache_gb=args.kv_cache_gb, host=args.host,
                      redis_url=args.redis_url, policy=args.policy, router_port=args.router_port,
                      gateway=not args.no_gateway, gateway_port=args.port, gateway_grpc_port=args.grpc_port,
-                     api_keys=args.api_keys, profiling=args.enable_profiling, router_args=args.router_arg,
+                     api_keys=args.api_keys, profiling=args.enable_profiling,
+                     router_args=[*choice.router_args, *args.router_arg],
                      gateway_args=args.gateway_arg,
                      worker_args=_speculative_args(args))
 

@@ -18,6 +18,11 @@ peer --only pdserve --variant ...`` on the project's 2-core machine
 - **Threads per worker**: every core, as torch would pick on its own (now said
   and explicit): on 2 cores, 2 threads per worker beat 1 at one stream (the
   worker that computes gets both cores while the other waits) and under load.
+- **Conditional disaggregation**: the router prefills an uncached prompt of up
+  to ``LOCAL_PREFILL_MAX_TOKENS`` tokens on its decode worker when that worker
+  has nothing waiting (``--local-prefill-max-tokens``; the router's own default
+  stays 0 for deployments that configure it): at 16 and 32 streams this served
+  more tokens per second and cut a lone cached prompt's TTFT.
 - **Weights**: a GGUF model whose projections are all Q4_0/Q4_1/Q8_0 blocks is
   served from those blocks (``--quantization gguf``): the same weights the file
   holds (bf16 holds the same values, widened), decoded at 2-3 times the speed on
@@ -30,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+LOCAL_PREFILL_MAX_TOKENS = 256  # the router's conditional-disaggregation threshold under `pdserve up` (measured)
 AGGREGATED_CPUS = 1  # at most this many cores: the decode worker prefills (no core for a prefill process)
 # the block types --quantization gguf serves (kernels/gguf_linear.KINDS; a test keeps the two equal,
 # so deciding here does not import torch)
@@ -43,6 +49,7 @@ class Choice:
     decode: int
     threads: int
     quantization: str | None  # None: unquantized (--dtype)
+    router_args: list[str] = field(default_factory=list)  # the router flags chosen here
     reasons: list[str] = field(default_factory=list)  # one "chose X because Y" per value chosen here
 
     def summary(self) -> str:
@@ -73,9 +80,11 @@ def gguf_servable(path: Path | None) -> tuple[bool, str]:
 
 
 def choose(cpus: int, *, prefill: int | None = None, decode: int | None = None, threads: int | None = None,
-           quantization: str | None = None, gguf: tuple[bool, str] = (False, "")) -> Choice:
+           quantization: str | None = None, gguf: tuple[bool, str] = (False, ""),
+           local_prefill_given: bool = False) -> Choice:
     """Fill in what was not given (None) for a machine of ``cpus`` cores; ``gguf``: ``gguf_servable``'s answer.
-    ``quantization`` "none" is an explicit choice of unquantized weights."""
+    ``quantization`` "none" is an explicit choice of unquantized weights. ``local_prefill_given``: the router's
+    ``--local-prefill-max-tokens`` was passed (``--router-arg``)."""
     cpus = max(1, cpus)
     reasons = []
     if prefill is None:
@@ -94,4 +103,10 @@ def choose(cpus: int, *, prefill: int | None = None, decode: int | None = None, 
         quantization = "gguf" if ok else "none"
         reasons.append(f"{quantization} weights because {why}" + (" (the file's own blocks, faster on CPU)"
                                                                     if ok else ""))
-    return Choice(prefill, decode, threads, None if quantization == "none" else quantization, reasons)
+    router_args = []
+    if prefill > 0 and not local_prefill_given:
+        router_args = [f"--local-prefill-max-tokens={LOCAL_PREFILL_MAX_TOKENS}"]
+        reasons.append(f"uncached prompts up to {LOCAL_PREFILL_MAX_TOKENS} tokens prefilled on an idle decode worker "
+                       "because the hand-off cost more than the compute (measured)")
+    return Choice(prefill, decode, threads, None if quantization == "none" else quantization,
+                  router_args=router_args, reasons=reasons)

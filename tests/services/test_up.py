@@ -58,8 +58,9 @@ def ctrl_c(proc: subprocess.Popen) -> int:
 
 def test_up_serves_grpc_and_http_then_stops_on_ctrl_c():
     http_port, grpc_port, router_port = _free_port(), _free_port(), _free_port()
-    # --prefill 1: the disaggregated path whatever the core count (on one core `up` alone would aggregate)
-    proc, lines, up = start_up("--prefill", "1", "--port", str(http_port), "--grpc-port", str(grpc_port),
+    # the disaggregated path whatever the core count (on one core `up` alone would aggregate) and whatever the
+    # prompt's length (up alone prefills short prompts on an idle decode worker)
+    proc, lines, up = start_up("--prefill", "1", "--router-arg=--local-prefill-max-tokens=0", "--port", str(http_port), "--grpc-port", str(grpc_port),
                                "--router-port", str(router_port))
     try:
         deadline = time.monotonic() + 240

@@ -27,12 +27,14 @@ SERVABLE = (True, "x.gguf's projections are Q4_1 blocks")
 def test_two_cores_run_disaggregated_with_every_core_and_the_files_blocks():
     choice = up_defaults.choose(2, gguf=SERVABLE)
     assert (choice.prefill, choice.decode, choice.threads, choice.quantization) == (1, 1, 2, "gguf")
-    assert len(choice.reasons) == 3 and all(" because " in r for r in choice.reasons)
+    assert choice.router_args == ["--local-prefill-max-tokens=256"]
+    assert len(choice.reasons) == 4 and all(" because " in r for r in choice.reasons)
 
 
 def test_one_core_prefills_on_the_decode_worker():
     choice = up_defaults.choose(1, gguf=(False, "the model is not a .gguf file"))
     assert (choice.prefill, choice.decode, choice.threads, choice.quantization) == (0, 1, 1, None)
+    assert choice.router_args == []  # no prefill worker: nothing to decide
     assert "not a .gguf" in choice.summary()
 
 
@@ -43,9 +45,10 @@ def test_threads_follow_the_cores_unless_given(cpus):
 
 
 def test_given_values_are_kept_and_not_explained():
-    choice = up_defaults.choose(2, prefill=1, decode=2, threads=3, quantization="none", gguf=SERVABLE)
+    choice = up_defaults.choose(2, prefill=1, decode=2, threads=3, quantization="none", gguf=SERVABLE,
+                                local_prefill_given=True)
     assert (choice.prefill, choice.decode, choice.threads, choice.quantization) == (1, 2, 3, None)
-    assert choice.reasons == []
+    assert choice.reasons == [] and choice.router_args == []
 
 
 def test_flags_reach_the_stack_spec_unchanged():
@@ -53,6 +56,11 @@ def test_flags_reach_the_stack_spec_unchanged():
     assert (spec.prefill, spec.decode, spec.threads, spec.quantization) == (1, 1, 1, "int8")
     spec = up.spec_from_args(_args("--prefill", "2", "--quantization", "none"))
     assert (spec.prefill, spec.quantization) == (2, None)
+    # the router's threshold: chosen unless given through --router-arg (either spelling), given last
+    assert up.spec_from_args(_args("--prefill", "1")).router_args == ["--local-prefill-max-tokens=256"]
+    for given in (["--router-arg=--local-prefill-max-tokens=0"],
+                  ["--router-arg=--local-prefill-max-tokens", "--router-arg=0"]):
+        assert up.spec_from_args(_args("--prefill", "1", *given)).router_args == [g.split("=", 1)[1] for g in given]
 
 
 def test_a_pdserve_variable_counts_as_given(monkeypatch):
