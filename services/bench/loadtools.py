@@ -228,11 +228,13 @@ def measure(stack_url: str, model: str, args) -> dict:
         if tool != "pdserve":
             row["vs_pdserve"] = {key: ratio(row[key], base[key]) for key in ("ttft_ms_p50", "itl_ms_p50",
                                                                              "output_tok_s")}
+    home = str(Path.home())  # the commands as a user would copy them, without this machine's home directory
     return {"tools": pooled, "commands": {
         "guidellm": " ".join([*(f"{k}={v}" for k, v in GUIDELLM_ENV.items()),
-                              *guidellm_command("http://127.0.0.1:8000", model, tokenizer, args, Path("out.json"))]),
+                              *guidellm_command("http://127.0.0.1:8000", model, tokenizer, args,
+                                                Path("out.json"))]).replace(home, "~"),
         "aiperf": " ".join(aiperf_command("http://127.0.0.1:8000", model, tokenizer, args, Path("aiperf-out"),
-                                          args.seed))},
+                                          args.seed)).replace(home, "~")},
         "config": {"rate": args.rate, "arrivals": args.arrivals, "requests_per_block": args.requests,
                    "prompt_tokens": args.prompt_tokens,
                    "output_tokens": args.output_tokens, "order": list(_ORDER), "dtype": args.dtype,

@@ -156,7 +156,10 @@ def run_llama(binary: Path, gguf: Path, args) -> dict:
                                           batch=args.llama_batch, extra=[*extra, "--no-repack"])
         server.start()
     try:
-        config = {"argv": " ".join(shlex.quote(a) for a in server.argv[1:]), "np": args.llama_np,
+        # the command as a user would type it: the model by its file name, no machine paths or ports
+        argv = [gguf.name if a == str(gguf) else a for a in server.argv[1:]]
+        del argv[argv.index("--port"):argv.index("--port") + 2]
+        config = {"argv": " ".join(shlex.quote(a) for a in argv), "np": args.llama_np,
                   "threads": args.llama_threads, "batch": args.llama_batch, "version": llama_server.version(binary),
                   "binary": f"{binary.parent.name}/{binary.name}", "start_s": round(time.perf_counter() - started, 1)}
         out = asyncio.run(drive(server.host, server.port, args))
@@ -225,7 +228,7 @@ def collect(args) -> dict:
                            for p in ("fresh", "cached"))
     result["config"] = {"concurrency": args.concurrency, "rounds": args.rounds, "min_requests": args.min_requests,
                         "max_tokens": args.max_tokens, "prompt_words": "40-120", "api": "chat, streaming",
-                        "greedy": True, "ignore_eos": True, "model": str(gguf or args.model or "default"),
+                        "greedy": True, "ignore_eos": True, "model": gguf.name if gguf else (args.model or "default"),
                         "cpus": os.cpu_count(), "order": [name for name, _ in order]}
     return result
 
@@ -297,7 +300,7 @@ def add_parser(sub) -> None:
     p.add_argument("--llama-threads", type=int, default=os.cpu_count() or 1, help="llama-server threads")
     p.add_argument("--llama-batch", type=int, default=None, help="llama-server -b (default: its own)")
     p.add_argument("--llama-arg", action="append", default=[], metavar="ARG",
-                   help="one more llama-server argument (repeatable), e.g. --llama-arg=--poll=0")
+                   help="one more llama-server argument (repeatable), e.g. --llama-arg=--poll --llama-arg=0")
     p.add_argument("--llama-no-repack", action="store_true",
                    help="llama-server --no-repack (without it, a build that crashes repacking is retried with it)")
     p.add_argument("--only", default=None, choices=["pdserve", LLAMA],
