@@ -172,7 +172,7 @@ class _StreamState:
                 self.gaps.append(now - self.last)
             self.last = now
             self.content_chunks += 1
-            self.pieces.append(piece)
+            self.pieces.append(piece if isinstance(piece, str) else "".join(piece))  # logprobs' tokens: a list
         if self.record and event_id:
             self.chunks.append((event_id, wall))
 
