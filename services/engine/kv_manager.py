@@ -25,7 +25,7 @@ blocks computed and cached. The copied hashes are claimed meanwhile, so a reques
 waits and hits them instead of computing them::
 
     waiting A:  [ pool hits ][ restoring: copied back off the engine thread ][ to compute ]
-                 \_ held, cached _/ \_ held, claimed, not yet cached _____/
+                 \\_ held, cached _/ \\_ held, claimed, not yet cached ____/
 """
 
 from __future__ import annotations
