@@ -44,3 +44,22 @@ def test_a_spilled_prefix_costs_more_than_a_pooled_one_and_far_less_than_none():
                               num_tokens=len(tokens))
     assert d.worker.worker_id == "spilled" and d.reason == "prefix_hit"
     assert 3 < d.cost < 0.1 * len(tokens)  # the copy back is charged, far below a recompute
+
+
+def test_a_resync_after_lost_events_restores_the_spill_tier_too(with_redis):
+    """A worker whose publishes failed resyncs: the router's index gets its pool and spill tier back."""
+    from services.kv_events import STREAM_KEY, Publisher
+
+    _, hashes = prompt(6 * BS)
+
+    async def go(redis):
+        publisher = Publisher(redis, "w")
+        await publisher.publish([], cached=hashes[:3], spilled=hashes[3:])
+        index = PrefixIndex()
+        for _, fields in (await redis.xrange(STREAM_KEY)):
+            worker, runs = decode_entry(fields)
+            index.apply(worker, runs)
+        return index
+
+    index = with_redis(go)
+    assert index.overlap("w", hashes) == 6 and index.spilled_run("w", hashes, 6) == 3
