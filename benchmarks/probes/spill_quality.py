@@ -1,0 +1,46 @@
+"""Probe: what int8 spill does to the model's output (issue 21: "int8 spill is lossy: measure").
+
+    PYTHONPATH=. python benchmarks/probes/spill_quality.py [chunk ...]
+
+A conversation that returns finds its history restored from the spill tier: with
+``--kv-spill-dtype int8`` the history's KV has been through int8 rows (kernels/kv_int8.py)
+while the new turn's KV is computed fresh. Perplexity over the fixed offline text
+(services/engine/perplexity.py, 4,096 tokens) with the KV of every full block before each chunk
+round-tripped through the spill store's int8 rows, against the same engine without, for each
+chunk size (512: turns of 512 new tokens; 16: every block restored before the next one is
+computed, the worst case); bf16 cache, default model. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from kernels.kv_int8 import dequantize_rows, quantize_rows
+from services.config import EngineConfig
+from services.engine.engine import Engine
+from services.engine.perplexity import perplexity, reference_text, text_tokens
+
+
+def _through_int8(kv: torch.Tensor, num_blocks: int) -> None:
+    if num_blocks:
+        part = kv[1:num_blocks + 1]
+        part.copy_(dequantize_rows(quantize_rows(part), kv.dtype))
+
+
+def main() -> None:
+    chunks = [int(c) for c in sys.argv[1:]] or [512, 16]
+    engine = Engine(EngineConfig(dtype="bf16", kv_cache_bytes=64 << 20))
+    ids = text_tokens(engine.tokenizer, 4096)
+    base = {c: perplexity(engine, ids, chunk=c) for c in chunks}
+    spilled = {c: perplexity(engine, ids, chunk=c, after_chunk=_through_int8) for c in chunks}
+    print(json.dumps({"tokens": len(ids), "text": reference_text.__doc__.splitlines()[0] if reference_text.__doc__ else "",
+                      "ppl_bf16": {c: round(base[c], 4) for c in chunks},
+                      "ppl_int8_spilled_context": {c: round(spilled[c], 4) for c in chunks},
+                      "ratio": {c: round(spilled[c] / base[c], 4) for c in chunks}}))
+
+
+if __name__ == "__main__":
+    main()
