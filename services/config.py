@@ -5,6 +5,7 @@ The CLI builds these from flags (services.cli); nothing else reads flags or env.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 _DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
@@ -107,3 +108,5 @@ class EngineConfig:
             raise ValueError("the KV spill tier keeps evicted prefix-cache blocks; it needs prefix caching on")
         if self.kv_spill_dir is not None and not self.kv_spill_bytes:
             raise ValueError("--kv-spill-dir needs --kv-spill-gb above 0 (the tier's size)")
+        if self.kv_spill_dir is not None and not os.path.isdir(self.kv_spill_dir):
+            raise ValueError(f"--kv-spill-dir {self.kv_spill_dir!r} is not a directory")

@@ -187,6 +187,15 @@ def test_bad_spill_settings_are_clear_errors(config, message):
         EngineConfig(model="dummy:tiny", **config)
 
 
-def test_a_missing_spill_dir_is_a_clear_error(tiny_engine, tmp_path):
+def test_a_missing_spill_dir_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="not a directory"):
-        tiny_engine(num_blocks=16, kv_spill_bytes=1 << 20, kv_spill_dir=str(tmp_path / "nope"))
+        EngineConfig(model="dummy:tiny", kv_spill_bytes=1 << 20, kv_spill_dir=str(tmp_path / "nope"))
+
+
+def test_the_worker_refuses_a_bad_spill_flag_before_it_starts():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "services.cli", "prefill", "--kv-spill-gb", "0.1",
+                          "--kv-spill-dir", "/nonexistent-dir"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "is not a directory" in out.stderr + out.stdout
