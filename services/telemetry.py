@@ -100,7 +100,8 @@ KV_RESTORES = Counter("pdserve_kv_restores_total", "KV blocks copied back from t
 KV_TIER_BYTES = Counter("pdserve_kv_tier_bytes_total", "Bytes copied between KV tiers, by direction (spill|restore).",
                         ["role", "worker", "direction"])
 KV_TIER_SECONDS = Counter("pdserve_kv_tier_seconds_total",
-                          "Seconds spent copying between KV tiers, by direction (spill|restore).",
+                          "Seconds of copies between KV tiers, by direction: spill (on the engine thread) | "
+                          "restore (off it; from the copy's start until its request is admitted).",
                           ["role", "worker", "direction"])
 PREEMPTIONS = Counter("pdserve_preemptions_total", "Running requests preempted for lack of KV blocks.",
                       ["role", "worker"])

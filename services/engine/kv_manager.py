@@ -30,6 +30,7 @@ waits and hits them instead of computing them::
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
@@ -173,8 +174,6 @@ class KVManager:
 
     def wait_restores(self, timeout: float) -> None:
         """Block up to ``timeout`` s for any restore to finish (the engine has nothing else to run)."""
-        import concurrent.futures
-
         pending = [r.handle for r in self._in_flight.values() if not r.handle.done()]
         if pending:
             concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)

@@ -99,6 +99,25 @@ def test_int8_tier_holds_more_blocks_and_restores(tiny_engine):
     assert outs[-1].num_cached_tokens == 64 and len(tokens(outs)) == 4
 
 
+def test_int8_slots_hold_the_int8_cache_rows_bytes_and_restore_within_their_rounding():
+    """The store's per-block quantization writes exactly kernels/kv_int8.quantize_rows' bytes."""
+    import torch
+
+    from kernels.kv_int8 import dequantize_rows, quantize_rows
+    from services.engine.kv_cache import KVCacheSpec
+    from services.engine.kv_spill import SpillStore
+
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="bfloat16")
+    kv = torch.randn(spec.shape(6)).to(torch.bfloat16)
+    kv[3, 0, 0, 0] = 0  # an all-zero row keeps scale 1
+    store = SpillStore(spec, kv, 8 * slot_bytes(spec, "int8"), "int8")
+    store.write([1, 3, 5], [4, 0, 7])
+    assert torch.equal(store.slots[[4, 0, 7]], quantize_rows(kv[[1, 3, 5]]))
+    want = dequantize_rows(quantize_rows(kv[[3, 1]]), torch.bfloat16)
+    store.restore([0, 4], [2, 4]).result()
+    assert torch.equal(kv[[2, 4]], want)
+
+
 def test_events_say_which_tier_holds_a_block(tiny_engine):
     engine = _spill_engine(tiny_engine, slots=3)
     _fill(engine, range(4))
