@@ -12,10 +12,11 @@ would cost there, in prompt tokens; lower wins::
                     + restore_token_cost * block_size * spilled_blocks   # in its spill tier
 
 A block the worker holds in its spill tier (``--kv-spill-gb``; the index knows from its KV
-events) is a hit that costs a copy back: ``restore_token_cost`` (0.05) of a token per token,
-from the engine's measured ratio of restore time to prefill time per block (BENCHMARKS.md,
-``pdserve bench kvtier``), so a worker with the prefix spilled still beats one without it by
-far, and one with it in its pool beats both.
+events) is a hit that costs a copy back: ``restore_token_cost`` (0.05) of a token per token.
+Measured (BENCHMARKS.md, ``pdserve bench kvtier``, default model on one CPU core): a restore
+~0.34 ms per block plus ~0.5 ms for the spill it causes, against ~25 ms to prefill the block's
+16 tokens, about 0.03; 0.05 rounds that up. So a worker with the prefix spilled still beats one
+without it by far, and one with it in its pool beats both.
 
 A token computed counts more than a token waited for (``load_weight`` < 1): the
 compute is paid again by every request that queues behind it on that worker,
