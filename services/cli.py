@@ -42,6 +42,7 @@ BENCHES = {
     "soak": "services.bench.soak",
     "sim": "services.sim.bench",
     "breakdown": "services.bench.breakdown",
+    "kvtier": "services.bench.kvtier",
     "profiling": "services.profiling.bench",
 }
 

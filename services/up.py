@@ -55,7 +55,14 @@ def spec_from_args(args, choice: Choice | None = None) -> StackSpec:
                      api_keys=args.api_keys, profiling=args.enable_profiling,
                      router_args=[*choice.router_args, *args.router_arg],
                      gateway_args=args.gateway_arg,
-                     worker_args=_speculative_args(args))
+                     worker_args=_speculative_args(args) + _spill_args(args))
+
+
+def _spill_args(args) -> list[str]:
+    """Worker flags for the KV spill tier (every worker: both keep a prefix cache)."""
+    if args.kv_spill_gb < 0:
+        raise ValueError(f"--kv-spill-gb must be >= 0, got {args.kv_spill_gb}")
+    return ["--kv-spill-gb", str(args.kv_spill_gb)] if args.kv_spill_gb else []
 
 
 def _speculative_args(args) -> list[str]:
@@ -173,6 +180,9 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per worker (default: the core count)")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache per worker")
+    p.add_argument("--kv-spill-gb", type=float, default=0.0,
+                   help="KV spill tier per worker: evicted prefix blocks kept (int8) in this much host memory and "
+                        "restored on a hit (see pdserve prefill --help); 0: off")
     p.add_argument("--speculative", default="off", choices=["off", "ngram"],
                    help="speculative decoding on the decode workers (ngram: prompt lookup; see pdserve generate)")
     p.add_argument("--num-speculative-tokens", type=int, default=5, help="draft tokens per step")

