@@ -101,12 +101,15 @@ class SpillStore:
         """Copy cache blocks into slots; returns once nothing may overwrite the blocks' KV unsaved."""
         src = torch.tensor(list(blocks), dtype=torch.int64, device=self.kv.device)
         dst = torch.tensor(list(slots), dtype=torch.int64)
-        if self.on_cuda:  # untested without a GPU
+        if self.on_cuda:  # tests/engine/test_spill_tier_cuda.py
             compute = torch.cuda.current_stream(self.kv.device)
             self._stream.wait_stream(compute)
             with torch.cuda.stream(self._stream):
-                self.slots[dst] = self.kv.index_select(0, src).to("cpu", non_blocking=True)
-            compute.wait_stream(self._stream)  # the next forward may overwrite these blocks only after
+                staged = self.kv.index_select(0, src).to("cpu", non_blocking=True)
+            # a non-blocking copy to the host returns before its bytes land: wait for them before
+            # the host-side scatter reads them (and before any forward may overwrite the blocks)
+            self._stream.synchronize()
+            self.slots[dst] = staged
             return
         with torch.inference_mode():
             if not self.quantized:
@@ -122,7 +125,7 @@ class SpillStore:
         """Start copying slots into cache blocks; a handle with ``done()`` and ``result()``."""
         src = torch.tensor(list(slots), dtype=torch.int64)
         dst = torch.tensor(list(blocks), dtype=torch.int64, device=self.kv.device)
-        if self.on_cuda:  # untested without a GPU
+        if self.on_cuda:
             with torch.cuda.stream(self._stream):
                 self.kv[dst] = self.slots.index_select(0, src).to(self.kv.device, non_blocking=True)
                 event = torch.cuda.Event()
