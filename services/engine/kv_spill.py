@@ -23,11 +23,11 @@ Copies: a spill (``write``) runs on the engine thread while the pool hands the b
 (it must finish before anything overwrites them); a restore runs on this store's own thread
 and the engine keeps stepping other requests meanwhile (torch's copy kernels release the GIL).
 
-GPU (untested here: no GPU was lent to this task): slots in pinned host memory, in the cache's
-dtype; a spill is a device-to-host copy on a side stream that first waits for the compute
-stream (the block's last write), and the compute stream waits for the copy before the next
-forward may overwrite the block; a restore is a host-to-device copy on the side stream whose
-completion an event reports (``done()``), so neither blocks the compute stream's kernels.
+GPU (tests/engine/test_spill_tier_cuda.py, run on an H200): slots in pinned host memory, in the
+cache's dtype; a spill is a device-to-host copy on a side stream that first waits for the
+compute stream (the block's last write); the engine thread waits for the copy's bytes before it
+scatters them into the slots, so no later forward can overwrite a block unsaved; a restore is a host-to-device copy on the side stream whose
+completion an event reports (``done()``), so a restore never blocks the compute stream's kernels.
 """
 
 from __future__ import annotations
