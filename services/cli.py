@@ -36,12 +36,14 @@ BENCHES = {
     "serve": "services.gateway.bench",
     "coalesce": "services.gateway.coalesce_bench",
     "loadtools": "services.bench.loadtools",
+    "peer": "services.bench.peer",
     "frontdoor": "services.gateway.frontdoor_bench",
     "startup": "services.bench.startup",
     "chaos": "services.bench.chaos",
     "soak": "services.bench.soak",
     "sim": "services.sim.bench",
     "breakdown": "services.bench.breakdown",
+    "kvtier": "services.bench.kvtier",
     "profiling": "services.profiling.bench",
 }
 
