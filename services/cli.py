@@ -42,6 +42,7 @@ BENCHES = {
     "sim": "services.sim.bench",
     "breakdown": "services.bench.breakdown",
     "profiling": "services.profiling.bench",
+    "hops": "services.bench.hops",
 }
 
 

@@ -1,0 +1,226 @@
+"""``pdserve bench hops``: where a cached request's first token waits, hop by hop, alone and under load.
+
+The stack is ``pdserve up``'s (services/launcher.py), started with the hop probe on
+(``PDSERVE_HOPS_DIR``, services/hops.py): every process writes a timestamp per hop per
+request. For each ``--concurrency`` level, a fresh set of chat prompts (40-120 words)
+goes through the shared load generator twice: once to put them in the caches, then the
+same prompts again, which is what is measured (the issue's "cached prompts"): each
+request's client TTFT, and between consecutive hops of its first token the time spent
+there (p50 / p90 over the level's requests)::
+
+    gw.arrive -> gw.enqueue -> router.read -> router.placed -> router.sent
+      -> decode.recv (or, through a prefill worker: prefill.recv -> prefill.done -> decode.kv)
+      -> decode.token -> decode.written -> gw.delivered -> gw.sse
+
+and beside that path, gw.enqueue -> gw.queued (the gateway's own queue write) and, through a
+prefill worker, router.sent -> decode.recv (the Decode call made while the prefill computes).
+
+plus the engine steps from the request reaching the decode worker (its KV, when a prefill
+worker computed it) to the step that made the first token, and
+how many requests the router sent through a prefill worker. ``--batch1-rounds`` adds one
+user's served speed against the engine's own batch-1 decode in this process, the two
+alternating request by request (same model, dtype and threads), so drift cancels.
+
+Clocks: every mark is ``time.time_ns()`` on one host (one CLOCK_REALTIME); a hop that
+comes out negative (a mark before its predecessor) is counted in ``clock_violations``,
+which must stay 0 for the split to be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import tempfile
+import time
+
+from services import hops
+from services.bench import results as result_files
+from services.bench.args import at_least_one as count
+from services.bench.load import OpenAIClient, OpenAIRequest, closed_loop
+from services.bench.stats import percentile, ratio
+
+_WORDS = ("river stone light garden window paper engine market silver forest music winter harbor signal "
+          "letter mountain yellow planet bridge candle orange theory coffee island rocket thunder velvet "
+          "marble dragon pencil castle meadow falcon lantern puzzle canyon").split()
+
+
+def prompts(seed: int, n: int) -> list[str]:
+    rng = random.Random(seed)
+    return [f"Note {seed}-{i}: " + " ".join(rng.choice(_WORDS) for _ in range(rng.randint(40, 120)))
+            + "\nSummarize the note in one sentence." for i in range(n)]
+
+
+def split(marks: dict[str, dict]) -> dict[str, float]:
+    """One request's hops (ms from the previous hop present), the first-token path in order."""
+    out = {}
+    for before, after in hops.first_token_path(marks):
+        out[f"{before}->{after}"] = (marks[after]["t"] - marks[before]["t"]) / 1e6
+    if "gw.arrive" in marks and "gw.sse" in marks:
+        out["total"] = (marks["gw.sse"]["t"] - marks["gw.arrive"]["t"]) / 1e6
+    return out
+
+
+def summarize_level(samples, marks: dict[str, dict[str, dict]]) -> dict:
+    ok = [s for s in samples if s.ok]
+    per_hop: dict[str, list[float]] = {}
+    steps, via_prefill, violations, traced = [], 0, 0, 0
+    for s in ok:
+        m = marks.get(s.request_id)
+        if not m:
+            continue
+        traced += 1
+        for hop, ms in split(m).items():
+            per_hop.setdefault(hop, []).append(ms)
+            violations += ms < 0
+        arrived = m.get("decode.kv") or m.get("decode.recv")  # with a prefill worker: once its KV is here
+        if arrived and "decode.token" in m and m["decode.token"].get("step") is not None:
+            steps.append(m["decode.token"]["step"] - arrived["step"])
+        via_prefill += "prefill.recv" in m
+    ttft = [s.ttft * 1e3 for s in ok]
+    return {
+        "requests": len(samples), "failed": len(samples) - len(ok), "traced": traced,
+        "ttft_ms_p50": round(percentile(ttft, 50), 2), "ttft_ms_p90": round(percentile(ttft, 90), 2),
+        "hops_ms": {hop: {"n": len(v), "p50": round(percentile(v, 50), 3), "p90": round(percentile(v, 90), 3)}
+                    for hop, v in per_hop.items()},
+        "engine_steps_to_first_token": {"p50": percentile(steps, 50), "max": max(steps) if steps else None},
+        "via_prefill_worker": via_prefill, "clock_violations": violations,
+    }
+
+
+async def _levels(args, client: OpenAIClient, hops_dir: str) -> dict:
+    levels = {}
+    for i, c in enumerate(args.concurrency):
+        n = max(args.requests, 2 * c)
+        texts = prompts(args.seed + i, n)
+        items = [OpenAIRequest("chat", p, args.max_tokens) for p in texts]
+        _log(f"{c} stream(s): {n} fresh prompts (fills the caches), then the same {n} again")
+        await closed_loop(client.send, items, c)
+        await asyncio.sleep(0.3)  # KV events reach the router's index
+        samples, wall = await closed_loop(client.send, items, c)
+        await asyncio.sleep(0.3)  # the last marks are written
+        level = summarize_level(samples, hops.read(hops_dir))
+        level["output_tok_s"] = round(sum(s.tokens for s in samples if s.ok) / wall, 1)
+        levels[str(c)] = level
+        _log(f"  cached TTFT p50 {level['ttft_ms_p50']:.1f} ms, p90 {level['ttft_ms_p90']:.1f} ms; "
+             f"{level['via_prefill_worker']} of {level['traced']} through a prefill worker")
+    return levels
+
+
+async def _batch1(args, client: OpenAIClient) -> dict:
+    """One user's served decode rate against the engine's batch-1 decode here, alternating."""
+    from services.config import EngineConfig
+    from services.engine.bench import pdserve_decode_b1
+    from services.engine.engine import Engine
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization))
+    prompt = engine.tokenizer.encode(prompts(args.seed + 99, 1)[0])[:64]
+    served, alone = [], []
+    texts = prompts(args.seed + 100, args.batch1_rounds)
+    pdserve_decode_b1(engine, prompt, 8, "warm")
+    for k, text in enumerate(texts):
+        s = await client.send(OpenAIRequest("chat", text, args.batch1_tokens, extra={"ignore_eos": True}))
+        if s.ok and s.tokens > 1:
+            served.append((s.tokens - 1) / (s.e2e - s.ttft))
+        alone.append(pdserve_decode_b1(engine, prompt, args.batch1_tokens, f"b1-{k}"))
+    out = {"rounds": len(texts), "served_tok_s_p50": round(percentile(served, 50), 1),
+           "engine_tok_s_p50": round(percentile(alone, 50), 1)}
+    out["served_over_engine"] = ratio(out["served_tok_s_p50"], out["engine_tok_s_p50"])
+    _log(f"batch 1: served {out['served_tok_s_p50']} tok/s, engine alone {out['engine_tok_s_p50']} tok/s "
+         f"({out['served_over_engine']}x)")
+    return out
+
+
+async def _run(args, stack, hops_dir: str) -> dict:
+    host, port = stack.gateway_address.rsplit(":", 1)
+    client = OpenAIClient(host, int(port), args.model_name)
+    for k in range(2):  # warm-up: first-call costs are not measured
+        await client.send(OpenAIRequest("chat", f"Warm up {k}.", 4))
+    result = {"concurrency": args.concurrency, "max_tokens": args.max_tokens,
+              "router_args": args.router_arg, "levels": await _levels(args, client, hops_dir)}
+    if args.batch1_rounds:
+        result["batch1"] = await _batch1(args, client)
+    return result
+
+
+def run(args) -> int:
+    from services.launcher import LocalStack, StackSpec
+
+    hops_dir = tempfile.mkdtemp(prefix="pdserve-hops-")
+    os.environ[hops.ENV] = hops_dir  # the stack's processes inherit it
+    spec = StackSpec(prefill=1, decode=1, model=args.model, dtype=args.dtype, quantization=args.quantization,
+                     threads=args.threads, kv_cache_gb=args.kv_cache_gb, router_args=list(args.router_arg))
+    _log(f"starting the stack (hop marks in {hops_dir})")
+    try:
+        with LocalStack(spec) as stack:
+            import httpx
+
+            args.model_name = httpx.get(f"http://{stack.gateway_address}/v1/models",
+                                        timeout=30).json()["data"][0]["id"]
+            started = time.time()
+            result = asyncio.run(_run(args, stack, hops_dir))
+            result["wall_s"] = round(time.time() - started, 1)
+    finally:
+        os.environ.pop(hops.ENV, None)
+    result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
+    result_files.report("hops", result, args, print_table)
+    return 0
+
+
+def print_table(result: dict) -> None:
+    for c, level in result["levels"].items():
+        print(f"\n{c} stream(s), cached prompts: TTFT p50 {level['ttft_ms_p50']:.1f} ms, p90 "
+              f"{level['ttft_ms_p90']:.1f} ms; {level['traced']} traced, {level['via_prefill_worker']} through "
+              f"a prefill worker; engine steps to the first token p50 "
+              f"{level['engine_steps_to_first_token']['p50']}, max {level['engine_steps_to_first_token']['max']}; "
+              f"clock violations {level['clock_violations']}")
+        print(f"  {'hop':<36}{'n':>5}{'p50 ms':>10}{'p90 ms':>10}")
+        for hop, row in level["hops_ms"].items():
+            print(f"  {hop:<36}{row['n']:>5}{row['p50']:>10.2f}{row['p90']:>10.2f}")
+    if "batch1" in result:
+        b = result["batch1"]
+        print(f"\nbatch 1: served {b['served_tok_s_p50']} tok/s, engine alone {b['engine_tok_s_p50']} tok/s "
+              f"({b['served_over_engine']}x, {b['rounds']} rounds alternating)")
+
+
+def _log(msg: str) -> None:
+    print(f"[bench hops] {msg}", file=sys.stderr, flush=True)
+
+
+def _levels_arg(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"concurrency levels must be >= 1, got {text!r}")
+    return values
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("hops", help="where a cached request's first token waits, hop by hop (gateway, queue, "
+                                    "router, workers, delivery), alone and at 16 and 32 streams",
+                       description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--concurrency", type=_levels_arg, default=[1, 16, 32], help="streams, comma-separated")
+    p.add_argument("--requests", type=count, default=12, help="requests per level (at least 2x its streams)")
+    p.add_argument("--max-tokens", type=count, default=32, help="output tokens per request")
+    p.add_argument("--batch1-rounds", type=int, default=0,
+                   help="also measure one user's served tok/s against the engine's batch-1 decode, this many "
+                        "alternating rounds (0: skip)")
+    p.add_argument("--batch1-tokens", type=count, default=128, help="output tokens per batch-1 round")
+    p.add_argument("--router-arg", action="append", default=[],
+                   help="an extra router flag (repeat; e.g. --router-arg=--no-local-prefill-cached)")
+    p.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV cache per worker")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: the workers')")
+    p.add_argument("--dtype", default="bf16", help="worker dtype")
+    p.add_argument("--quantization", default=None, help="workers' --quantization (int8, gguf)")
+    p.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
