@@ -109,13 +109,34 @@ async def _levels(args, client: OpenAIClient, hops_dir: str) -> dict:
     return levels
 
 
-async def _batch1(args, client: OpenAIClient) -> dict:
-    """One user's served decode rate against the engine's batch-1 decode here, alternating."""
+def _cpu_seconds(procs: dict) -> dict[str, float]:
+    out = {}
+    for name, proc in procs.items():
+        try:
+            t = proc.cpu_times()
+            out[name] = t.user + t.system
+        except Exception:  # gone: counts nothing more
+            out[name] = 0.0
+    return out
+
+
+async def _batch1(args, client: OpenAIClient, stack) -> dict:
+    """One user's served decode rate against the engine's batch-1 decode here, alternating; and the CPU
+    time each process of the stack spent per served token (where a token's serving cost goes)."""
+    import psutil
+    import redis
+
     from services.config import EngineConfig
     from services.engine.bench import pdserve_decode_b1
     from services.engine.engine import Engine
 
     import torch
+
+    pids = {name: p.proc.pid for name, p in stack.procs.items()}
+    pids["redis"] = int(redis.Redis.from_url(stack.redis_url).info("server")["process_id"])
+    procs = {name: psutil.Process(pid) for name, pid in pids.items()}
+    cpu = dict.fromkeys(procs, 0.0)
+    served_tokens = 0
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -125,12 +146,19 @@ async def _batch1(args, client: OpenAIClient) -> dict:
     texts = prompts(args.seed + 100, args.batch1_rounds)
     pdserve_decode_b1(engine, prompt, 8, "warm")
     for k, text in enumerate(texts):
+        before = _cpu_seconds(procs)
         s = await client.send(OpenAIRequest("chat", text, args.batch1_tokens, extra={"ignore_eos": True}))
+        after = _cpu_seconds(procs)
         if s.ok and s.tokens > 1:
             served.append((s.tokens - 1) / (s.e2e - s.ttft))
+            served_tokens += s.tokens
+            for name in procs:
+                cpu[name] += after[name] - before[name]
         alone.append(pdserve_decode_b1(engine, prompt, args.batch1_tokens, f"b1-{k}"))
     out = {"rounds": len(texts), "served_tok_s_p50": round(percentile(served, 50), 1),
-           "engine_tok_s_p50": round(percentile(alone, 50), 1)}
+           "engine_tok_s_p50": round(percentile(alone, 50), 1),
+           "cpu_ms_per_token": {name: round(seconds / max(served_tokens, 1) * 1e3, 3)
+                                for name, seconds in cpu.items()}}
     out["served_over_engine"] = ratio(out["served_tok_s_p50"], out["engine_tok_s_p50"])
     _log(f"batch 1: served {out['served_tok_s_p50']} tok/s, engine alone {out['engine_tok_s_p50']} tok/s "
          f"({out['served_over_engine']}x)")
@@ -145,7 +173,7 @@ async def _run(args, stack, hops_dir: str) -> dict:
     result = {"concurrency": args.concurrency, "max_tokens": args.max_tokens,
               "router_args": args.router_arg, "levels": await _levels(args, client, hops_dir)}
     if args.batch1_rounds:
-        result["batch1"] = await _batch1(args, client)
+        result["batch1"] = await _batch1(args, client, stack)
     return result
 
 
@@ -187,6 +215,7 @@ def print_table(result: dict) -> None:
         b = result["batch1"]
         print(f"\nbatch 1: served {b['served_tok_s_p50']} tok/s, engine alone {b['engine_tok_s_p50']} tok/s "
               f"({b['served_over_engine']}x, {b['rounds']} rounds alternating)")
+        print("  CPU ms per served token: " + ", ".join(f"{k} {v:.2f}" for k, v in b["cpu_ms_per_token"].items()))
 
 
 def _log(msg: str) -> None:
