@@ -13,7 +13,8 @@ it is one global lookup. The hops of a cached request's first token, in order::
              router.placed  the workers are chosen (route decision)
              router.sent    the first worker call is issued (Decode, or Prefill + Reserve)
     prefill  prefill.recv   its Prefill handler took the request       (disaggregated only)
-             prefill.done   the prompt is computed, its KV sent
+             prefill.done   the prompt is computed and its KV sent (beside the path: the call returns
+                            once the sender heard the KV landed, after decode.kv)
     decode   decode.recv    its Decode handler took the request (beside the path when a prefill worker
                             computes: the Decode call is made while it does)
              decode.kv      the KV of a prefill worker arrived                  (disaggregated only)
@@ -44,14 +45,15 @@ FIRST_TOKEN_HOPS = ("gw.arrive", "gw.enqueue", "gw.queued", "router.read", "rout
                     "decode.written", "gw.delivered", "gw.sse")
 # Marks that happen beside the first token's path, not on it: the gateway's queue write returns while
 # the router may already read the entry; a disaggregated request's Decode call reaches the decode
-# worker while the prefill computes. Each is timed from the mark given here instead.
-SIDE_HOPS = {"gw.queued": "gw.enqueue", "decode.recv": "router.sent"}
+# worker while the prefill computes, and the prefill call returns once the sender heard the KV
+# landed. Each is timed from the mark given here instead.
+SIDE_HOPS = {"gw.queued": "gw.enqueue", "decode.recv": "router.sent", "prefill.done": "prefill.recv"}
 
 
 def first_token_path(marks: dict) -> list[tuple[str, str]]:
     """The (from, to) hops of one request's first token, in causal order, then its side hops."""
     on_path = [h for h in FIRST_TOKEN_HOPS if h in marks
-               and not (h == "gw.queued" or (h == "decode.recv" and "prefill.recv" in marks))]
+               and not (h in ("gw.queued", "prefill.done") or (h == "decode.recv" and "prefill.recv" in marks))]
     pairs = list(zip(on_path, on_path[1:]))
     pairs += [(before, side) for side, before in SIDE_HOPS.items()
               if side in marks and before in marks and side not in on_path]

@@ -9,21 +9,26 @@ request's client TTFT, and between consecutive hops of its first token the time 
 there (p50 / p90 over the level's requests)::
 
     gw.arrive -> gw.enqueue -> router.read -> router.placed -> router.sent
-      -> decode.recv (or, through a prefill worker: prefill.recv -> prefill.done -> decode.kv)
+      -> decode.recv (or, through a prefill worker: prefill.recv -> decode.kv)
       -> decode.token -> decode.written -> gw.delivered -> gw.sse
 
 and beside that path, gw.enqueue -> gw.queued (the gateway's own queue write) and, through a
-prefill worker, router.sent -> decode.recv (the Decode call made while the prefill computes).
-
+prefill worker, router.sent -> decode.recv (the Decode call made while the prefill computes) and
+prefill.recv -> prefill.done (its call, which returns once the KV landed);
 plus the engine steps from the request reaching the decode worker (its KV, when a prefill
-worker computed it) to the step that made the first token, and
-how many requests the router sent through a prefill worker. ``--batch1-rounds`` adds one
-user's served speed against the engine's own batch-1 decode in this process, the two
-alternating request by request (same model, dtype and threads), so drift cancels.
+worker computed it) to the step that made the first token, and how many requests the
+router sent through a prefill worker.
+
+``--baseline-router-arg FLAG`` starts a second, identical stack whose router gets FLAG
+(e.g. ``--no-local-prefill-cached``: the hand-off every cached prompt took before) and
+runs each level's requests in blocks pdserve, baseline, baseline, pdserve, printing the
+cached TTFT ratios. ``--batch1-rounds`` adds one user's served speed against the engine's
+own batch-1 decode in this process, the two alternating request by request (same model,
+dtype and threads), so drift cancels, with each process's CPU time per served token.
 
 Clocks: every mark is ``time.time_ns()`` on one host (one CLOCK_REALTIME); a hop that
 comes out negative (a mark before its predecessor) is counted in ``clock_violations``,
-which must stay 0 for the split to be read.
+which must stay 0 for the split to be read (hops beside the path are not in that order).
 """
 
 from __future__ import annotations
@@ -90,22 +95,45 @@ def summarize_level(samples, marks: dict[str, dict[str, dict]]) -> dict:
     }
 
 
-async def _levels(args, client: OpenAIClient, hops_dir: str) -> dict:
+# With a baseline stack, each level's requests run in blocks pdserve, baseline, baseline, pdserve (the
+# same prompts in block b of both): a machine whose speed drifts slows both alike.
+_ORDER = (("pdserve", 0), ("baseline", 0), ("baseline", 1), ("pdserve", 1))
+
+
+async def _block(client: OpenAIClient, texts: list[str], streams: int, max_tokens: int):
+    """Fresh prompts once (they fill the caches), then the same again: the cached pass's samples and wall."""
+    items = [OpenAIRequest("chat", p, max_tokens) for p in texts]
+    await closed_loop(client.send, items, streams)
+    await asyncio.sleep(0.3)  # KV events reach the router's index
+    samples, wall = await closed_loop(client.send, items, streams)
+    await asyncio.sleep(0.3)  # the last marks are written
+    return samples, wall
+
+
+async def _levels(args, sides: dict[str, tuple[OpenAIClient, str]]) -> dict:
     levels = {}
     for i, c in enumerate(args.concurrency):
         n = max(args.requests, 2 * c)
         texts = prompts(args.seed + i, n)
-        items = [OpenAIRequest("chat", p, args.max_tokens) for p in texts]
-        _log(f"{c} stream(s): {n} fresh prompts (fills the caches), then the same {n} again")
-        await closed_loop(client.send, items, c)
-        await asyncio.sleep(0.3)  # KV events reach the router's index
-        samples, wall = await closed_loop(client.send, items, c)
-        await asyncio.sleep(0.3)  # the last marks are written
-        level = summarize_level(samples, hops.read(hops_dir))
-        level["output_tok_s"] = round(sum(s.tokens for s in samples if s.ok) / wall, 1)
+        order = _ORDER if "baseline" in sides else (("pdserve", 0),)
+        blocks = [texts[:n // 2], texts[n // 2:]] if "baseline" in sides else [texts]
+        _log(f"{c} stream(s): {n} fresh prompts (fills the caches), then the same {n} again"
+             + (" on each stack, in blocks pdserve, baseline, baseline, pdserve" if "baseline" in sides else ""))
+        got: dict[str, tuple[list, float]] = {name: ([], 0.0) for name in sides}
+        for name, b in order:
+            samples, wall = await _block(sides[name][0], blocks[b], c, args.max_tokens)
+            got[name] = (got[name][0] + samples, got[name][1] + wall)
+        level = {}
+        for name, (samples, wall) in got.items():
+            side = summarize_level(samples, hops.read(sides[name][1]))
+            side["output_tok_s"] = round(sum(s.tokens for s in samples if s.ok) / wall, 1)
+            level[name] = side
+            _log(f"  {name}: cached TTFT p50 {side['ttft_ms_p50']:.1f} ms, p90 {side['ttft_ms_p90']:.1f} ms; "
+                 f"{side['via_prefill_worker']} of {side['traced']} through a prefill worker")
+        if "baseline" in level:
+            level["cached_ttft_p50_ratio"] = ratio(level["pdserve"]["ttft_ms_p50"], level["baseline"]["ttft_ms_p50"])
+            level["cached_ttft_p90_ratio"] = ratio(level["pdserve"]["ttft_ms_p90"], level["baseline"]["ttft_ms_p90"])
         levels[str(c)] = level
-        _log(f"  cached TTFT p50 {level['ttft_ms_p50']:.1f} ms, p90 {level['ttft_ms_p90']:.1f} ms; "
-             f"{level['via_prefill_worker']} of {level['traced']} through a prefill worker")
     return levels
 
 
@@ -165,57 +193,80 @@ async def _batch1(args, client: OpenAIClient, stack) -> dict:
     return out
 
 
-async def _run(args, stack, hops_dir: str) -> dict:
-    host, port = stack.gateway_address.rsplit(":", 1)
-    client = OpenAIClient(host, int(port), args.model_name)
-    for k in range(2):  # warm-up: first-call costs are not measured
-        await client.send(OpenAIRequest("chat", f"Warm up {k}.", 4))
-    result = {"concurrency": args.concurrency, "max_tokens": args.max_tokens,
-              "router_args": args.router_arg, "levels": await _levels(args, client, hops_dir)}
+async def _run(args, stacks: dict, hops_dirs: dict[str, str]) -> dict:
+    sides = {}
+    for name, stack in stacks.items():
+        host, port = stack.gateway_address.rsplit(":", 1)
+        client = OpenAIClient(host, int(port), args.model_name)
+        for k in range(2):  # warm-up: first-call costs are not measured
+            await client.send(OpenAIRequest("chat", f"Warm up {k}.", 4))
+        sides[name] = (client, hops_dirs[name])
+    result = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "router_args": args.router_arg,
+              "baseline_router_args": args.baseline_router_arg if "baseline" in stacks else None,
+              "levels": await _levels(args, sides)}
     if args.batch1_rounds:
-        result["batch1"] = await _batch1(args, client, stack)
+        result["batch1"] = await _batch1(args, sides["pdserve"][0], stacks["pdserve"])
     return result
 
 
 def run(args) -> int:
+    import contextlib
+
     from services.launcher import LocalStack, StackSpec
 
-    hops_dir = tempfile.mkdtemp(prefix="pdserve-hops-")
-    os.environ[hops.ENV] = hops_dir  # the stack's processes inherit it
-    spec = StackSpec(prefill=1, decode=1, model=args.model, dtype=args.dtype, quantization=args.quantization,
-                     threads=args.threads, kv_cache_gb=args.kv_cache_gb, router_args=list(args.router_arg))
-    _log(f"starting the stack (hop marks in {hops_dir})")
-    try:
-        with LocalStack(spec) as stack:
-            import httpx
+    router_args = {"pdserve": list(args.router_arg)}
+    if args.baseline_router_arg:
+        router_args["baseline"] = list(args.baseline_router_arg)
+    hops_dirs = {name: tempfile.mkdtemp(prefix=f"pdserve-hops-{name}-") for name in router_args}
+    with contextlib.ExitStack() as exit_stack:
+        stacks = {}
+        for name, extra in router_args.items():
+            os.environ[hops.ENV] = hops_dirs[name]  # the stack's processes inherit it
+            try:
+                spec = StackSpec(prefill=1, decode=1, model=args.model, dtype=args.dtype,
+                                 quantization=args.quantization, threads=args.threads,
+                                 kv_cache_gb=args.kv_cache_gb, router_args=extra)
+                _log(f"starting the {name} stack, router flags {extra or 'default'} (hop marks in "
+                     f"{hops_dirs[name]})")
+                stacks[name] = exit_stack.enter_context(LocalStack(spec))
+            finally:
+                os.environ.pop(hops.ENV, None)
+        import httpx
 
-            args.model_name = httpx.get(f"http://{stack.gateway_address}/v1/models",
-                                        timeout=30).json()["data"][0]["id"]
-            started = time.time()
-            result = asyncio.run(_run(args, stack, hops_dir))
-            result["wall_s"] = round(time.time() - started, 1)
-    finally:
-        os.environ.pop(hops.ENV, None)
+        args.model_name = httpx.get(f"http://{stacks['pdserve'].gateway_address}/v1/models",
+                                    timeout=30).json()["data"][0]["id"]
+        started = time.time()
+        result = asyncio.run(_run(args, stacks, hops_dirs))
+        result["wall_s"] = round(time.time() - started, 1)
     result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     result_files.report("hops", result, args, print_table)
     return 0
 
 
 def print_table(result: dict) -> None:
-    for c, level in result["levels"].items():
-        print(f"\n{c} stream(s), cached prompts: TTFT p50 {level['ttft_ms_p50']:.1f} ms, p90 "
-              f"{level['ttft_ms_p90']:.1f} ms; {level['traced']} traced, {level['via_prefill_worker']} through "
-              f"a prefill worker; engine steps to the first token p50 "
-              f"{level['engine_steps_to_first_token']['p50']}, max {level['engine_steps_to_first_token']['max']}; "
-              f"clock violations {level['clock_violations']}")
-        print(f"  {'hop':<36}{'n':>5}{'p50 ms':>10}{'p90 ms':>10}")
-        for hop, row in level["hops_ms"].items():
-            print(f"  {hop:<36}{row['n']:>5}{row['p50']:>10.2f}{row['p90']:>10.2f}")
+    for c, sides in result["levels"].items():
+        for name, level in sides.items():
+            if isinstance(level, dict):
+                _print_side(f"{c} stream(s), {name}", level)
+        if "cached_ttft_p50_ratio" in sides:
+            print(f"\n{c} stream(s): cached TTFT pdserve / baseline p50 {sides['cached_ttft_p50_ratio']}x, "
+                  f"p90 {sides['cached_ttft_p90_ratio']}x")
     if "batch1" in result:
         b = result["batch1"]
         print(f"\nbatch 1: served {b['served_tok_s_p50']} tok/s, engine alone {b['engine_tok_s_p50']} tok/s "
               f"({b['served_over_engine']}x, {b['rounds']} rounds alternating)")
         print("  CPU ms per served token: " + ", ".join(f"{k} {v:.2f}" for k, v in b["cpu_ms_per_token"].items()))
+
+
+def _print_side(title: str, level: dict) -> None:
+    print(f"\n{title}, cached prompts: TTFT p50 {level['ttft_ms_p50']:.1f} ms, p90 "
+          f"{level['ttft_ms_p90']:.1f} ms; {level['traced']} traced, {level['via_prefill_worker']} through "
+          f"a prefill worker; engine steps to the first token p50 "
+          f"{level['engine_steps_to_first_token']['p50']}, max {level['engine_steps_to_first_token']['max']}; "
+          f"clock violations {level['clock_violations']}")
+    print(f"  {'hop':<36}{'n':>5}{'p50 ms':>10}{'p90 ms':>10}")
+    for hop, row in level["hops_ms"].items():
+        print(f"  {hop:<36}{row['n']:>5}{row['p50']:>10.2f}{row['p90']:>10.2f}")
 
 
 def _log(msg: str) -> None:
@@ -245,6 +296,10 @@ def add_parser(sub) -> None:
     p.add_argument("--batch1-tokens", type=count, default=128, help="output tokens per batch-1 round")
     p.add_argument("--router-arg", action="append", default=[],
                    help="an extra router flag (repeat; e.g. --router-arg=--no-local-prefill-cached)")
+    p.add_argument("--baseline-router-arg", action="append", default=[],
+                   help="also start a baseline stack whose router gets this flag (repeat), and alternate the "
+                        "two in blocks (e.g. --baseline-router-arg=--no-local-prefill-cached: the hand-off "
+                        "every cached prompt took before)")
     p.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV cache per worker")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: the workers')")
     p.add_argument("--dtype", default="bf16", help="worker dtype")

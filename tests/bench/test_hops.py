@@ -52,7 +52,8 @@ def test_a_hand_off_goes_through_the_prefill_worker_and_the_kv():
                "prefill.recv": 5, "decode.recv": 6, "prefill.done": 30, "decode.kv": 32, "decode.token": 40,
                "decode.written": 41, "gw.delivered": 42, "gw.sse": 43})
     got = split(m)
-    assert "prefill.done->decode.kv" in got and "decode.kv->decode.token" in got
+    assert "prefill.recv->decode.kv" in got and "decode.kv->decode.token" in got
+    assert got["prefill.recv->prefill.done"] == 25.0  # beside the path: the send's completion
     assert got["router.sent->decode.recv"] == 2.0  # the Decode call made while the prefill computes
     assert "decode.recv->decode.token" not in got and "prefill.done->decode.recv" not in got
 
