@@ -44,6 +44,7 @@ import time
 from services import hops
 from services.bench import results as result_files
 from services.bench.args import at_least_one as count
+from services.bench.args import counts
 from services.bench.load import OpenAIClient, OpenAIRequest, closed_loop
 from services.bench.stats import percentile, ratio
 
@@ -273,21 +274,11 @@ def _log(msg: str) -> None:
     print(f"[bench hops] {msg}", file=sys.stderr, flush=True)
 
 
-def _levels_arg(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a comma-separated list of integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"concurrency levels must be >= 1, got {text!r}")
-    return values
-
-
 def add_parser(sub) -> None:
     p = sub.add_parser("hops", help="where a cached request's first token waits, hop by hop (gateway, queue, "
                                     "router, workers, delivery), alone and at 16 and 32 streams",
                        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--concurrency", type=_levels_arg, default=[1, 16, 32], help="streams, comma-separated")
+    p.add_argument("--concurrency", type=counts, default=[1, 16, 32], help="streams, comma-separated")
     p.add_argument("--requests", type=count, default=12, help="requests per level (at least 2x its streams)")
     p.add_argument("--max-tokens", type=count, default=32, help="output tokens per request")
     p.add_argument("--batch1-rounds", type=int, default=0,
