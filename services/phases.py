@@ -83,10 +83,16 @@ def observe(name: str, seconds: float, role: str | None = None) -> None:
 
 def _profiler_range(name: str):
     """A torch profiler range for ``name``, or None when no profiler records (the usual case)."""
-    torch = sys.modules.get("torch")
+    torch = sys.modules.get("torch")  # inline, not profiler_recording(): this runs for every phase
     if torch is None or not torch.autograd.profiler._is_profiler_enabled:
         return None
     return torch.profiler.record_function(name)
+
+
+def profiler_recording() -> bool:
+    """Whether the torch profiler records now (``pdserve profile``): what a range costs nothing to skip."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.autograd.profiler._is_profiler_enabled
 
 
 class profiler_range:

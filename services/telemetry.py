@@ -35,6 +35,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from services.profiling import request_traces
+
 ROLES = ("prefill", "decode", "router", "gateway")
 OUTCOMES = ("ok", "error", "aborted", "invalid")
 ROUTING_REASONS = ("prefix_hit", "load", "round_robin", "local_prefill", "only_worker", "retry")
@@ -226,7 +228,8 @@ def server_span(name: str, context: grpc.aio.ServicerContext, **attributes) -> I
     span = tracer("pdserve.grpc").start_span(name, context=parent, kind=trace.SpanKind.SERVER, attributes=attrs)
     token = otel_context.attach(trace.set_span_in_context(span, parent))
     try:
-        yield span
+        with request_traces.bound(attributes.get("request_id") or "", span.get_span_context().trace_id):
+            yield span
     except Exception as exc:
         span.record_exception(exc)
         span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))

@@ -35,7 +35,7 @@ COMPLETED, REFUSED, OTHER = "completed", "refused", "other"
 @dataclass
 class OpenAIRequest:
     api: str  # chat | completion
-    prompt: str
+    prompt: str | list[int]  # completions take token ids too (a model without a tokenizer)
     max_tokens: int
     stream: bool = True
     priority: str | None = None  # x-pdserve-priority
@@ -158,6 +158,8 @@ class _StreamState:
         choices = event.get("choices") or []
         piece = (choices[0].get("delta", {}).get("content") if self.api == "chat" else choices[0].get("text")) \
             if choices else None
+        if not piece and choices and self.api != "chat":  # a model without a tokenizer: its tokens' logprobs
+            piece = (choices[0].get("logprobs") or {}).get("tokens")
         if piece:
             now = time.perf_counter()
             if self.first is None:

@@ -18,6 +18,8 @@ are held after it finishes until the caller calls ``release`` (or ``abort``).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from kernels.ops import select_ops
@@ -37,7 +39,8 @@ from services.engine.scheduler import Scheduler, SchedulerConfig
 from services.engine.speculator import Speculator
 from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.errors import CapacityError, InvalidRequestError
-from services.phases import phase
+from services.phases import phase, profiler_range, profiler_recording
+from services.profiling import request_traces
 
 _CPU_KV_BYTES = 2 << 30
 
@@ -221,13 +224,19 @@ class Engine:
             sched = self.scheduler.schedule()
         if not sched:
             return outputs
-        with phase(_forward_kind(sched.scheduled)):
-            sampled, logits = self.runner.execute(sched)
-        drafts = {s.request.request_id: s.spec_token_ids for s in sched.scheduled if s.spec_token_ids}
-        with phase("sample"):
-            result = self._sample(sampled, logits, drafts)
-        with phase("postprocess"):
-            self._postprocess(sched, sampled, result, drafts, outputs)
+        kind = _forward_kind(sched.scheduled)
+        # while a profile records, the step's work is one range naming its requests' trace ids, so a request's
+        # ops can be found in a batched step (profiling/request_traces.py); nothing is built otherwise
+        named = profiler_range(request_traces.range_name(kind, (s.request.request_id for s in sched.scheduled))) \
+            if profiler_recording() else contextlib.nullcontext()
+        with named:
+            with phase(kind):
+                sampled, logits = self.runner.execute(sched)
+            drafts = {s.request.request_id: s.spec_token_ids for s in sched.scheduled if s.spec_token_ids}
+            with phase("sample"):
+                result = self._sample(sampled, logits, drafts)
+            with phase("postprocess"):
+                self._postprocess(sched, sampled, result, drafts, outputs)
         return outputs
 
     def _sample(self, sampled: list[Request], logits, drafts: dict[str, list[int]]) -> VerifiedOutput | None:

@@ -12,6 +12,11 @@ plus the drafts. Drafts get what budget and free blocks are left once every runn
 request has its own tokens (they never displace a sure token or cause a preemption), and
 come before new admissions. The engine counts only the accepted ones as computed.
 
+The batch limit (``max_num_seqs``) holds for requests prefilled elsewhere too: a
+disaggregated decode worker's reservations are bounded by KV blocks only, so one whose
+KV has arrived beyond the limit waits, holding its blocks, and takes the first free slot
+ahead of new prompts (``add_running``), as vLLM's remote-KV requests wait in its queue.
+
 Order: running requests first (priority, then arrival), so decodes are never
 starved by new prompts; then waiting ones. When blocks run out the lowest
 priority, latest running request is preempted: its blocks are freed (they stay
@@ -85,6 +90,9 @@ class Scheduler:
         self._waiting: list[tuple[int, float, int, Request]] = []  # heap
         self._order = itertools.count()
         self.running: list[Request] = []  # sorted by (priority, arrival)
+        # heap: requests whose KV was computed elsewhere (decode after a remote prefill), holding their blocks
+        # until one of the max_num_seqs running slots frees; they take slots ahead of new prompts
+        self._ready: list[tuple[int, float, int, Request]] = []
         self.num_preemptions = 0
 
     # ---- queue ----------------------------------------------------------
@@ -93,9 +101,14 @@ class Scheduler:
         heapq.heappush(self._waiting, (req.priority, req.arrival_time, next(self._order), req))
 
     def add_running(self, req: Request) -> None:
-        """A request whose KV is already computed (decode after a remote prefill)."""
+        """A request whose KV is already computed (decode after a remote prefill): it runs from the next step
+        while fewer than ``max_num_seqs`` do, else it waits for a slot, as a disaggregated decode worker at
+        capacity must (its reservations are bounded by KV blocks, not by the batch limit)."""
         req.status = Status.RUNNING
-        self._insert_running(req)
+        if len(self.running) < self.config.max_num_seqs and not self._ready:
+            self._insert_running(req)
+        else:
+            heapq.heappush(self._ready, (req.priority, req.arrival_time, next(self._order), req))
 
     def _insert_running(self, req: Request) -> None:
         key = (req.priority, req.arrival_time)
@@ -106,7 +119,9 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return sum(1 for *_, r in self._waiting if r.status is Status.WAITING)
+        """Requests not running yet: prompts waiting, and computed ones waiting for a slot."""
+        return (sum(1 for *_, r in self._waiting if r.status is Status.WAITING)
+                + sum(1 for *_, r in self._ready if r.status is Status.RUNNING))
 
     @property
     def num_running(self) -> int:
@@ -128,13 +143,17 @@ class Scheduler:
         """Drop a request from the queues (finish or abort); the caller frees blocks."""
         if req in self.running:
             self.running.remove(req)
-        # waiting entries are skipped lazily once their status changes
+        # waiting and ready entries are skipped lazily once their status changes
 
     # ---- the step -------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         chunk = self.config.long_prefill_chunk
+        while self._ready and len(self.running) < self.config.max_num_seqs:
+            *_, req = heapq.heappop(self._ready)
+            if req.status is Status.RUNNING:  # else it finished (an abort) while it waited
+                self._insert_running(req)
 
         i = 0
         while i < len(self.running) and budget > 0:

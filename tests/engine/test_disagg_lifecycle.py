@@ -162,3 +162,56 @@ def test_start_decode_without_reservation_is_rejected(pair):
     with pytest.raises(InvalidRequestError, match="no reservation"):
         decode.start_decode("nope", 5)
     assert_no_leaks(decode)
+
+
+def _prefill_into(prefill: Engine, decode: Engine, rid: str, prompt: list[int], params: SamplingParams) -> None:
+    """Reserve on ``decode``, prefill on ``prefill``, copy the KV, start decoding: the worker's hand-off."""
+    dst = decode.reserve(rid, prompt, params)
+    prefill.add_request(rid, prompt, params, prefill_only=True)
+    last = None
+    while last is None or not last.finished:
+        last = next((o for o in prefill.step() if o.request_id == rid), last)
+    copy_blocks(prefill, last.block_ids, decode, dst)
+    prefill.release(rid)
+    decode.start_decode(rid, last.new_token_ids[0])
+
+
+def test_decode_after_remote_prefill_runs_at_most_max_num_seqs():
+    cfg = EngineConfig(model="dummy:tiny", dtype="fp32", kv_cache_bytes=256 * 1024, max_num_seqs=2)
+    prefill, decode, single = Engine(cfg), Engine(cfg), Engine(cfg)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = {f"r{i}": list(range(3 + i, 40 + i)) for i in range(5)}
+    want = {}
+    for rid, prompt in prompts.items():
+        single.add_request(rid, prompt, params)
+        want[rid] = [t for o in run_to_completion(single)[rid] for t in o.new_token_ids]
+        _prefill_into(prefill, decode, rid, prompt, params)
+    assert decode.scheduler.num_running == 2 and decode.scheduler.num_waiting == 3
+    got = {rid: [] for rid in prompts}
+    for o in decode.take_pending_outputs():  # the first tokens, from the prefill side
+        got[o.request_id] += o.new_token_ids
+    most = 0
+    while decode.has_unfinished():
+        outs = decode.step()
+        most = max(most, len(outs))
+        assert decode.scheduler.num_running <= 2
+        for o in outs:
+            got[o.request_id] += o.new_token_ids
+    assert most == 2  # the rest waited for a slot, holding their blocks
+    assert got == want
+    assert_no_leaks(prefill, decode)
+
+
+def test_a_request_waiting_for_a_decode_slot_can_be_aborted():
+    cfg = EngineConfig(model="dummy:tiny", dtype="fp32", kv_cache_bytes=256 * 1024, max_num_seqs=1)
+    prefill, decode = Engine(cfg), Engine(cfg)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for rid in ("a", "b"):
+        _prefill_into(prefill, decode, rid, list(range(3, 30)), params)
+    decode.step()
+    assert decode.scheduler.num_running == 1 and decode.scheduler.num_waiting == 1  # "a" runs, "b" waits
+    assert decode.abort("b")
+    outs = run_to_completion(decode)
+    assert outs["b"][-1].finish_reason == "abort"
+    assert outs["a"][-1].finish_reason == "length"
+    assert_no_leaks(prefill, decode)

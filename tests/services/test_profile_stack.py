@@ -35,18 +35,23 @@ def stack(redis_url):
 
 @contextmanager
 def traffic(stack):
-    """Completions through the gateway, one after another, until the block ends."""
+    """Completions through the gateway, one after another, until the block ends; each in a trace of its own
+    that the client started (a ``traceparent`` header), whose ids the block yields as they are sent."""
     stop = threading.Event()
+    sent: list[str] = []
 
     def send():
         with httpx.Client(base_url=f"http://{stack.gateway_address}", timeout=60) as client:
             while not stop.is_set():
-                client.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 8})
+                trace_id = os.urandom(16).hex()
+                sent.append(trace_id)
+                client.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 8},
+                            headers={"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"})
 
     thread = threading.Thread(target=send, daemon=True)
     thread.start()
     try:
-        yield
+        yield sent
     finally:
         stop.set()
         thread.join(60)
@@ -75,7 +80,7 @@ def _spans(events: list[dict]) -> list[dict]:
 
 def test_profile_writes_one_aligned_trace_per_process_and_follows_a_request(stack, tmp_path):
     out = tmp_path / "profile"
-    with traffic(stack):
+    with traffic(stack) as sent:
         done = subprocess.run([sys.executable, "-m", "services.cli", "profile", "--seconds", "5", "--no-stack",
                                "--address", stack.router_address, "--out", str(out)],
                               capture_output=True, text=True, timeout=300, env=dict(os.environ))
@@ -93,16 +98,28 @@ def test_profile_writes_one_aligned_trace_per_process_and_follows_a_request(stac
     # one request followed across the four processes by its trace id
     by_role = {role: {e["args"]["trace_id"] for e in _spans(traces[role])} for role in roles}
     assert by_role["gateway"] & by_role["router"] & by_role["prefill"] & by_role["decode"]
+    # and into the workers' torch ranges: a request the client traced is named on the prefill worker's range
+    # around its prompt's forward and on the decode steps it was batched in (their aten ops nest inside)
+    ranges = {role: [e["name"] for e in traces[role] if e.get("cat") == "user_annotation"
+                     and e["name"].startswith("requests ")] for role in ("prefill", "decode")}
+    found = [t for t in sent if any(f"trace_id={t}" in n and "forward_prefill" in n for n in ranges["prefill"])
+             and any(f"trace_id={t}" in n and "forward_decode" in n for n in ranges["decode"])]
+    assert found, (sent[:3], ranges["prefill"][:3], ranges["decode"][:3])
     # aligned: a request's KV transfer on the decode worker starts after the gateway admitted it
     merged = json.loads((out / "merged.json").read_text())["traceEvents"]
     check_chrome_trace(merged)
     names = {e["args"]["name"] for e in merged if e.get("name") == "process_name"}
     assert len(names) == 4
     spans = _spans(merged)
+    checked = 0
     for trace_id in by_role["gateway"] & by_role["decode"]:
-        admitted = min(e["ts"] for e in spans if e["args"]["trace_id"] == trace_id and e["name"] == "gateway.generate")
+        admitted = [e["ts"] for e in spans if e["args"]["trace_id"] == trace_id and e["name"] == "gateway.generate"]
+        if not admitted:  # admitted before the window opened (its HTTP request's span is in it)
+            continue
         transfer = [e["ts"] for e in spans if e["args"]["trace_id"] == trace_id and e["name"] == "kv_transfer"]
-        assert all(ts >= admitted for ts in transfer)
+        assert all(ts >= min(admitted) for ts in transfer)
+        checked += 1
+    assert checked
     steps = [e["ts"] for e in merged if e.get("name") == "engine.step"]
     window = max(e["ts"] for e in spans)  # torch's clock moved onto the others': steps inside the window
     assert 0 <= min(steps) and max(steps) <= window + 60e6
