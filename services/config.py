@@ -5,6 +5,7 @@ The CLI builds these from flags (services.cli); nothing else reads flags or env.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 _DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
@@ -61,6 +62,11 @@ class EngineConfig:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8: per-token, per-head scales (CPU)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # The spill tier (services/engine/kv_spill.py): evicted prefix blocks kept in host memory (or a
+    # memory-mapped file in kv_spill_dir) and copied back on a hit. 0: off, evicted KV is gone.
+    kv_spill_bytes: int = 0
+    kv_spill_dir: str | None = None
+    kv_spill_dtype: str = "int8"  # int8 rows (lossy, 1.88x denser than bf16) | auto: the cache's dtype
 
     def __post_init__(self) -> None:
         try:
@@ -94,3 +100,13 @@ class EngineConfig:
                              "are CPU kernels); use --kv-cache-dtype auto there")
         if self.kv_cache_dtype == "int8" and self.kernels == "triton":
             raise ValueError("--kv-cache-dtype int8 has no Triton kernels; use --kernels auto or torch")
+        if self.kv_spill_bytes < 0:
+            raise ValueError(f"kv_spill_bytes must be >= 0, got {self.kv_spill_bytes}")
+        if self.kv_spill_dtype not in ("int8", "auto"):
+            raise ValueError(f"kv_spill_dtype must be int8 or auto; got {self.kv_spill_dtype!r}")
+        if self.kv_spill_bytes and not self.enable_prefix_caching:
+            raise ValueError("the KV spill tier keeps evicted prefix-cache blocks; it needs prefix caching on")
+        if self.kv_spill_dir is not None and not self.kv_spill_bytes:
+            raise ValueError("--kv-spill-dir needs --kv-spill-gb above 0 (the tier's size)")
+        if self.kv_spill_dir is not None and not os.path.isdir(self.kv_spill_dir):
+            raise ValueError(f"--kv-spill-dir {self.kv_spill_dir!r} is not a directory")

@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
                                  max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
                                  speculative=speculative_from_args(args),
                                  kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)) if args.kv_cache_gb else None,
-                                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype))
+                                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                                 **spill_from_args(args)))
     print(f"[pdserve] loaded {engine.model_name} ({engine.describe()}) in "
           f"{time.monotonic() - t0:.1f}s; KV cache {engine.block_pool.num_usable} blocks x "
           f"{engine.config.block_size} tokens", file=sys.stderr)
@@ -176,6 +177,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: Triton on CUDA, torch elsewhere")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache size (default 2 on CPU)")
+    p.add_argument("--kv-spill-gb", type=float, default=0.0,
+                   help="spill tier: keep prefix blocks the KV cache evicts in this much host memory (int8 rows, "
+                        "1.9x denser than bf16) and copy them back on a hit instead of recomputing them. "
+                        "0 (default): off, since on a CPU worker it takes RAM beside the KV cache's")
+    p.add_argument("--kv-spill-dir", default=None,
+                   help="hold the spill tier in a memory-mapped file in this directory (deleted at exit) instead "
+                        "of anonymous memory: the kernel may page it out to disk")
+    p.add_argument("--kv-spill-dtype", default="int8", choices=["int8", "auto"],
+                   help="int8 (default): lossy, per-row scales as --kv-cache-dtype int8; auto: the cache's own "
+                        "dtype, bit for bit (lossless, 1.9x the bytes)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: run every decode step eagerly (graphs are captured at start on CUDA)")
     p.add_argument("--speculative", default="off", choices=["off", "ngram"],
@@ -186,6 +197,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=5, help="draft tokens per step (k)")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram matched (tried first)")
     p.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram matched")
+
+
+def spill_from_args(args) -> dict:
+    """The spill-tier fields of EngineConfig the flags of ``add_engine_args`` ask for."""
+    if args.kv_spill_gb < 0:
+        raise ValueError(f"--kv-spill-gb must be >= 0, got {args.kv_spill_gb}")
+    return {"kv_spill_bytes": int(args.kv_spill_gb * (1 << 30)), "kv_spill_dir": args.kv_spill_dir,
+            "kv_spill_dtype": args.kv_spill_dtype}
 
 
 def speculative_from_args(args) -> SpeculativeConfig | None:

@@ -16,6 +16,12 @@ then ``"s"`` with every block its cache holds, read in the same engine-thread
 call that drains the events it replaces, so every index converges to the cache
 as it is. Nothing is queued meanwhile: an outage of any length costs one
 message, of the cache's size.
+
+Tiers (a worker with a spill tier, ``--kv-spill-gb``): a run may carry a third element, the
+tier its blocks are in now: ``["s", [hashes], "spill"]`` says the blocks left the worker's pool
+for its spill tier (they are still there, restored on a hit instead of recomputed); ``"s"``
+without a tier is the pool, and storing a hash in one tier takes it out of the other. ``"r"``
+removes a block from whichever tier held it (the tier, when given, is informational).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import json
 import logging
 from typing import Iterable
 
-from services.engine.block_pool import BlockStored, KVEvent
+from services.engine.block_pool import POOL, SPILL, BlockStored, KVEvent
 
 log = logging.getLogger(__name__)
 STREAM_KEY = "pd:kv-events"
@@ -38,10 +44,11 @@ def encode(events: Iterable[KVEvent]) -> list[list]:
     runs: list[list] = []
     for event in events:
         kind = STORED if isinstance(event, BlockStored) else REMOVED
-        if runs and runs[-1][0] == kind:
+        tier = [] if event.tier == POOL else [event.tier]
+        if runs and runs[-1][0] == kind and runs[-1][2:] == tier:
             runs[-1][1].extend(event.block_hashes)
         else:
-            runs.append([kind, list(event.block_hashes)])
+            runs.append([kind, list(event.block_hashes), *tier])
     return runs
 
 
@@ -55,13 +62,13 @@ async def publish_cleared(redis, worker_id: str) -> None:
     await publish(redis, worker_id, [[CLEARED, []]])
 
 
-def decode_entry(fields: dict) -> tuple[str, list[tuple[str, list[int]]]]:
-    """A stream entry's fields -> (worker id, [(kind, hashes)])."""
+def decode_entry(fields: dict) -> tuple[str, list[tuple]]:
+    """A stream entry's fields -> (worker id, [(kind, hashes) or (kind, hashes, tier)])."""
     get = lambda k: fields.get(k, fields.get(k.encode()))  # noqa: E731 (bytes or str keys)
     worker = get("worker")
     events = get("events")
     worker = worker.decode() if isinstance(worker, bytes) else worker
-    return worker, [(kind, hashes) for kind, hashes in json.loads(events)]
+    return worker, [tuple(run) for run in json.loads(events)]
 
 
 class Publisher:
@@ -77,9 +84,13 @@ class Publisher:
         self.resync = False  # a publish failed: the next one that goes through replaces what was lost
         self.resyncs = 0
 
-    async def publish(self, events: Iterable[KVEvent], cached: list[int] | None) -> None:
-        """``cached``: every block hash the cache holds, taken with ``events`` (only while ``resync``)."""
+    async def publish(self, events: Iterable[KVEvent], cached: list[int] | None,
+                      spilled: list[int] | None = None) -> None:
+        """``cached``: every block hash the cache holds, taken with ``events`` (only while ``resync``);
+        ``spilled``: those its spill tier holds, taken with them."""
         runs = [[CLEARED, []], [STORED, list(cached)]] if cached is not None else encode(events)
+        if cached is not None and spilled:
+            runs.append([STORED, list(spilled), SPILL])
         try:
             await publish(self.redis, self.worker_id, runs)
         except Exception as exc:

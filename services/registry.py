@@ -97,7 +97,13 @@ class WorkerInfo:
     queued_prefill_tokens: int = 0
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
+    kv_spill_blocks_total: int = 0  # blocks its spill tier holds at most (0: no spill tier)
     heartbeat_at: float = field(default_factory=time.time)
+
+    @property
+    def kv_cache_capacity(self) -> int:
+        """Cached blocks it can hold across both tiers (pool and spill)."""
+        return self.kv_blocks_total + self.kv_spill_blocks_total
 
     @property
     def kv_blocks_free(self) -> int:

@@ -86,6 +86,25 @@ PREFIX_CACHE_QUERIES = Counter("pdserve_prefix_cache_queries_total", "Blocks loo
                                ["role", "worker"])
 PREFIX_CACHE_HITS = Counter("pdserve_prefix_cache_hits_total", "Prefix-cache lookups that hit.",
                             ["role", "worker"])
+# The KV cache's tiers (pool, spill: --kv-spill-gb). Blocks per tier and event; bytes and seconds
+# of the copies between them (a spill on the engine thread, a restore off it).
+KV_TIER_BLOCKS = Gauge("pdserve_kv_tier_blocks", "KV blocks a tier holds at most.", ["role", "worker", "tier"])
+KV_TIER_BLOCKS_USED = Gauge("pdserve_kv_tier_blocks_used", "KV blocks a tier holds now (pool: in use).",
+                            ["role", "worker", "tier"])
+KV_TIER_HITS = Counter("pdserve_kv_tier_hits_total", "Prefix blocks found, by the tier they were found in.",
+                       ["role", "worker", "tier"])
+KV_SPILLS = Counter("pdserve_kv_spills_total", "KV blocks evicted from the pool into the spill tier.",
+                    ["role", "worker"])
+KV_SPILL_DROPS = Counter("pdserve_kv_spill_drops_total", "KV blocks the full spill tier let go (their KV is gone).",
+                         ["role", "worker"])
+KV_RESTORES = Counter("pdserve_kv_restores_total", "KV blocks copied back from the spill tier instead of recomputed.",
+                      ["role", "worker"])
+KV_TIER_BYTES = Counter("pdserve_kv_tier_bytes_total", "Bytes copied between KV tiers, by direction (spill|restore).",
+                        ["role", "worker", "direction"])
+KV_TIER_SECONDS = Counter("pdserve_kv_tier_seconds_total",
+                          "Seconds of copies between KV tiers, by direction: spill (on the engine thread) | "
+                          "restore (off it; from the copy's start until its request is admitted).",
+                          ["role", "worker", "direction"])
 PREEMPTIONS = Counter("pdserve_preemptions_total", "Running requests preempted for lack of KV blocks.",
                       ["role", "worker"])
 SPEC_DRAFT_TOKENS = Counter("pdserve_spec_decode_draft_tokens_total",
@@ -109,21 +128,43 @@ class EngineStatsExporter:
                  ("num_preemptions", PREEMPTIONS), ("spec_draft_tokens", SPEC_DRAFT_TOKENS),
                  ("spec_accepted_tokens", SPEC_ACCEPTED_TOKENS))
 
+    # (stats key, counter, extra labels): the tiers' counters, labelled past (role, worker)
+    _TIER_COUNTERS = (("prefix_cache_hits", KV_TIER_HITS, ("pool",)),
+                      ("kv_spill_hit_blocks", KV_TIER_HITS, ("spill",)),
+                      ("kv_spill_blocks", KV_SPILLS, ()), ("kv_spill_dropped_blocks", KV_SPILL_DROPS, ()),
+                      ("kv_restored_blocks", KV_RESTORES, ()),
+                      ("kv_spill_bytes", KV_TIER_BYTES, ("spill",)), ("kv_restored_bytes", KV_TIER_BYTES, ("restore",)),
+                      ("kv_spill_seconds", KV_TIER_SECONDS, ("spill",)),
+                      ("kv_restore_seconds", KV_TIER_SECONDS, ("restore",)))
+
     def __init__(self, role: str, worker_id: str) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.role, self.worker_id = role, worker_id
         self._last = {key: 0.0 for key, _ in self._COUNTERS}
+        self._last_tier = {key: 0.0 for key, _, _ in self._TIER_COUNTERS}
 
     def update(self, stats: Mapping[str, float]) -> None:
         for key, gauge in self._GAUGES:
             gauge.labels(self.role, self.worker_id).set(stats[key])
         for key, counter in self._COUNTERS:
-            total = float(stats.get(key, 0))  # absent: a feature this engine does not run
-            growth = total - self._last[key] if total >= self._last[key] else total
-            if growth:
-                counter.labels(self.role, self.worker_id).inc(growth)
-            self._last[key] = total
+            self._last[key] = self._add(counter.labels(self.role, self.worker_id), stats, key, self._last[key])
+        labels = (self.role, self.worker_id)
+        KV_TIER_BLOCKS.labels(*labels, "pool").set(stats["kv_blocks_total"])
+        KV_TIER_BLOCKS_USED.labels(*labels, "pool").set(stats["kv_blocks_used"])
+        if "kv_spill_blocks_total" in stats:  # a spill tier runs
+            KV_TIER_BLOCKS.labels(*labels, "spill").set(stats["kv_spill_blocks_total"])
+            KV_TIER_BLOCKS_USED.labels(*labels, "spill").set(stats["kv_spill_blocks_used"])
+        for key, counter, extra in self._TIER_COUNTERS:
+            self._last_tier[key] = self._add(counter.labels(*labels, *extra), stats, key, self._last_tier[key])
+
+    @staticmethod
+    def _add(child, stats: Mapping[str, float], key: str, last: float) -> float:
+        total = float(stats.get(key, 0))  # absent: a feature this engine does not run
+        growth = total - last if total >= last else total
+        if growth:
+            child.inc(growth)
+        return total
 
 
 def start_metrics_server(host: str = "127.0.0.1", port: int = 0) -> str:

@@ -16,25 +16,53 @@ SIGKILL after ``--stop-timeout``.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
-from services.engine.model_source import model_name
+from services import up_defaults
+from services.engine.model_source import default_model_path, model_name
+from services.errors import ModelNotFoundError
 from services.launcher import LocalStack, StackError, StackSpec
 from services.supervisor import Supervisor
+from services.up_defaults import Choice, gguf_servable
 
 
-def spec_from_args(args) -> StackSpec:
-    return StackSpec(prefill=args.prefill, decode=args.decode, model=args.model, dtype=args.dtype,
-                     quantization=None if args.quantization == "none" else args.quantization,
+def choice_from_args(args) -> Choice:
+    """What the flags left open (processes, threads, weights), chosen for this machine (services/up_defaults.py)."""
+    gguf = (False, "")
+    if args.quantization is None:
+        try:
+            path = default_model_path() if args.model is None else Path(args.model).expanduser()
+        except ModelNotFoundError:
+            path = None  # the workers say so, with how to install it
+        gguf = gguf_servable(path)
+    given = any(a.split("=", 1)[0] == "--local-prefill-max-tokens" for a in args.router_arg)
+    return up_defaults.choose(os.cpu_count() or 1, prefill=args.prefill, decode=args.decode, threads=args.threads,
+                              quantization=args.quantization, gguf=gguf, local_prefill_given=given)
+
+
+def spec_from_args(args, choice: Choice | None = None) -> StackSpec:
+    choice = choice or choice_from_args(args)
+    return StackSpec(prefill=choice.prefill, decode=choice.decode, model=args.model, dtype=args.dtype,
+                     quantization=choice.quantization,
                      kv_cache_dtype=args.kv_cache_dtype,
-                     transport=args.transport, threads=args.threads, kv_cache_gb=args.kv_cache_gb, host=args.host,
+                     transport=args.transport, threads=choice.threads, kv_cache_gb=args.kv_cache_gb, host=args.host,
                      redis_url=args.redis_url, policy=args.policy, router_port=args.router_port,
                      gateway=not args.no_gateway, gateway_port=args.port, gateway_grpc_port=args.grpc_port,
-                     api_keys=args.api_keys, profiling=args.enable_profiling, router_args=args.router_arg,
+                     api_keys=args.api_keys, profiling=args.enable_profiling,
+                     router_args=[*choice.router_args, *args.router_arg],
                      gateway_args=args.gateway_arg,
-                     worker_args=_speculative_args(args))
+                     worker_args=_speculative_args(args) + _spill_args(args))
+
+
+def _spill_args(args) -> list[str]:
+    """Worker flags for the KV spill tier (every worker: both keep a prefix cache)."""
+    if args.kv_spill_gb < 0:
+        raise ValueError(f"--kv-spill-gb must be >= 0, got {args.kv_spill_gb}")
+    return ["--kv-spill-gb", str(args.kv_spill_gb)] if args.kv_spill_gb else []
 
 
 def _speculative_args(args) -> list[str]:
@@ -49,7 +77,10 @@ def _speculative_args(args) -> list[str]:
 
 
 def run(args) -> int:
-    spec = spec_from_args(args)
+    choice = choice_from_args(args)
+    spec = spec_from_args(args, choice)
+    if choice.reasons:
+        print(f"[pdserve] chose: {choice.summary()} (flags override)", flush=True)
 
     def echo(name: str, line: str) -> None:
         if not args.quiet or "ready on" in line:
@@ -123,13 +154,16 @@ def add_parser(sub) -> None:
                                    "decode workers, the router and the gateway as separate processes; Ctrl-C "
                                    "stops them all.",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: decode workers prefill themselves)")
+    p.add_argument("--prefill", type=int, default=None,
+                   help="prefill workers (0: decode workers prefill themselves; default: chosen from the cores, "
+                        f"0 on {up_defaults.AGGREGATED_CPUS} core, else 1)")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
-    p.add_argument("--quantization", default="none", choices=["none", "int8", "gguf"],
+    p.add_argument("--quantization", default=None, choices=["none", "int8", "gguf"],
                    help="the workers' weights: int8 = weight-only int8, per-output-channel scales; gguf = "
-                        "the GGUF file's own Q4_0/Q4_1/Q8_0 blocks (CPU)")
+                        "the GGUF file's own Q4_0/Q4_1/Q8_0 blocks (CPU); default: gguf when the model is such a "
+                        "file, else none")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="the workers' KV cache: int8 holds 1.9x the tokens in the same memory (CPU)")
     p.add_argument("--host", default="127.0.0.1", help="address every process listens on")
@@ -143,8 +177,12 @@ def add_parser(sub) -> None:
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting an embedded one")
     p.add_argument("--policy", default="kv-aware", choices=["kv-aware", "least-load", "round-robin"])
     p.add_argument("--transport", default="ucx", choices=["ucx", "tcp"], help="KV transfer between workers")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per worker (default: the core count)")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache per worker")
+    p.add_argument("--kv-spill-gb", type=float, default=0.0,
+                   help="KV spill tier per worker: evicted prefix blocks kept (int8) in this much host memory and "
+                        "restored on a hit (see pdserve prefill --help); 0: off")
     p.add_argument("--speculative", default="off", choices=["off", "ngram"],
                    help="speculative decoding on the decode workers (ngram: prompt lookup; see pdserve generate)")
     p.add_argument("--num-speculative-tokens", type=int, default=5, help="draft tokens per step")

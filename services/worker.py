@@ -214,6 +214,7 @@ class WorkerRuntime:
         info.queued_prefill_tokens = int(s.get("queued_prefill_tokens", 0))
         info.kv_blocks_total = int(s.get("kv_blocks_total", 0))
         info.kv_blocks_used = int(s.get("kv_blocks_used", 0))
+        info.kv_spill_blocks_total = int(s.get("kv_spill_blocks_total", 0))
 
     async def _publish_kv_events(self) -> None:
         """Drain the prefix cache's events and publish them; routers index them within milliseconds.
@@ -224,9 +225,10 @@ class WorkerRuntime:
             await asyncio.sleep(self.config.kv_events_interval_s)
             resync = publisher.resync
             try:
-                events, cached = await self.aengine.call(
-                    lambda: (engine.take_kv_events(), engine.cached_block_hashes() if resync else None))
-                await publisher.publish(events, cached)
+                events, cached, spilled = await self.aengine.call(
+                    lambda: (engine.take_kv_events(), engine.cached_block_hashes() if resync else None,
+                             engine.spilled_block_hashes() if resync else None))
+                await publisher.publish(events, cached, spilled)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -315,7 +317,7 @@ def add_worker_args(p, role: str) -> None:
 
 
 def configs_from_args(args, role: str) -> tuple[WorkerConfig, EngineConfig, TransferConfig]:
-    from services.generate import speculative_from_args
+    from services.generate import speculative_from_args, spill_from_args
 
     if args.threads:
         import torch
@@ -328,7 +330,7 @@ def configs_from_args(args, role: str) -> tuple[WorkerConfig, EngineConfig, Tran
         enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, long_prefill_chunk=args.long_prefill_chunk,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        speculative=speculative_from_args(args) if role == "decode" else None)
+        speculative=speculative_from_args(args) if role == "decode" else None, **spill_from_args(args))
     advertise = advertised_host(args.host, args.advertise_host)
     worker = WorkerConfig(role=role, host=args.host, port=args.port, advertise_host=advertise, redis_url=args.redis_url,
                           metrics_port=None if args.metrics_port < 0 else args.metrics_port,

@@ -55,6 +55,7 @@ class Sample:
     retry_after: bool = False  # a refusal that said when to come back
     request_id: str = ""
     chunks: list[tuple[str, float]] = field(default_factory=list)  # (SSE id, wall time read), when recorded
+    text: str = ""  # the streamed output, joined (greedy-output checks compare it)
 
     @property
     def outcome(self) -> str:
@@ -125,7 +126,9 @@ class OpenAIClient:
             tokens = answer["usage"]["completion_tokens"]
         except (ValueError, KeyError, TypeError) as exc:
             return Sample(False, error=f"unreadable JSON body: {exc}", status=200, request_id=state.request_id)
-        return Sample(True, end - start, end - start, [], tokens, status=200, request_id=state.request_id)
+        choice = (answer.get("choices") or [{}])[0]
+        text = (choice.get("message") or {}).get("content") or choice.get("text") or ""
+        return Sample(True, end - start, end - start, [], tokens, status=200, request_id=state.request_id, text=text)
 
 
 class _StreamState:
@@ -140,6 +143,7 @@ class _StreamState:
         self.error = ""
         self.request_id = ""
         self.chunks: list[tuple[str, float]] = []
+        self.pieces: list[str] = []
 
     def on_event(self, event_id: str | None, data: str, wall: float) -> None:
         if data == "[DONE]":
@@ -168,6 +172,7 @@ class _StreamState:
                 self.gaps.append(now - self.last)
             self.last = now
             self.content_chunks += 1
+            self.pieces.append(piece if isinstance(piece, str) else "".join(piece))  # logprobs' tokens: a list
         if self.record and event_id:
             self.chunks.append((event_id, wall))
 
@@ -177,7 +182,7 @@ class _StreamState:
                           request_id=self.request_id, chunks=self.chunks)
         return Sample(True, (self.first or end) - self.start, end - self.start, self.gaps,
                       self.tokens or self.content_chunks, status=200, request_id=self.request_id,
-                      chunks=self.chunks)
+                      chunks=self.chunks, text="".join(self.pieces))
 
 
 Send = Callable[[object], Awaitable[Sample]]

@@ -5,12 +5,20 @@ The standard load tools, run as a user would run them against ``pdserve up``
 ``pdserve bench serve``'s generator: arrivals at ``--rate`` (``--arrivals
 constant``, the default, spaces them evenly, so every tool sends the same
 schedule; ``poisson`` draws each tool's own), ``--requests`` streaming
-``/v1/completions`` per block, prompts of about ``--prompt-tokens``, exactly
-``--output-tokens`` (``ignore_eos``). Blocks run in the order
+``/v1/completions`` per block, prompts of exactly ``--prompt-tokens`` tokens
+(as the tools' synthetic prompts are), exactly ``--output-tokens``
+(``ignore_eos``). Blocks run in the order
 pdserve, guidellm, aiperf, aiperf, guidellm, pdserve, so a machine whose speed
 drifts slows every tool alike; each tool's two blocks are pooled. It prints each
 tool's TTFT p50, inter-token latency p50 and output throughput, and their ratios
-to pdserve's generator (the issue's goal: within 10%).
+to pdserve's generator (the issue's goal: within 10%), and each client's own CPU
+time (the tools' processes share the cores with the stack they measure).
+
+One definition per metric, the tools': TTFT from sending the request to the
+first content chunk; inter-token latency per request as ``(last content chunk -
+first content chunk) / (output tokens - 1)``, then the median over requests
+(guidellm and aiperf both; pdserve's generator's own ``itl_ms`` elsewhere is
+the median of all gaps between chunks, reported here as ``chunk_gap_ms``).
 
 Installing: each tool in its own virtualenv under ``~/.cache/pdserve/loadtools``
 (``$PDSERVE_LOADTOOLS_DIR``), created with ``--system-site-packages`` so the
@@ -30,15 +38,17 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from services.bench import results as result_files
 from services.bench.stats import percentile as pct
-from services.bench.stats import ratio
+from services.bench.stats import ratio, time_per_output_token
 
 TOOLS = {"guidellm": "guidellm==0.8.1", "aiperf": "aiperf==0.13.0"}
 _ORDER = ("pdserve", "guidellm", "aiperf", "aiperf", "guidellm", "pdserve")
@@ -84,8 +94,15 @@ def tokenizer_cache(model: str | None) -> tuple[Path, str]:
     return cache, repo
 
 
+# guidellm starts up to 10 worker processes by default (settings.max_worker_processes), each polling
+# its queues: about half a core of a 2-core machine (20 s of CPU per 41 s block, measured), taken from
+# the stack it measures. One worker holds thousands of concurrent requests; aiperf runs with --workers-max 1.
+GUIDELLM_ENV = {"GUIDELLM__MAX_WORKER_PROCESSES": "1"}
+
+
 def offline_env(cache: Path) -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(cache.parent / "hf")}
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(cache.parent / "hf"),
+            **GUIDELLM_ENV}
 
 
 def guidellm_command(url: str, model: str, tokenizer: str, args, out: Path) -> list[str]:
@@ -128,23 +145,43 @@ def read_aiperf(out: Path) -> dict:
             "output_tokens": d["total_output_tokens"]["avg"], "wall_s": d["benchmark_duration"]["avg"]}
 
 
+def exact_prompts(seed: int, n: int, tokens: int, model: str | None) -> list[str]:
+    """``n`` prompts of exactly ``tokens`` tokens of the served model's tokenizer, as the tools' synthetic
+    prompts are (bench serve's ``prompts`` run about 1.3 tokens a word, so a word count misses by ~10%)."""
+    from tokenizers import Tokenizer
+
+    from services.engine.model_source import model_card
+    from services.gateway.bench import prompts
+
+    tokenizer = Tokenizer.from_file(str(Path(model_card(model).tokenizer_dir) / "tokenizer.json"))
+    out = []
+    for i, text in enumerate(prompts(seed, n, tokens)):  # a word is at least one token: long enough
+        head, words = text.split(" ", 2)[:2], text.split(" ")[2:]
+        while words and len(tokenizer.encode(" ".join([*head, *words]), add_special_tokens=False).ids) > tokens:
+            words.pop()
+        out.append(" ".join([*head, *words]))
+    return out
+
+
 async def pdserve_block(url: str, model: str, args, seed: int) -> dict:
     """pdserve's own generator (the one every serving bench shares) on the same load."""
     from urllib.parse import urlsplit
 
     from services.bench.load import OpenAIClient, OpenAIRequest, open_loop
-    from services.gateway.bench import prompts
 
-    words = max(1, round(args.prompt_tokens / 1.3))  # bench serve's prompts run ~1.3 tokens a word
     where = urlsplit(url)
     client = OpenAIClient(where.hostname, where.port, model)
     items = [OpenAIRequest("completion", p, args.output_tokens, extra={"ignore_eos": True})
-             for p in prompts(seed, args.requests, words)]
+             for p in exact_prompts(seed, args.requests, args.prompt_tokens, getattr(args, "model", None))]
+    cpu = time.process_time()
     samples, wall = await open_loop(client.send, items, args.rate, seed, poisson=args.arrivals == "poisson")
+    cpu = time.process_time() - cpu
     ok = [s for s in samples if s.ok]
+    itl = [v for v in map(time_per_output_token, ok) if v is not None]
     return {"requests": len(samples), "failed": len(samples) - len(ok),
-            "ttft_ms": pct([s.ttft for s in ok], 50) * 1e3, "itl_ms": pct([g for s in ok for g in s.gaps], 50) * 1e3,
-            "output_tokens": sum(s.tokens for s in ok), "wall_s": wall}
+            "ttft_ms": pct([s.ttft for s in ok], 50) * 1e3, "itl_ms": pct(itl, 50) * 1e3,
+            "chunk_gap_ms": pct([g for s in ok for g in s.gaps], 50) * 1e3,
+            "output_tokens": sum(s.tokens for s in ok), "wall_s": wall, "client_cpu_s": round(cpu, 2)}
 
 
 def run_block(tool: str, url: str, model: str, tokenizer: str, cache: Path, args, seed: int) -> dict:
@@ -154,11 +191,16 @@ def run_block(tool: str, url: str, model: str, tokenizer: str, cache: Path, args
         out = Path(tmp) / ("guidellm.json" if tool == "guidellm" else "aiperf")
         cmd = guidellm_command(url, model, tokenizer, args, out) if tool == "guidellm" \
             else aiperf_command(url, model, tokenizer, args, out, seed)
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         done = subprocess.run(cmd, env=offline_env(cache), cwd=tmp, capture_output=True, text=True,
                               timeout=args.tool_timeout)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if done.returncode != 0:
             raise RuntimeError(f"{tool} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
-        return read_guidellm(out) if tool == "guidellm" else read_aiperf(out)
+        got = read_guidellm(out) if tool == "guidellm" else read_aiperf(out)
+        # the tool's own CPU time (all its processes, start-up included): what it takes from the stack it measures
+        got["client_cpu_s"] = round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 2)
+        return got
 
 
 def _pooled(blocks: list[dict]) -> dict:
@@ -167,7 +209,8 @@ def _pooled(blocks: list[dict]) -> dict:
     return {"requests": sum(b["requests"] for b in blocks), "failed": sum(b["failed"] for b in blocks),
             "ttft_ms_p50": sum(b["ttft_ms"] for b in blocks) / len(blocks),
             "itl_ms_p50": sum(b["itl_ms"] for b in blocks) / len(blocks),
-            "output_tok_s": tokens / wall if wall else 0.0, "blocks": blocks}
+            "output_tok_s": tokens / wall if wall else 0.0,
+            "client_cpu_s": sum(b.get("client_cpu_s", 0.0) for b in blocks), "blocks": blocks}
 
 
 def measure(stack_url: str, model: str, args) -> dict:
@@ -185,10 +228,13 @@ def measure(stack_url: str, model: str, args) -> dict:
         if tool != "pdserve":
             row["vs_pdserve"] = {key: ratio(row[key], base[key]) for key in ("ttft_ms_p50", "itl_ms_p50",
                                                                              "output_tok_s")}
+    home = str(Path.home())  # the commands as a user would copy them, without this machine's home directory
     return {"tools": pooled, "commands": {
-        "guidellm": " ".join(guidellm_command("http://127.0.0.1:8000", model, tokenizer, args, Path("out.json"))),
+        "guidellm": " ".join([*(f"{k}={v}" for k, v in GUIDELLM_ENV.items()),
+                              *guidellm_command("http://127.0.0.1:8000", model, tokenizer, args,
+                                                Path("out.json"))]).replace(home, "~"),
         "aiperf": " ".join(aiperf_command("http://127.0.0.1:8000", model, tokenizer, args, Path("aiperf-out"),
-                                          args.seed))},
+                                          args.seed)).replace(home, "~")},
         "config": {"rate": args.rate, "arrivals": args.arrivals, "requests_per_block": args.requests,
                    "prompt_tokens": args.prompt_tokens,
                    "output_tokens": args.output_tokens, "order": list(_ORDER), "dtype": args.dtype,
@@ -218,13 +264,13 @@ def run(args) -> int:
 
 
 def print_table(result: dict) -> None:
-    print(f"{'tool':>9} {'requests':>8} {'failed':>6} {'TTFT p50 ms':>11} {'ITL p50 ms':>10} {'out tok/s':>9}   "
-          "vs pdserve (TTFT / ITL / tok/s)")
+    print(f"{'tool':>9} {'requests':>8} {'failed':>6} {'TTFT p50 ms':>11} {'ITL p50 ms':>10} {'out tok/s':>9} "
+          f"{'client CPU s':>12}   vs pdserve (TTFT / ITL / tok/s)")
     for tool, r in result["tools"].items():
         vs = r.get("vs_pdserve")
         ratios = " / ".join(f"{vs[k]:.3f}" if vs[k] is not None else "-" for k in vs) if vs else ""
         print(f"{tool:>9} {r['requests']:>8} {r['failed']:>6} {r['ttft_ms_p50']:>11.1f} {r['itl_ms_p50']:>10.1f} "
-              f"{r['output_tok_s']:>9.1f}   {ratios}")
+              f"{r['output_tok_s']:>9.1f} {r.get('client_cpu_s', 0.0):>12.1f}   {ratios}")
 
 
 def _log(msg: str) -> None:

@@ -16,25 +16,38 @@ survive longest::
 
 Every change to the cache is recorded as a KV event (stored / removed) in the
 code path that makes it; ``take_events`` drains them for publication to routers.
+
+With a spill tier (``spill_tier.SpillTier``, ``--kv-spill-gb``), an evicted cached block is
+copied there before its id is handed out again, and its event says so: stored with
+``tier="spill"`` (it left this pool for the spill tier) instead of removed. A block the spill
+tier drops is removed with ``tier="spill"``. Caching a hash the spill tier holds (computed
+anew, or restored) takes it out of the spill tier: every cached block is in one tier.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+import time
 from typing import Sequence
+
+from services.engine.spill_tier import SpillTier
+
+POOL, SPILL = "pool", "spill"  # the tiers a KV event names
 
 
 @dataclass(frozen=True)
 class BlockStored:
     block_hashes: tuple[int, ...]
-    parent_hash: int | None
+    parent_hash: int | None  # None for blocks moved to the spill tier (not a contiguous run)
     token_ids: tuple[int, ...]  # all tokens of the stored blocks, in order
+    tier: str = POOL  # where the blocks are now; a block is in one tier at a time
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: tuple[int, ...]
+    tier: str = POOL  # the tier that let them go
 
 
 KVEvent = BlockStored | BlockRemoved
@@ -43,7 +56,8 @@ KVEvent = BlockStored | BlockRemoved
 class BlockPool:
     NULL_BLOCK = 0  # pads block tables; never handed out
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 spill: SpillTier | None = None):
         if num_blocks < 2:
             raise ValueError(f"need at least 2 blocks, got {num_blocks}")
         if block_size < 1:
@@ -59,6 +73,7 @@ class BlockPool:
         self._events: list[KVEvent] = []
         self.prefix_queries = 0  # blocks looked up
         self.prefix_hits = 0  # blocks found
+        self.spill = spill if enable_prefix_caching else None  # the second tier; None: evicted KV is gone
 
     # ---- capacity -------------------------------------------------------
     @property
@@ -82,20 +97,41 @@ class BlockPool:
         if n > len(self._free):
             raise MemoryError(f"need {n} KV blocks, {len(self._free)} free")
         out = []
-        removed = []
+        evicted: list[tuple[int, int, tuple[int, ...]]] = []  # (block, hash, tokens)
         for _ in range(n):
             block, _ = self._free.popitem(last=False)
             h = self.block_hash[block]
             if h is not None:
-                removed.append(h)
+                evicted.append((block, h, self.block_tokens[block]))
                 del self.cached[h]
                 self.block_hash[block] = None
                 self.block_tokens[block] = None
             self.ref_counts[block] = 1
             out.append(block)
-        if removed:
-            self._events.append(BlockRemoved(tuple(removed)))
+        if evicted:
+            self._evict(evicted)
         return out
+
+    def _evict(self, evicted: list[tuple[int, int, tuple[int, ...]]]) -> None:
+        """Blocks leaving the pool: to the spill tier (their KV copied there now, before the ids
+        are handed out), or gone. Mutates: the spill tier, events."""
+        if self.spill is None:
+            self._events.append(BlockRemoved(tuple(h for _, h, _ in evicted)))
+            return
+        slots, dropped = self.spill.admit([h for _, h, _ in evicted], [t for _, _, t in evicted])
+        if dropped:
+            self._events.append(BlockRemoved(tuple(dropped), SPILL))
+        kept = [(e, slot) for e, slot in zip(evicted, slots) if slot is not None]
+        lost = [h for (_, h, _), slot in zip(evicted, slots) if slot is None]
+        if kept:
+            started = time.perf_counter()
+            self.spill.storage.write([b for (b, _, _), _ in kept], [slot for _, slot in kept])
+            self.spill.stats.spill_seconds += time.perf_counter() - started
+            self.spill.stats.spilled_blocks += len(kept)
+            self._events.append(BlockStored(tuple(h for (_, h, _), _ in kept), None,
+                                            tuple(t for (_, _, toks), _ in kept for t in toks), SPILL))
+        if lost:
+            self._events.append(BlockRemoved(tuple(lost)))
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference to each block. Callers pass a sequence's blocks in
@@ -171,6 +207,8 @@ class BlockPool:
             self.block_hash[block] = h
             self.block_tokens[block] = tokens
             self.cached[h] = block
+            if self.spill is not None:
+                self.spill.discard(h)  # stored in this pool now (the event says so): one tier per block
             run_hashes.append(h)
             run_tokens.extend(tokens)
         if run_hashes:
@@ -182,6 +220,8 @@ class BlockPool:
             return False
         if self.cached:
             self._events.append(BlockRemoved(tuple(self.cached)))
+        if self.spill is not None and len(self.spill):
+            self._events.append(BlockRemoved(tuple(self.spill.clear()), SPILL))
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
         self.block_tokens = [None] * self.num_blocks

@@ -37,6 +37,7 @@ from services.engine.sampler import Sampler, VerifiedOutput
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerConfig
 from services.engine.speculator import Speculator
+from services.engine.spill_tier import SpillTier
 from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.errors import CapacityError, InvalidRequestError
 from services.phases import phase, profiler_range, profiler_recording
@@ -77,7 +78,8 @@ class Engine:
                                 max_positions=max_len, seed=config.seed, quantization=config.quantization)
         num_blocks = self.kv_spec.num_blocks_for_budget(self._kv_budget())
         self.kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, config.device)
-        self.block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
+                                    spill=self._spill_tier())
         self.max_model_len = min(max_len, self.block_pool.num_usable * config.block_size)
 
         self.kv = KVManager(self.block_pool, self.namespace)
@@ -104,9 +106,23 @@ class Engine:
             parts.append(f"{self.config.quantization} weights")
         if self.kv_spec.dtype == "int8":
             parts.append("int8 KV")
+        spill = self.block_pool.spill
+        if spill is not None:
+            store = spill.storage
+            parts.append(f"KV spill tier {spill.num_slots} blocks ({store.dtype_name}, {store.where})")
         if self.config.device == "cpu":
             parts.append(f"CPU kernels {native.level() or 'off (torch)'}")
         return ", ".join(parts)
+
+    def _spill_tier(self) -> SpillTier | None:
+        """The second KV tier (``--kv-spill-gb``), over this engine's cache; None when off."""
+        c = self.config
+        if not c.kv_spill_bytes:
+            return None
+        from services.engine.kv_spill import SpillStore
+
+        store = SpillStore(self.kv_spec, self.kv_cache, c.kv_spill_bytes, c.kv_spill_dtype, c.kv_spill_dir)
+        return SpillTier(store, c.block_size)
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_bytes is not None:
@@ -223,6 +239,8 @@ class Engine:
                 self.speculator.propose(self.scheduler.running)
             sched = self.scheduler.schedule()
         if not sched:
+            if self.kv.num_restoring:  # only restores to wait for: sleep on them, not spin
+                self.kv.wait_restores(0.005)
             return outputs
         kind = _forward_kind(sched.scheduled)
         # while a profile records, the step's work is one range naming its requests' trace ids, so a request's
@@ -346,6 +364,11 @@ class Engine:
         """Every block hash the prefix cache holds now (a KV-event resync after lost events)."""
         return list(self.block_pool.cached)
 
+    def spilled_block_hashes(self) -> list[int]:
+        """Every block hash the spill tier holds now (the resync's second part)."""
+        spill = self.block_pool.spill
+        return spill.hashes() if spill is not None else []
+
     def stats(self) -> dict[str, float]:
         pool = self.block_pool
         return {
@@ -358,4 +381,23 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "queued_prefill_tokens": self.scheduler.queued_prefill_tokens,
             **(self.speculator.stats() if self.speculator else Speculator.no_stats()),
+            **self._spill_stats(),
+        }
+
+    def _spill_stats(self) -> dict[str, float]:
+        spill = self.block_pool.spill
+        if spill is None:
+            return {}
+        s, block = spill.stats, spill.storage.slot_bytes
+        return {
+            "kv_spill_blocks_total": spill.num_slots,
+            "kv_spill_blocks_used": len(spill) + spill.num_pinned,
+            "kv_spill_blocks": s.spilled_blocks,
+            "kv_spill_dropped_blocks": s.dropped_blocks,
+            "kv_spill_hit_blocks": s.hit_blocks,
+            "kv_restored_blocks": s.restored_blocks,
+            "kv_spill_bytes": s.spilled_blocks * block,
+            "kv_restored_bytes": s.restored_blocks * block,
+            "kv_spill_seconds": s.spill_seconds,
+            "kv_restore_seconds": s.restore_seconds,
         }

@@ -16,13 +16,41 @@ the rest hit it (``waits_for_computing``)::
 
     running A:  [ cached ][ claimed: this step's chunk ][ claimed: later chunks ][ suffix ]
     waiting B:  [ would hit ][ claimed by A: wait until A has cached them, then hit them ][ own ]
+
+Restore from the spill tier (``--kv-spill-gb``): a waiting request whose leading blocks miss the
+pool but hit the spill tier (verified against the tokens stored with them) gets blocks for them
+at once and their KV copied back on the spill store's own thread, while the engine keeps stepping
+the other requests; the request stays waiting until the copy is done, then is admitted with those
+blocks computed and cached. The copied hashes are claimed meanwhile, so a request sharing them
+waits and hits them instead of computing them::
+
+    waiting A:  [ pool hits ][ restoring: copied back off the engine thread ][ to compute ]
+                 \\_ held, cached _/ \\_ held, claimed, not yet cached ____/
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass, field
+
 from services.engine.block_hash import hash_block
 from services.engine.block_pool import BlockPool
 from services.engine.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Restore:
+    """Blocks of a waiting request being copied back from the spill tier."""
+
+    handle: object  # the store's future: done(), result()
+    slots: list[int]  # spill slots being read (pinned until released)
+    start: int  # first block index of the run in the request
+    blocks: list[int]  # pool blocks being written, one per slot
+    started: float = field(default_factory=time.perf_counter)
 
 
 class KVManager:
@@ -31,6 +59,7 @@ class KVManager:
         self.block_size = pool.block_size
         self.namespace = namespace
         self._computing: dict[int, int] = {}  # hash of a claimed block -> running requests claiming it
+        self._in_flight: dict[str, Restore] = {}  # request id -> its restore from the spill tier
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -106,12 +135,80 @@ class KVManager:
         none. At least one token is left to compute, so the step yields logits.
         Returns the number of tokens found."""
         assert not req.block_ids, "prefix matching is for requests without blocks"
-        hits = self.pool.lookup_prefix(self._hit_hashes(req), req.all_token_ids)
+        hashes = self._hit_hashes(req)
+        hits = self.pool.lookup_prefix(hashes, req.all_token_ids)
         req.block_ids = hits
         req.num_cached_blocks = len(hits)
         req.num_computed_tokens = len(hits) * self.block_size
         req.num_prefix_hit_tokens = req.num_computed_tokens
+        req.num_restored_tokens = 0
+        if self.pool.spill is not None and len(hits) < len(hashes):
+            self._start_restore(req, hashes, len(hits))
         return req.num_computed_tokens
+
+    # ---- restore from the spill tier --------------------------------------
+    def _start_restore(self, req: Request, hashes: list[int], start: int) -> None:
+        spill = self.pool.spill
+        n = min(spill.match(hashes, req.all_token_ids, start), self.pool.num_free)
+        if n == 0:
+            return
+        run = hashes[start:start + n]
+        slots = spill.take(run)  # pinned before allocating: an eviction below may spill, never into these
+        blocks = self.pool.allocate(n)
+        for h in run:
+            self._computing[h] = self._computing.get(h, 0) + 1
+        req.block_ids.extend(blocks)
+        req.restore = self._in_flight[req.request_id] = Restore(spill.storage.restore(slots, blocks), slots,
+                                                                 start, blocks)
+
+    def restoring(self, req: Request) -> bool:
+        """Is a waiting request's restore still copying? A finished one is completed here: its blocks
+        cached and counted as computed (or, had the copy failed, freed, to be computed)."""
+        r = req.restore
+        if r is None:
+            return False
+        if not r.handle.done():
+            return True
+        self._finish_restore(req)
+        return False
+
+    def wait_restores(self, timeout: float) -> None:
+        """Block up to ``timeout`` s for any restore to finish (the engine has nothing else to run)."""
+        pending = [r.handle for r in self._in_flight.values() if not r.handle.done()]
+        if pending:
+            concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    @property
+    def num_restoring(self) -> int:
+        """Restores in flight (0 when idle: the leak check)."""
+        return len(self._in_flight)
+
+    def _finish_restore(self, req: Request) -> None:
+        r, req.restore = req.restore, None
+        del self._in_flight[req.request_id]
+        spill = self.pool.spill
+        try:
+            r.handle.result()
+            ok = True
+        except Exception:  # a copy that failed leaves garbage: free the blocks, compute them instead
+            log.exception("restoring %d KV blocks from the spill tier failed; computing them", len(r.blocks))
+            ok = False
+        spill.release(r.slots)
+        spill.stats.restore_seconds += time.perf_counter() - r.started
+        end = r.start + len(r.blocks)
+        self._unclaim(req, r.start, end)
+        if not ok:
+            self.pool.free(reversed(r.blocks))
+            del req.block_ids[r.start:]
+            return
+        bs = self.block_size
+        self.pool.cache_blocks(r.blocks, req.block_hashes[r.start:end], req.all_token_ids[r.start * bs:end * bs],
+                               req.block_hashes[r.start - 1] if r.start else None)
+        spill.stats.restored_blocks += len(r.blocks)
+        req.num_cached_blocks = end
+        req.num_computed_tokens = end * bs
+        req.num_prefix_hit_tokens = req.num_computed_tokens
+        req.num_restored_tokens = len(r.blocks) * bs
 
     def allocate(self, req: Request, num_new_tokens: int, reserve: int = 0) -> bool:
         """Grow ``req.block_ids`` to hold ``num_new_tokens`` more tokens, leaving at
@@ -142,7 +239,14 @@ class KVManager:
         req.num_cached_blocks = num_full
 
     def free(self, req: Request) -> None:
-        """Return every block the request holds (tail first, so it is evicted first)."""
+        """Return every block the request holds (tail first, so it is evicted first). A restore in
+        flight is waited for first (its copy writes into the blocks), then kept: the blocks are cached."""
+        if req.restore is not None:
+            try:
+                req.restore.handle.result()
+            except Exception:
+                pass  # _finish_restore reports it and frees the blocks uncached
+            self._finish_restore(req)
         self._unclaim(req, req.num_cached_blocks, req.num_claimed_blocks)
         req.num_claimed_blocks = 0
         if req.block_ids:

@@ -39,8 +39,12 @@ def text_tokens(tokenizer, tokens: int = 4096) -> list[int]:
 
 
 @torch.inference_mode()
-def perplexity(engine, token_ids: list[int], chunk: int = 512) -> float:
-    """exp(mean negative log-likelihood) of ``token_ids[1:]`` given the tokens before each."""
+def perplexity(engine, token_ids: list[int], chunk: int = 512, after_chunk=None) -> float:
+    """exp(mean negative log-likelihood) of ``token_ids[1:]`` given the tokens before each.
+
+    ``after_chunk(kv, num_blocks)``, if given, may rewrite the first ``num_blocks`` blocks of the
+    KV (ids 1..num_blocks) after each chunk: the next chunk then attends to that context (the
+    spill-tier probe round-trips it through int8, as a restore from the spill tier would)."""
     n = len(token_ids)
     if n < 2:
         raise ValueError("perplexity needs at least two tokens")
@@ -67,4 +71,6 @@ def perplexity(engine, token_ids: list[int], chunk: int = 512) -> float:
         targets = torch.tensor(token_ids[start + 1 : end + 1], device=dev)
         nll -= logits.log_softmax(-1).gather(1, targets[:, None]).sum().item()
         count += end - start
+        if after_chunk is not None:
+            after_chunk(kv, end // bs)
     return math.exp(nll / count)

@@ -37,6 +37,10 @@ class Request:
     # prompt; those from num_cached_blocks on are in KVManager's in-progress set until cached or freed.
     num_claimed_blocks: int = 0
     num_prefix_hit_tokens: int = 0  # from the prefix cache at (latest) admission
+    num_restored_tokens: int = 0  # of those, copied back from the spill tier
+    # Waiting only: blocks being copied back from the spill tier (KVManager.Restore); the request
+    # holds them and is admitted once the copy is done
+    restore: object | None = None
     num_preemptions: int = 0
     # Speculative decoding: draft tokens to verify in the next step (never part of all_token_ids
     # until the model accepts them); set by the engine's Speculator, read by the scheduler.

@@ -29,6 +29,10 @@ cached (a step or a few later) it is admitted and hits it instead of computing
 it again. The deferral ends when the block is cached or its computing request
 finishes, is aborted or preempted (KVManager.waits_for_computing), so it cannot
 deadlock: a running request always progresses.
+
+A waiting request whose prefix is being restored from the spill tier (KVManager.restoring) is
+deferred the same way until the copy, which runs off the engine thread, is done: the running
+requests' steps go on meanwhile.
 """
 
 from __future__ import annotations
@@ -187,6 +191,9 @@ class Scheduler:
                 continue
             if not req.block_ids:
                 self.kv.match_prefix(req)
+            if self.kv.restoring(req):  # its prefix is being copied back from the spill tier: others go first
+                deferred.append(heapq.heappop(self._waiting))
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget, chunk)
             # The watermark keeps room for running requests to grow; with none running it
             # would only starve a request that needs the whole cache, forever.

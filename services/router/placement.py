@@ -72,5 +72,5 @@ def begin_prefill(pool: WorkerPool, index: PrefixIndex, prefill: Decision, hashe
     cache (the next request with this prefix goes there even before its KV events arrive; they
     confirm this, or remove what it evicts) and the pool counts the tokens it will compute."""
     worker = prefill.worker
-    index.touch(worker.worker_id, hashes, worker.kv_blocks_total)
+    index.touch(worker.worker_id, hashes, worker.kv_cache_capacity)
     return pool.begin(worker.worker_id, num_tokens - prefill.overlap_blocks * block_size)

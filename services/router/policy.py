@@ -9,6 +9,14 @@ would cost there, in prompt tokens; lower wins::
          + block_size * reused_evictions                     # shared blocks it would push out
 
     uncached_tokens = num_tokens - overlap_blocks * block_size
+                    + restore_token_cost * block_size * spilled_blocks   # in its spill tier
+
+A block the worker holds in its spill tier (``--kv-spill-gb``; the index knows from its KV
+events) is a hit that costs a copy back: ``restore_token_cost`` (0.05) of a token per token.
+Measured (BENCHMARKS.md, ``pdserve bench kvtier``, default model on one CPU core): a restore
+~0.34 ms per block plus ~0.5 ms for the spill it causes, against ~25 ms to prefill the block's
+16 tokens, about 0.03; 0.05 rounds that up. So a worker with the prefix spilled still beats one
+without it by far, and one with it in its pool beats both.
 
 A token computed counts more than a token waited for (``load_weight`` < 1): the
 compute is paid again by every request that queues behind it on that worker,
@@ -77,6 +85,8 @@ class RouterPolicyConfig:
     # queued behind it, the cache its KV takes), so the holder keeps them until about four such
     # prefills are queued there. BENCHMARKS.md ("pdserve bench routing") has the measurements.
     load_weight: float = 0.25
+    # A prompt token whose KV is in the worker's spill tier costs this many computed ones (a copy back).
+    restore_token_cost: float = 0.05
     # Fixed cost per request on a worker (scheduling, a batch slot), in prompt tokens.
     request_tokens: float = 8.0
     # Costs within this many tokens of the best are near-ties, sampled by temperature.
@@ -106,7 +116,7 @@ class RouterPolicyConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"unknown routing policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
-        for name in ("load_weight", "request_tokens", "tie_tokens", "temperature"):
+        for name in ("load_weight", "request_tokens", "tie_tokens", "temperature", "restore_token_cost"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
@@ -215,6 +225,9 @@ class KVAwarePolicy(RoutingPolicy):
         for i, w in enumerate(candidates):  # candidates are sorted by id
             overlap = overlaps.get(w.worker_id, 0)
             uncached = max(0, num_tokens - overlap * block_size)
+            if overlap and index is not None:  # blocks in its spill tier: a copy back, not free
+                uncached += self.config.restore_token_cost * block_size * index.spilled_run(
+                    w.worker_id, block_hashes, overlap)
             base.append((self.cost(pool.load(w.worker_id), uncached), i, w, overlap))
         base.sort(key=lambda s: (s[0], s[1]))
         margin = self.config.tie_tokens if self.config.temperature > 0 else 0.0
@@ -224,7 +237,7 @@ class KVAwarePolicy(RoutingPolicy):
             if cost > best + margin:
                 break
             if index is not None and w.kv_blocks_total > 0:  # 0: the worker has not reported its cache yet
-                cost += block_size * index.reused_evictions(w.worker_id, block_hashes, w.kv_blocks_total)
+                cost += block_size * index.reused_evictions(w.worker_id, block_hashes, w.kv_cache_capacity)
             scored.append((cost, i, w, overlap))
             best = min(best, cost)
         scored = [(cost, w, overlap) for cost, _, w, overlap in sorted(scored, key=lambda s: s[1])]

@@ -10,6 +10,10 @@ Block hashes are chained (``services.engine.block_hash``), so a prompt's blocks
 are only useful to a worker as a *leading* run: a hit on block k without blocks
 0..k-1 cannot be served from cache, so overlap stops at the first miss.
 
+Tiers: a worker with a spill tier reports blocks that left its pool for it (``"s"`` runs with
+tier ``"spill"``). They stay held here, marked spilled (``spilled_run``): a hit on them costs a
+copy back instead of a recompute, more than a pool hit and far less than computing them.
+
 The index is advisory. It lags the workers by the stream's latency and may
 under- or over-count after trims (events a worker failed to publish are
 resynced: kv_events.Publisher); a wrong guess costs a cache
@@ -24,7 +28,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from services.kv_events import CLEARED, REMOVED, STORED, STREAM_KEY, decode_entry
+from services.kv_events import CLEARED, REMOVED, SPILL, STORED, STREAM_KEY, decode_entry
 from services.loops import Loops
 
 log = logging.getLogger(__name__)
@@ -35,12 +39,18 @@ class PrefixIndex:
         self._holders: dict[int, set[str]] = {}  # block hash -> worker ids
         # worker id -> {block hash: prompts routed there that used it}, least recently routed first
         self._blocks: dict[str, OrderedDict[int, int]] = {}
+        self._spilled: dict[str, set[int]] = {}  # worker id -> its held hashes that are in its spill tier
 
-    def apply(self, worker_id: str, runs: Iterable[tuple[str, Sequence[int]]]) -> None:
-        """Apply one publish's ``(kind, hashes)`` runs in order. Unknown kinds are skipped."""
-        for kind, hashes in runs:
+    def apply(self, worker_id: str, runs: Iterable[tuple]) -> None:
+        """Apply one publish's ``(kind, hashes[, tier])`` runs in order. Unknown kinds are skipped."""
+        for kind, hashes, *tier in runs:
             if kind == STORED:
                 self._store(worker_id, hashes)
+                spilled = self._spilled.setdefault(worker_id, set())
+                if tier and tier[0] == SPILL:
+                    spilled.update(hashes)
+                else:
+                    spilled.difference_update(hashes)
             elif kind == REMOVED:
                 self._remove(worker_id, hashes)
             elif kind == CLEARED:
@@ -65,6 +75,7 @@ class PrefixIndex:
         beyond it, least recently used first, are forgotten; this also drops predictions that
         never came true (a request that failed before its blocks were stored)."""
         mine = self._blocks.setdefault(worker_id, OrderedDict())
+        self._spilled.get(worker_id, set()).difference_update(hashes)  # a hit restores them into its pool
         for h in reversed(hashes):
             uses = mine.pop(h, 0)
             mine[h] = uses + 1
@@ -106,6 +117,7 @@ class PrefixIndex:
             del self._blocks[worker_id]
 
     def _unhold(self, worker_id: str, h: int) -> None:
+        self._spilled.get(worker_id, set()).discard(h)
         holders = self._holders.get(h)
         if holders is not None:
             holders.discard(worker_id)
@@ -116,6 +128,7 @@ class PrefixIndex:
         """Forget everything ``worker_id`` held (it cleared its cache, died or left)."""
         for h in self._blocks.pop(worker_id, ()):
             self._unhold(worker_id, h)
+        self._spilled.pop(worker_id, None)
 
     def overlap(self, worker_id: str, block_hashes: Sequence[int]) -> int:
         """How many leading blocks of the prompt ``worker_id`` holds."""
@@ -149,6 +162,17 @@ class PrefixIndex:
         for worker_id in alive:  # held the whole prompt
             result[worker_id] = len(block_hashes)
         return result
+
+    def spilled_run(self, worker_id: str, block_hashes: Sequence[int], overlap: int) -> int:
+        """Of the first ``overlap`` blocks of the prompt (a leading run ``worker_id`` holds), how many
+        are in its spill tier rather than its pool."""
+        spilled = self._spilled.get(worker_id)
+        if not spilled:
+            return 0
+        return sum(1 for h in block_hashes[:overlap] if h in spilled)
+
+    def num_spilled(self, worker_id: str) -> int:
+        return len(self._spilled.get(worker_id, ()))
 
     def num_blocks(self, worker_id: str) -> int:
         return len(self._blocks.get(worker_id, ()))

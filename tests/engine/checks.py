@@ -16,6 +16,13 @@ def assert_no_leaks(engine: Engine) -> None:
     assert engine.block_pool.num_used == 0, f"{engine.block_pool.num_used} KV blocks still in use"
     assert engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0
     assert engine.kv.num_claimed_blocks == 0, "blocks still announced as being computed"
+    assert engine.kv.num_restoring == 0, "restores from the spill tier still in flight"
+    spill = engine.block_pool.spill
+    if spill is not None:
+        assert spill.num_pinned == 0, f"{spill.num_pinned} spill slots still pinned by a restore"
+        spill.check()  # every slot held, free or pinned, exactly once
+        both = set(spill.hashes()) & set(engine.block_pool.cached)
+        assert not both, f"{len(both)} blocks cached in both tiers"
 
 
 def drain(engine: Engine) -> None:

