@@ -23,11 +23,11 @@ Copies: a spill (``write``) runs on the engine thread while the pool hands the b
 (it must finish before anything overwrites them); a restore runs on this store's own thread
 and the engine keeps stepping other requests meanwhile (torch's copy kernels release the GIL).
 
-GPU (untested here: no GPU was lent to this task): slots in pinned host memory, in the cache's
-dtype; a spill is a device-to-host copy on a side stream that first waits for the compute
-stream (the block's last write), and the compute stream waits for the copy before the next
-forward may overwrite the block; a restore is a host-to-device copy on the side stream whose
-completion an event reports (``done()``), so neither blocks the compute stream's kernels.
+GPU (tests/engine/test_spill_tier_cuda.py, run on an H200): slots in pinned host memory, in the
+cache's dtype; a spill is a device-to-host copy on a side stream that first waits for the
+compute stream (the block's last write); the engine thread waits for the copy's bytes before it
+scatters them into the slots, so no later forward can overwrite a block unsaved; a restore is a host-to-device copy on the side stream whose
+completion an event reports (``done()``), so a restore never blocks the compute stream's kernels.
 """
 
 from __future__ import annotations
@@ -101,12 +101,15 @@ class SpillStore:
         """Copy cache blocks into slots; returns once nothing may overwrite the blocks' KV unsaved."""
         src = torch.tensor(list(blocks), dtype=torch.int64, device=self.kv.device)
         dst = torch.tensor(list(slots), dtype=torch.int64)
-        if self.on_cuda:  # untested without a GPU
+        if self.on_cuda:  # tests/engine/test_spill_tier_cuda.py
             compute = torch.cuda.current_stream(self.kv.device)
             self._stream.wait_stream(compute)
             with torch.cuda.stream(self._stream):
-                self.slots[dst] = self.kv.index_select(0, src).to("cpu", non_blocking=True)
-            compute.wait_stream(self._stream)  # the next forward may overwrite these blocks only after
+                staged = self.kv.index_select(0, src).to("cpu", non_blocking=True)
+            # a non-blocking copy to the host returns before its bytes land: wait for them before
+            # the host-side scatter reads them (and before any forward may overwrite the blocks)
+            self._stream.synchronize()
+            self.slots[dst] = staged
             return
         with torch.inference_mode():
             if not self.quantized:
@@ -122,7 +125,7 @@ class SpillStore:
         """Start copying slots into cache blocks; a handle with ``done()`` and ``result()``."""
         src = torch.tensor(list(slots), dtype=torch.int64)
         dst = torch.tensor(list(blocks), dtype=torch.int64, device=self.kv.device)
-        if self.on_cuda:  # untested without a GPU
+        if self.on_cuda:
             with torch.cuda.stream(self._stream):
                 self.kv[dst] = self.slots.index_select(0, src).to(self.kv.device, non_blocking=True)
                 event = torch.cuda.Event()
