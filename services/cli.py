@@ -45,6 +45,7 @@ BENCHES = {
     "breakdown": "services.bench.breakdown",
     "kvtier": "services.bench.kvtier",
     "profiling": "services.profiling.bench",
+    "hops": "services.bench.hops",
 }
 
 

@@ -24,7 +24,7 @@ import grpc
 
 from kvtransfer import PendingTransfer, Receiver
 from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services import phases, telemetry
+from services import hops, phases, telemetry
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError, ReservationLostError
 from services.grpc_codec import abort_with, check_deadline, chunk_from_output, load_message, sampling_from_proto
@@ -68,7 +68,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _on_step(self, outputs) -> None:  # engine thread
         telemetry.BATCH_SIZE.labels(role="decode").observe(len(outputs))
-        self.results.on_step(outputs)
+        self.results.on_step(outputs, self.rt.aengine.steps)
 
     async def teardown(self) -> None:
         if self.receiver is not None:
@@ -79,6 +79,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     # ---- reservation ----------------------------------------------------
     async def Reserve(self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext):
         req = request.request
+        hops.mark(hops.client_id(req.request_id), "decode.reserve")
         with telemetry.server_span("reserve", context, request_id=req.request_id):
             try:
                 async with self.rt.admit():
@@ -124,6 +125,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         req = request.request
         rid = req.request_id
+        hops.mark(hops.client_id(rid), "decode.recv", step=self.rt.aengine.steps)
         with telemetry.server_span("decode", context, request_id=rid, local_prefill=request.local_prefill):
             started = time.perf_counter()
             try:
@@ -160,6 +162,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 except asyncio.CancelledError:
                     self.receiver.cancel(rid, "the decode call was cancelled")
                     raise
+                hops.mark(hops.client_id(rid), "decode.kv", step=self.rt.aengine.steps)
                 telemetry.KV_TRANSFER_SECONDS.labels(role="decode").observe(completion.seconds)
                 phases.observe("kv_transfer_wait", completion.seconds, role="decode")
                 telemetry.KV_TRANSFER_BYTES.labels(role="decode").inc(completion.nbytes)

@@ -14,6 +14,7 @@ import asyncio
 import logging
 from typing import Callable
 
+from services import hops
 from services.engine.outputs import RequestOutput
 from services.queue.results import ResultWriter
 
@@ -44,6 +45,8 @@ class StepResultWriter:
         self._progress = asyncio.Condition()
         self._lost: dict[str, Exception] = {}  # engine request id -> why a chunk of it was not written
         self._task: asyncio.Task | None = None
+        self._first_marked: set[str] = set()  # engine request ids whose first token the hop probe saw
+        self._written_marked: set[str] = set()
         self.steps_written = 0  # pipelines sent (a test counts them against steps)
 
     def start(self) -> None:
@@ -62,11 +65,18 @@ class StepResultWriter:
         self.targets.pop(request_id, None)
         self._last_batch.pop(request_id, None)
         self._lost.pop(request_id, None)
+        self._first_marked.discard(request_id)
+        self._written_marked.discard(request_id)
 
     # engine thread
-    def on_step(self, outputs: list[RequestOutput]) -> None:
+    def on_step(self, outputs: list[RequestOutput], step: int | None = None) -> None:
         items = [(out.request_id, self.targets[out.request_id], chunk_event(out, self.token_text))
                  for out in outputs if out.request_id in self.targets and (out.new_token_ids or out.new_text)]
+        if items and hops.enabled():
+            for engine_rid, rid, _ in items:
+                if engine_rid not in self._first_marked:
+                    self._first_marked.add(engine_rid)
+                    hops.mark(rid, "decode.token", step=step)
         if items:
             self._loop.call_soon_threadsafe(self._enqueue, items)
 
@@ -85,6 +95,11 @@ class StepResultWriter:
             try:
                 await self.writer.append_chunks([(rid, data) for _, rid, data in items])
                 self.steps_written += 1
+                if hops.enabled():
+                    for engine_rid, rid, _ in items:
+                        if engine_rid not in self._written_marked:
+                            self._written_marked.add(engine_rid)
+                            hops.mark(rid, "decode.written")
             except Exception as exc:  # Redis away: the requests whose chunks these were fail
                 log.warning("writing result chunks failed: %s", exc)
                 for engine_rid, _, _ in items:

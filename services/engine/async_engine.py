@@ -46,6 +46,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stopped = False
+        self.steps = 0  # engine steps run so far (the hop probe counts steps to a first token: hops.py)
         # Called on the engine thread with each step's outputs, before they are delivered
         # (the decode service batches one Redis write per step from here).
         self.on_step: Callable[[list[RequestOutput]], None] | None = None
@@ -81,6 +82,7 @@ class AsyncEngine:
                 try:
                     with profiler_range("engine.step"):  # what `pdserve profile` counts as a worker's activity
                         outputs = self.engine.step()
+                    self.steps += 1
                 except Exception as exc:  # a bug or device failure: fail the in-flight requests, keep serving
                     log.exception("engine step failed")
                     outputs = self._fail_all(f"engine step failed: {exc}")

@@ -53,6 +53,7 @@ import time
 import torch
 
 from services.bench import results as result_files
+from services.bench.args import counts
 from services.config import EngineConfig
 from services.engine.sampling_params import SamplingParams
 
@@ -395,16 +396,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def _sections(text: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     unknown = set(names) - set(SECTIONS)
@@ -418,8 +409,8 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="dummy:llama-3.2-1b", help="default: dummy:llama-3.2-1b (random weights)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    p.add_argument("--batches", type=_int_list, default=[1, 8, 64, 256], help="decode and attention batch sizes")
-    p.add_argument("--contexts", type=_int_list, default=[512, 4096], help="decode and attention context lengths")
+    p.add_argument("--batches", type=counts, default=[1, 8, 64, 256], help="decode and attention batch sizes")
+    p.add_argument("--contexts", type=counts, default=[512, 4096], help="decode and attention context lengths")
     p.add_argument("--decode-steps", type=int, default=20, help="timed steps per decode row (after 3 warm-up)")
     p.add_argument("--requests", type=int, default=1000, help="mixed workload size")
     p.add_argument("--warmup-requests", type=int, default=64)

@@ -44,6 +44,7 @@ from typing import Any
 
 from services.errors import (DeadlineExceededError, InvalidRequestError, ModelNotFoundError, PdserveError,
                              ServiceUnavailableError)
+from services import hops
 from services.gateway import metrics, prompts
 from services.gateway.api_keys import ApiKeys, Tenant
 from services.gateway.backpressure import QueueLoad
@@ -239,7 +240,9 @@ class GatewayCore:
         """Queue a request (and save its record, with ``save``); when it leads twins and cannot be queued,
         they fail with its error (written to its result stream) and the key is let go."""
         try:
+            hops.mark(record.request_id, "gw.enqueue")
             await (self._save_and_enqueue(record, queued) if save else self.queue.enqueue(queued))
+            hops.mark(record.request_id, "gw.queued")
         except Exception as exc:
             if record.coalesce:
                 with contextlib.suppress(Exception):
@@ -295,7 +298,8 @@ class GatewayCore:
         rid = record.stream_id  # a coalesced follower reads its leader's results
         deadline = record.deadline or time.time() + self.config.default_timeout_s
         give_up = deadline + self.config.deadline_grace_s
-        if last_id != "0":  # resuming after the terminal event: nothing is left
+        if id_key(last_id) != (0, 0):  # resuming after the terminal event: nothing is left (a fresh stream,
+            # from 0-0, asks Redis nothing here: its subscription's catch-up reads whatever is there already)
             last = await self.reader.last_event(rid)
             if last is not None and last[1] in TERMINAL and id_key(last[0]) <= id_key(last_id):
                 return

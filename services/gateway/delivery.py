@@ -38,6 +38,7 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
+from services import hops
 from services.queue.keys import delivery_tag, inbox_stream, result_stream, state_key
 from services.queue.message import text
 from services.queue.results import decode_event
@@ -119,6 +120,7 @@ class ResultDelivery:
         self._checks: list[tuple[Subscription, asyncio.Future]] = []
         self._flushes: set[asyncio.Task] = set()
         self._stopping = False
+        self._hop_marked: set[str] = set()  # requests whose first chunk the hop probe saw (hops.py)
         self.reader_errors = 0  # times the reader lost Redis (a test and the logs read it)
 
     def new_request_id(self) -> str:
@@ -170,6 +172,7 @@ class ResultDelivery:
                 subs.discard(sub)
                 if not subs:
                     del self._subs[request_id]
+                    self._hop_marked.discard(request_id)
 
     async def catch_up(self, subs: list[Subscription]) -> None:
         """Read each subscription's stream after its last id (one pipelined round trip for all of them)."""
@@ -258,7 +261,8 @@ class ResultDelivery:
 
     def _dispatch(self, fields: dict) -> None:
         f = {text(k): v for k, v in fields.items()}
-        subs = self._subs.get(text(f.get("rid", b"")))
+        event_rid = text(f.get("rid", b""))
+        subs = self._subs.get(event_rid)
         if not subs:
             return  # nobody here follows it (its client left): the result stream keeps it
         try:
@@ -266,6 +270,9 @@ class ResultDelivery:
         except (KeyError, ValueError) as exc:
             log.warning("result delivery: skipping a malformed inbox entry: %s", exc)
             return
+        if event[1] == "chunk" and hops.enabled() and event_rid not in self._hop_marked:
+            self._hop_marked.add(event_rid)
+            hops.mark(event_rid, "gw.delivered")
         for sub in subs:
             sub.push(event)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from opentelemetry import trace
 
-from services import telemetry
+from services import hops, telemetry
 from services.gateway import metrics, protocol, sse
 from services.gateway.api_keys import Tenant
 from services.gateway.core import Admission, GatewayCore
@@ -39,6 +39,7 @@ class Admitted:
 
 async def admit(core: GatewayCore, request: Request, api: str, parse: Parser) -> Admitted:
     started = time.perf_counter()
+    arrived_ns = time.time_ns()
     headers = request.headers
     try:
         tenant = core.authenticate(headers.get("authorization"))
@@ -56,6 +57,7 @@ async def admit(core: GatewayCore, request: Request, api: str, parse: Parser) ->
             admission = await core.submit(tenant, req, tier=tier, deadline=deadline,
                                           idempotency_key=headers.get("idempotency-key"), traceparent=traceparent)
             span.set_attribute("request_id", admission.request_id)
+        hops.mark(admission.request_id, "gw.arrive", t=arrived_ns)
     except Exception as exc:
         metrics.count(api, metrics.outcome_of(exc))
         raise

@@ -25,6 +25,7 @@ from typing import Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services import hops
 from services.errors import PdserveError, RequestAbortedError
 from services.gateway import metrics, sse
 from services.gateway.core import HEARTBEAT, GatewayCore
@@ -102,6 +103,8 @@ async def sse_events(core: GatewayCore, record: RequestRecord, resume: sse.Resum
                     continue
                 if kind == CHUNK:
                     payloads = fmt.chunk(data)
+                    if payloads and first:
+                        hops.mark(rid, "gw.sse")
                     if payloads and first and started is not None:
                         first_at = time.perf_counter()
                         metrics.observe_ttft(first_at - started)

@@ -20,7 +20,7 @@ import grpc
 
 from kvtransfer import Sender, TransferDescriptor
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from services import telemetry
+from services import hops, telemetry
 from services.handoff import prefill_and_send
 from services.errors import InvalidRequestError
 from services.grpc_codec import abort_with, check_deadline, load_message, sampling_from_proto
@@ -47,6 +47,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Prefill needs a first message with the request")
         req = request.request
         target = None
+        hops.mark(hops.client_id(req.request_id), "prefill.recv")
         with telemetry.server_span("prefill", context, request_id=req.request_id, prompt_tokens=len(req.token_ids)):
             try:
                 async with self.rt.admit():
@@ -62,6 +63,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     result = await prefill_and_send(self.rt.aengine, self.sender, target, list(req.token_ids),
                                                     params, req.priority, request_id=req.request_id)
                     elapsed = time.perf_counter() - started
+                    hops.mark(hops.client_id(req.request_id), "prefill.done")
             except Exception as exc:
                 await abort_with(context, exc)
             finally:

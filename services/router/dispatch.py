@@ -40,7 +40,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import grpc
 
 from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services import telemetry
+from services import hops, telemetry
 from services.engine.block_hash import hash_prompt_blocks
 from services.engine.sampling_params import SamplingParams
 from services.errors import CapacityError, InvalidRequestError, NoWorkerError, PdserveError
@@ -267,6 +267,8 @@ class Dispatcher:
             raise _AttemptFailed(exc, None, retryable=isinstance(exc, CapacityError) and fits_somewhere) from None
         d = placement.decode
         decode = d.worker
+        client_id = hops.client_id(wrid)
+        hops.mark(client_id, "router.placed", local=placement.prefill is None)
         request = worker_request(wrid, prompt, params, priority, deadline, results_to)
         decode_stub = worker_pb2_grpc.DecodeWorkerStub(self.channels.get(decode.address))
         metadata = telemetry.grpc_metadata()
@@ -275,6 +277,7 @@ class Dispatcher:
             self._count(d.worker, "local_prefill")
             token = self.pool.begin(decode.worker_id, len(prompt))
             try:
+                hops.mark(client_id, "router.sent")
                 call = decode_stub.Decode(worker_pb2.DecodeRequest(request=request, local_prefill=True),
                                           metadata=metadata)
                 async for item in self._relay(call, decode, None):
@@ -301,6 +304,7 @@ class Dispatcher:
             # The prefill starts computing now; the descriptor follows once the decode worker
             # has reserved its blocks, so the Reserve round trip is not on the way to the first token.
             prefill_stub = worker_pb2_grpc.PrefillWorkerStub(self.channels.get(prefill.address))
+            hops.mark(client_id, "router.sent")
             prefill_call = prefill_stub.Prefill(metadata=metadata)
             descriptor: asyncio.Future = asyncio.get_running_loop().create_future()
             prefill_task = asyncio.create_task(self._prefill(prefill_call, request, descriptor, prefill))

@@ -54,7 +54,13 @@ def place(policy: RoutingPolicy, policy_config: RouterPolicyConfig, disaggregati
 
 def _prefill_locally(config: RouterPolicyConfig, pool: WorkerPool, index: PrefixIndex, decode: WorkerInfo,
                      num_tokens: int, hashes: Sequence[int], prefill: Decision) -> bool:
-    uncached = num_tokens - index.overlap(decode.worker_id, hashes) * decode.block_size
+    held = index.overlap(decode.worker_id, hashes)
+    uncached = num_tokens - held * decode.block_size
+    if config.local_prefill_cached and held and uncached <= decode.block_size:
+        # The decode worker holds every full block of the prompt (a repeated prompt, the next turn of its
+        # conversation): what is left is less than a block, cheaper to compute in its next step than a
+        # prefill worker's round trip, reservation and KV hand-off (pdserve bench hops)
+        return True
     queue = pool.load(prefill.worker.worker_id).pending_prefill_tokens
     busy = decode_is_busy(pool.load(decode.worker_id), config)
     return should_prefill_locally(uncached, queue, True, config, decode_busy=busy)

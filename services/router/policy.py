@@ -99,6 +99,9 @@ class RouterPolicyConfig:
     # behaves as configured unless it opts in (a few hundred tokens suits GPUs, where a short
     # prefill costs less than the hand-off's round trip).
     local_prefill_max_tokens: int = 0
+    # A prompt whose full blocks the decode worker all holds (at most a block left to compute) is
+    # prefilled there whatever the two settings around this one say: no hand-off for a cached prompt.
+    local_prefill_cached: bool = True
     # Pending prefill tokens on the chosen prefill worker above which the decode worker
     # prefills instead (the prefill tier is saturated). 0 disables.
     prefill_queue_limit_tokens: int = 0

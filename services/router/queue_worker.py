@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 
-from services import telemetry
+from services import hops, telemetry
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError, PdserveError
 from services.loops import Loops
@@ -88,6 +88,7 @@ class QueueWorker:
     def _start(self, d: Delivery) -> None:
         if d.request_id in self.running:  # a duplicate delivery of work in hand
             return
+        hops.mark(d.request_id, "router.read")
         task = asyncio.create_task(self._handle(d), name=f"request-{d.request_id}")
         self.running[d.request_id] = (d, task)
         if len(self.running) >= self.max_inflight:

@@ -115,6 +115,7 @@ async def serve(args) -> None:
     tokenizer, model_name = load_tokenizer(args.model)
     policy = RouterPolicyConfig(policy=args.policy, temperature=args.temperature,
                                 local_prefill_max_tokens=args.local_prefill_max_tokens,
+                                local_prefill_cached=args.local_prefill_cached,
                                 prefill_queue_limit_tokens=args.prefill_queue_limit_tokens, seed=args.seed,
                                 affinity_load_factor=args.affinity_load_factor,
                                 affinity_override_blocks=args.affinity_override_blocks)
@@ -218,6 +219,9 @@ def add_parser(sub) -> None:
                         "worker is ready)")
     p.add_argument("--local-prefill-max-tokens", type=int, default=0,
                    help="auto mode: uncached prompts up to this many tokens prefill on the decode worker (0: off)")
+    p.add_argument("--no-local-prefill-cached", dest="local_prefill_cached", action="store_false",
+                   help="auto mode: send a prompt whose full blocks the decode worker already holds through a "
+                        "prefill worker too (default: the decode worker computes the rest, under a block, itself)")
     p.add_argument("--prefill-queue-limit-tokens", type=int, default=0,
                    help="auto mode: prefill on the decode worker when the prefill queue exceeds this (0: off)")
     p.add_argument("--affinity-load-factor", type=float, default=1.25,

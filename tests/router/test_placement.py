@@ -59,3 +59,22 @@ def test_begin_prefill_predicts_the_cache_and_counts_uncached_tokens():
     assert index.overlap("p2", hashes) == len(hashes)  # the prediction: it will hold every full block
     pool.end(token)
     assert pool.load("p2").inflight_requests == 0
+
+
+def test_a_prompt_the_decode_worker_holds_skips_the_prefill_worker():
+    """A repeated prompt (or a conversation's next turn) whose full blocks the decode worker holds: it
+    computes the rest (under a block) itself, with no prefill worker, reservation or KV hand-off."""
+    tokens, hashes = prompt(6 * BS + 5)
+    index = PrefixIndex()
+    pool, config, policy = setup()
+    assert run_place(pool, config, policy, index, tokens, hashes).prefill is not None  # nothing cached yet
+    index.apply("d1", [("s", hashes[:5])])  # all but one full block: still a prefill worker's job
+    assert run_place(pool, config, policy, index, tokens, hashes).prefill is not None
+    index.apply("d1", [("s", hashes)])
+    assert run_place(pool, config, policy, index, tokens, hashes).prefill is None
+    # a prefill worker holding it too changes nothing; forced disaggregation and the switch do
+    index.apply("p1", [("s", hashes)])
+    assert run_place(pool, config, policy, index, tokens, hashes).prefill is None
+    assert run_place(pool, config, policy, index, tokens, hashes, "always").prefill is not None
+    pool, config, policy = setup(local_prefill_cached=False)
+    assert run_place(pool, config, policy, index, tokens, hashes).prefill is not None

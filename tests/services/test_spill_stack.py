@@ -25,7 +25,9 @@ def test_evicted_prefix_is_restored_from_the_spill_tier_with_the_same_answer(red
     # four 150-token prompts through a 29-block pool (fp32): the first is evicted by the time it returns
     prompts = [[rng.randrange(1000, 40000) for _ in range(150)] for _ in range(4)]
     spill = ("--kv-cache-gb", "0.02", "--kv-spill-gb", "0.05", "--kv-spill-dtype", "auto")
-    with Stack(redis_url, prefill=1, decode=1, worker_args=spill) as stack:
+    # the decode worker holds (spilled) the returning prompt too and would prefill it itself (docs/structure.md,
+    # conditional disaggregation rule 3); this test is about the prefill worker's tier, so the hand-off stays
+    with Stack(redis_url, prefill=1, decode=1, worker_args=spill, router_args=("--no-local-prefill-cached",)) as stack:
         first = [stack.generate(stack.request(token_ids=ids, max_tokens=6)) for ids in prompts]
         assert all(f[2].usage.cached_prompt_tokens == 0 for f in first)
         ids, _, finish = stack.generate(stack.request(token_ids=prompts[0], max_tokens=6))
