@@ -24,6 +24,7 @@ when the call ends, on every path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
@@ -121,37 +122,41 @@ async def prefill_and_send(async_engine: AsyncEngine, sender: Sender,
     prefilled = False
     waited = 0.0  # awaiting the decode side's descriptor and the KV sends (compute goes on meanwhile)
     try:
-        async for out in async_engine.generate(prompt, params, request_id=rid, priority=priority,
-                                               prefill_only=True):
-            if out.finished and out.finish_reason != "prefilled":
-                raise TransferError(f"prefill of {rid} ended early: {out.finish_reason}")
-            prefilled = out.finished  # from here its blocks are held until released (finally)
-            blocks = out.block_ids or []
-            ready = len(blocks) if out.finished else min(out.num_computed_tokens, len(prompt)) // block_size
-            if not out.finished and ready == sent:
-                continue
-            if desc is None:
+        # closed on every exit, so a prefill left behind (the decode side's reservation failed, the
+        # call was cancelled) is aborted and its blocks freed now, not whenever the GC collects the
+        # stream: an idle worker may not collect it for a long time (a chaos run saw 14 blocks held)
+        stream = async_engine.generate(prompt, params, request_id=rid, priority=priority, prefill_only=True)
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                if out.finished and out.finish_reason != "prefilled":
+                    raise TransferError(f"prefill of {rid} ended early: {out.finish_reason}")
+                prefilled = out.finished  # from here its blocks are held until released (finally)
+                blocks = out.block_ids or []
+                ready = len(blocks) if out.finished else min(out.num_computed_tokens, len(prompt)) // block_size
+                if not out.finished and ready == sent:
+                    continue
+                if desc is None:
+                    waited_from = time.perf_counter()
+                    desc = await target
+                    waited += time.perf_counter() - waited_from
+                    if desc.transfer_id != rid:
+                        raise TransferError(f"descriptor is for {desc.transfer_id!r}, not {rid!r}")
+                if len(blocks) != desc.num_blocks and out.finished:
+                    raise TransferError(f"prefill of {rid} holds {len(blocks)} blocks, the receiver reserved "
+                                        f"{desc.num_blocks}")
+                if out.finished:  # the last blocks and the first token go in one message
+                    first = out.new_token_ids[0]
+                    # the first token's logprobs travel with it: the decode side reports that token
+                    logprobs = out.logprobs[0] if out.logprobs else None
+                    meta = {"first_logprobs": logprobs.to_json()} if logprobs is not None else None
+                    waited_from = time.perf_counter()
+                    await sender.finish(desc, first, meta, blocks=blocks[sent:ready], dst_offset=sent)
+                    waited += time.perf_counter() - waited_from
+                    return PrefillResult(first, out.num_cached_tokens)
                 waited_from = time.perf_counter()
-                desc = await target
+                await sender.send_blocks(desc, blocks[sent:ready], dst_offset=sent)
                 waited += time.perf_counter() - waited_from
-                if desc.transfer_id != rid:
-                    raise TransferError(f"descriptor is for {desc.transfer_id!r}, not {rid!r}")
-            if len(blocks) != desc.num_blocks and out.finished:
-                raise TransferError(f"prefill of {rid} holds {len(blocks)} blocks, the receiver reserved "
-                                    f"{desc.num_blocks}")
-            if out.finished:  # the last blocks and the first token go in one message
-                first = out.new_token_ids[0]
-                # the first token's logprobs travel with it: the decode side reports that token
-                logprobs = out.logprobs[0] if out.logprobs else None
-                meta = {"first_logprobs": logprobs.to_json()} if logprobs is not None else None
-                waited_from = time.perf_counter()
-                await sender.finish(desc, first, meta, blocks=blocks[sent:ready], dst_offset=sent)
-                waited += time.perf_counter() - waited_from
-                return PrefillResult(first, out.num_cached_tokens)
-            waited_from = time.perf_counter()
-            await sender.send_blocks(desc, blocks[sent:ready], dst_offset=sent)
-            waited += time.perf_counter() - waited_from
-            sent = ready
+                sent = ready
         raise TransferError(f"prefill of {rid} produced no result")
     except BaseException as exc:
         if desc is not None:

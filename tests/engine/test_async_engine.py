@@ -228,3 +228,36 @@ def test_a_failed_step_fails_its_requests_not_the_blocks_a_transfer_owns(tiny_en
     assert survivors == {"handed-off": ("reserved", 2), "held": ("prefilled", 4)}  # 30, 50 tokens
     assert token_ids(decoded) == generate_alone(reference, {"r1": PROMPTS["r1"]}, params)["r1"]
     assert state == ([], 0)
+
+
+def test_a_prefill_whose_reservation_fails_frees_its_blocks_at_once(tiny_engine):
+    # the decode side's Reserve failing (a full decode worker) while the prompt is still being
+    # prefilled left the prefill stream unclosed: the request ran on, ended prefilled and held its
+    # blocks until the GC collected the stream, which an idle worker may never do (a chaos run found
+    # 14 blocks held on an idle prefill worker). The GC is off here, so only closing the stream frees them.
+    import gc
+
+    from services.handoff import prefill_and_send
+
+    prefill = tiny_engine(long_prefill_chunk=32, max_num_batched_tokens=32)  # the prompt in 7 chunks
+    prefill_async = AsyncEngine(prefill)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    long_prompt = list(range(3, 3 + 200))
+
+    async def reservation_fails():
+        await asyncio.sleep(0)
+        raise RuntimeError("no room for the KV blocks on the decode worker")
+
+    async def main():
+        with pytest.raises(RuntimeError, match="no room"):
+            await prefill_and_send(prefill_async, None, reservation_fails(), long_prompt, params,
+                                   request_id="left-behind")
+        return await engine_state(prefill_async, prefill)
+
+    gc.disable()
+    try:
+        state = run_async(main())
+    finally:
+        gc.enable()
+        prefill_async.shutdown()
+    assert state == ([], 0)
