@@ -45,6 +45,7 @@ _SOURCES = {
     "linear_quant.c": "avx512_vnni",
     "cpu_features.c": "amx",
     "decode_layers_cpu.c": "avx512",
+    "lora_cpu.c": "avx512",
 }
 _HEADERS = [Path(__file__).with_name(n) for n in ("cpu_simd.h", "linear_pack.h")]
 _STEM = "pdserve_cpu_kernels"
@@ -221,6 +222,10 @@ def _library(level: str) -> ctypes.CDLL | None:
     lib.pdserve_write_kv_int8.argtypes = [ptr, i64, ptr, i64, i32, ptr, ptr, i64, i64, ptr, i32, i32, i32, i32]
     lib.pdserve_write_kv.restype = None
     lib.pdserve_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, ptr, i32, i32, i32, i32]
+    lib.pdserve_lora_available.restype = i32
+    lib.pdserve_lora_available.argtypes = []
+    lib.pdserve_lora_bf16.restype = i32
+    lib.pdserve_lora_bf16.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, ptr, ptr, i32, i32, ptr, ptr, ptr]
     lib.pdserve_decode_layers.restype = i32
     lib.pdserve_decode_layers.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     return lib

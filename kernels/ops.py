@@ -13,6 +13,8 @@ from collections.abc import Callable
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.fused_cpu import rms_norm_cpu, rotary_cpu, silu_and_mul_cpu, write_kv_cpu
 from kernels.kv_write import write_kv, write_kv_ref
+from kernels.lora import lora_apply, lora_apply_ref
+from kernels.lora_cpu import lora_apply_cpu
 from kernels.paged_attention_cpu import paged_decode_attention_cpu, paged_prefill_attention_cpu
 from kernels.paged_attention import (
     paged_decode_attention,
@@ -34,6 +36,7 @@ class Ops:
     write_kv: Callable
     decode_attention: Callable
     prefill_attention: Callable
+    lora: Callable  # batched LoRA, a slot per row (kernels/lora.py)
     # bf16 projections through kernels/linear_cpu (the model packs its weights at load)
     packs_linears: bool = False
 
@@ -46,6 +49,7 @@ TORCH_OPS = Ops(
     write_kv=write_kv_ref,
     decode_attention=paged_decode_attention_ref,
     prefill_attention=paged_prefill_attention_ref,
+    lora=lora_apply_ref,
 )
 
 # CPU: the C kernels (kernels/*_cpu.c): decode and prefill attention in place on the paged
@@ -60,6 +64,7 @@ CPU_OPS = Ops(
     write_kv=write_kv_cpu,
     decode_attention=paged_decode_attention_cpu,
     prefill_attention=paged_prefill_attention_cpu,
+    lora=lora_apply_cpu,
     packs_linears=True,
 )
 
@@ -71,6 +76,7 @@ TRITON_OPS = Ops(
     write_kv=write_kv,
     decode_attention=paged_decode_attention,
     prefill_attention=paged_prefill_attention,
+    lora=lora_apply,
 )
 
 

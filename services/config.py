@@ -6,7 +6,7 @@ The CLI builds these from flags (services.cli); nothing else reads flags or env.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
                   "fp16": "float16", "float16": "float16"}
@@ -67,6 +67,11 @@ class EngineConfig:
     kv_spill_bytes: int = 0
     kv_spill_dir: str | None = None
     kv_spill_dtype: str = "int8"  # int8 rows (lossy, 1.88x denser than bf16) | auto: the cache's dtype
+    # LoRA adapters (services/engine/lora_slots.py): name -> PEFT directory, known at start; more can
+    # be registered at run time. max_loras of them are held at once (LRU), ranks up to max_lora_rank.
+    loras: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         try:
@@ -100,6 +105,10 @@ class EngineConfig:
                              "are CPU kernels); use --kv-cache-dtype auto there")
         if self.kv_cache_dtype == "int8" and self.kernels == "triton":
             raise ValueError("--kv-cache-dtype int8 has no Triton kernels; use --kernels auto or torch")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank not in (8, 16, 32, 64, 128, 256):
+            raise ValueError(f"max_lora_rank must be 8, 16, 32, 64, 128 or 256; got {self.max_lora_rank}")
         if self.kv_spill_bytes < 0:
             raise ValueError(f"kv_spill_bytes must be >= 0, got {self.kv_spill_bytes}")
         if self.kv_spill_dtype not in ("int8", "auto"):

@@ -10,6 +10,7 @@ global). Tokens are ordered decodes first, then prefill chunks::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor | None  # int32 [P, M]
     prefill_cu_seqlens_q: torch.Tensor | None  # int32 [P + 1], offsets into the prefill tokens
     prefill_context_lens: torch.Tensor | None  # int32 [P]
+    lora: Any = None  # services.engine.lora_slots.LoRABatch when a row has an adapter
 
     @property
     def has_prefill(self) -> bool:

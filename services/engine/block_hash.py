@@ -15,6 +15,12 @@ from typing import Sequence
 _KEY = b"pdserve-block-hash-v1"
 
 
+def request_namespace(namespace: str, lora: str | None) -> str:
+    """The namespace a request's blocks hash in: the engine's, plus its LoRA adapter's name, so a
+    block computed under one adapter (or none) never serves another (workers and routers alike)."""
+    return namespace if lora is None else f"{namespace}|lora:{lora}"
+
+
 def hash_block(parent: int | None, token_ids: Sequence[int], namespace: str) -> int:
     h = hashlib.blake2b(digest_size=8, key=_KEY)
     h.update((parent or 0).to_bytes(8, "little"))

@@ -24,6 +24,7 @@ import torch
 
 from kernels.ops import select_ops
 from services.config import EngineConfig
+from services.engine.block_hash import request_namespace
 from services.engine.block_pool import BlockPool, KVEvent
 from services.engine.cuda_graph import capture_decode_graphs
 from services.engine.grammar import GrammarCompiler
@@ -31,6 +32,7 @@ from services.engine.grammar_masks import StructuredDecoding
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache, dtype_from_name
 from services.engine.kv_manager import KVManager
 from services.engine.loader import load_model
+from services.engine.lora_slots import LoRASlots
 from services.engine.model_source import resolve_model
 from services.engine.outputs import RequestOutput, TokenLogprobs
 from services.engine.request import Request, Status
@@ -92,6 +94,12 @@ class Engine:
         )
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, config.device)
         self.runner.cuda_graphs = capture_decode_graphs(config, self.model, self.kv_cache, self.max_model_len)
+        self.loras = LoRASlots(self.model, config.max_loras, config.max_lora_rank, self.model.ops.lora, dtype,
+                               config.device)
+        for name, path in config.loras.items():
+            self.loras.register(name, path)
+        self.runner.lora_slots = self.loras
+        self._lora_waiting: list[Request] = []  # admitted, waiting for a free adapter slot
         self.sampler = Sampler()
         # Speculative decoding (prompt lookup): decoding requests verify draft tokens each step
         self.speculator = Speculator(config.speculative, self.max_model_len) if config.speculative else None
@@ -156,6 +164,9 @@ class Engine:
         if params.structured is not None and self.tokenizer is None:
             raise InvalidRequestError("structured output needs a tokenizer; this model has none",
                                       param="response_format")
+        if params.lora is not None and params.lora not in self.loras.known:
+            raise InvalidRequestError(f"unknown LoRA adapter {params.lora!r}; this worker serves "
+                                      f"{self.loras.names() or 'none'}", param="model")
 
     @property
     def structured(self) -> StructuredDecoding:
@@ -173,7 +184,56 @@ class Engine:
         req = Request(request_id, list(prompt_token_ids), params, priority=priority, prefill_only=prefill_only,
                       eos_token_ids=self.eos_token_ids)
         self._track(req)
+        if params.lora is not None and not self._acquire_lora(req):
+            self._lora_waiting.append(req)  # every adapter slot is pinned: admitted once one frees
+            return
         self.scheduler.add(req)
+
+    def _acquire_lora(self, req: Request) -> bool:
+        """Pin the request's adapter slot (loading it on demand) and set the namespace its blocks
+        hash in; False while every slot is pinned by other adapters' requests."""
+        try:
+            slot = self.loras.acquire(req.params.lora)
+        except Exception:
+            self._finish(req, "abort")
+            raise
+        if slot is None:
+            return False
+        req.lora_slot = slot
+        req.namespace = request_namespace(self.namespace, req.params.lora)
+        return True
+
+    def _admit_lora_waiting(self) -> None:
+        still = []
+        for req in self._lora_waiting:
+            if req.is_finished:
+                continue
+            try:
+                acquired = self._acquire_lora(req)
+            except InvalidRequestError:  # the adapter no longer loads: the request ends
+                self._pending.append(self._output(req, [], None))
+                continue
+            if acquired:
+                self.scheduler.add(req)
+            else:
+                still.append(req)
+        self._lora_waiting = still
+
+    # ---- LoRA adapters --------------------------------------------------
+    def register_lora(self, name: str, path: str) -> None:
+        """Know an adapter from now on (config checked now; tensors read when a request needs them)."""
+        self.loras.register(name, path)
+
+    def unregister_lora(self, name: str) -> bool:
+        return self.loras.unregister(name)
+
+    def lora_names(self) -> list[str]:
+        """Every adapter this engine serves."""
+        return self.loras.names()
+
+    def loaded_loras(self) -> list[str]:
+        """The adapters in slots now (a request for one starts without reading it from disk)."""
+        return list(self.loras.loaded)
 
     def _track(self, req: Request) -> None:
         if req.params.structured is not None:
@@ -195,7 +255,14 @@ class Engine:
                       eos_token_ids=self.eos_token_ids)
         if params.structured is not None:
             self.structured.compiler.compile(params.structured)  # an invalid spec holds no blocks
+        if params.lora is not None:
+            slot = self.loras.acquire(params.lora)
+            if slot is None:
+                raise CapacityError(f"every one of the {self.loras.max_loras} LoRA slots is in use by another "
+                                    "adapter's requests")
+            req.lora_slot, req.namespace = slot, request_namespace(self.namespace, params.lora)
         if not self.kv.allocate(req, req.num_tokens):
+            self._release_lora(req)
             raise CapacityError(
                 f"no room for {self.kv.blocks_needed(req.num_tokens)} KV blocks "
                 f"({self.block_pool.num_free} free of {self.block_pool.num_usable})"
@@ -205,6 +272,7 @@ class Engine:
             self._track(req)
         except InvalidRequestError:
             self.kv.free(req)
+            self._release_lora(req)
             raise
         return list(req.block_ids)
 
@@ -252,10 +320,12 @@ class Engine:
         self._pending.clear()
 
     def has_unfinished(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_work()
+        return bool(self._pending) or self.scheduler.has_work() or bool(self._lora_waiting)
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        if self._lora_waiting:
+            self._admit_lora_waiting()
         with phase("schedule"):
             if self.speculator is not None:  # constrained requests get no drafts (grammar_masks.py)
                 self.speculator.propose([r for r in self.scheduler.running if r.params.structured is None])
@@ -362,9 +432,15 @@ class Engine:
             self._finish(req, reason)
         return self._output(req, tokens[:n], logprobs[:n])
 
+    def _release_lora(self, req: Request) -> None:
+        if req.lora_slot >= 0:
+            self.loras.release(req.lora_slot)
+            req.lora_slot = -1
+
     def _finish(self, req: Request, reason: str) -> None:
         self.scheduler.remove(req)
         self.kv.free(req)
+        self._release_lora(req)
         req.status, req.finish_reason = Status.FINISHED, reason
         self.requests.pop(req.request_id, None)
         self.sampler.forget(req.request_id)
@@ -411,7 +487,7 @@ class Engine:
         pool = self.block_pool
         return {
             "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
+            "num_waiting": self.scheduler.num_waiting + len(self._lora_waiting),
             "kv_blocks_total": pool.num_usable,
             "kv_blocks_used": pool.num_used,
             "prefix_cache_queries": pool.prefix_queries,

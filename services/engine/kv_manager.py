@@ -67,10 +67,11 @@ class KVManager:
     def _extend_hashes(self, req: Request, num_full_blocks: int) -> None:
         bs = self.block_size
         tokens = req.all_token_ids
+        namespace = req.namespace or self.namespace  # a LoRA request's blocks: its adapter's namespace
         while len(req.block_hashes) < num_full_blocks:
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if i else None
-            req.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], self.namespace))
+            req.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], namespace))
 
     def cached_prefix_tokens(self, req: Request) -> int:
         """Prompt tokens a waiting request will not compute itself: its leading blocks that are

@@ -43,7 +43,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, ops: Ops,
                 cos_sin: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        lora = meta.lora
+        qkv = self.qkv_proj(x)
+        if lora is not None:
+            lora.apply(self.layer_idx, "qkv", qkv, x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -63,7 +67,11 @@ class Attention(nn.Module):
                                             meta.decode_context_lens, self.scale)
             out[nd:] = ops.prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
                                              meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = out.reshape(num_tokens, self.q_size)
+        y = self.o_proj(out)
+        if lora is not None:
+            lora.apply(self.layer_idx, "o", y, out)
+        return y
 
 
 class MLP(nn.Module):
@@ -72,8 +80,15 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, ops: Ops, lora=None, layer_idx: int = 0) -> torch.Tensor:
+        if lora is None:
+            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        lora.apply(layer_idx, "gate_up", gate_up, x)
+        act = ops.silu_and_mul(gate_up)
+        y = self.down_proj(act)
+        lora.apply(layer_idx, "down", y, act)
+        return y
 
 
 class DecoderLayer(nn.Module):
@@ -94,7 +109,7 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, positions, meta, ops, cos_sin)
         norm = self.post_attention_layernorm
         h, residual = ops.rms_norm(h, norm.weight, norm.eps, residual)
-        return self.mlp(h, ops), residual
+        return self.mlp(h, ops, meta.lora, self.self_attn.layer_idx), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -119,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""
         x = self.embed_tokens(input_ids)
-        if not meta.has_prefill and x.device.type == "cpu":
+        if not meta.has_prefill and meta.lora is None and x.device.type == "cpu":
             fused = self._decode_layers(meta.kv_cache)
             if fused is not None and (out := fused(x, positions, meta)) is not None:
                 return out

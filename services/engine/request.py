@@ -47,6 +47,10 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     first_token_time: float | None = None
+    # LoRA: the slot this request's adapter holds while it runs (-1: none, or not yet acquired)
+    # and the namespace its blocks hash in (services/engine/block_hash.request_namespace)
+    lora_slot: int = -1
+    namespace: str | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from services.engine.attention_metadata import AttentionMetadata
+from services.engine.lora_slots import LoRABatch
 from services.engine.model import LlamaForCausalLM
 from services.engine.request import Request
 from services.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -31,6 +32,8 @@ class ModelRunner:
         self.device = torch.device(device)
         # Set by the engine on CUDA (services.engine.cuda_graph): replays decode-only steps.
         self.cuda_graphs = None
+        # Set by the engine when it serves LoRA adapters (services.engine.lora_slots.LoRASlots)
+        self.lora_slots = None
 
     def _prepare(self, batch: list[ScheduledRequest]):
         bs = self.block_size
@@ -47,12 +50,14 @@ class ModelRunner:
         sampled: list[Request] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
+        lora_rows: list[int] = []  # the adapter slot of every row (-1: the base model)
         for s in decodes + prefills:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             ids.extend(req.all_token_ids[start : start + n - len(s.spec_token_ids)])
             ids.extend(s.spec_token_ids)
             pos = range(start, start + n)
             positions.extend(pos)
+            lora_rows.extend([req.lora_slot] * n)
             blocks = req.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in pos)
             if s.spec_token_ids:  # every row is scored: the sampler verifies each draft against it
@@ -89,13 +94,19 @@ class ModelRunner:
                 cu.append(cu[-1] + s.num_new_tokens)
             meta.prefill_cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=dev)
             meta.prefill_context_lens = torch.tensor(ends, dtype=torch.int32, device=dev)
+        if self.lora_slots is not None and any(slot >= 0 for slot in lora_rows):
+            meta.lora = LoRABatch(self.lora_slots, torch.tensor(lora_rows, dtype=torch.int32, device=dev))
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         return input_ids, pos_t, meta, sample_rows, sampled
 
+    @staticmethod
+    def _any_lora(sched: SchedulerOutput) -> bool:
+        return any(s.request.lora_slot >= 0 for s in sched.scheduled)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
-        if self.cuda_graphs is not None:
+        if self.cuda_graphs is not None and not self._any_lora(sched):  # graphs hold no adapters
             replayed = self.cuda_graphs.execute(sched.scheduled)
             if replayed is not None:
                 return replayed

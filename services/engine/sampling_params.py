@@ -27,6 +27,8 @@ class SamplingParams:
     # What the output must match (response_format, a gRPC regex or grammar); None: free text.
     # A dict (from the queue's JSON) becomes a StructuredOutput.
     structured: StructuredOutput | None = None
+    # The LoRA adapter to run the request with (a name the workers know); None: the base model.
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         self.structured = StructuredOutput.coerce(self.structured)
@@ -71,6 +73,8 @@ class SamplingParams:
             raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise bad("lora", f"must be an adapter name, got {self.lora!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
 

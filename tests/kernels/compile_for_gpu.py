@@ -28,6 +28,7 @@ from triton.backends.nvidia.driver import CudaDriver  # noqa: E402
 
 import kernels.activation  # noqa: E402
 import kernels.kv_write  # noqa: E402
+import kernels.lora  # noqa: E402
 import kernels.paged_attention  # noqa: E402
 import kernels.rmsnorm  # noqa: E402
 import kernels.rotary  # noqa: E402
@@ -68,7 +69,8 @@ def _record_compiles(results: list) -> None:
     kernels.triton_jit.LazyKernel.__getitem__ = getitem
     # CPU tensors stand in for CUDA ones: the compiler sees only dtypes, strides
     # and alignment.
-    for module in (kernels.activation, kernels.kv_write, kernels.paged_attention, kernels.rmsnorm, kernels.rotary):
+    for module in (kernels.activation, kernels.kv_write, kernels.lora, kernels.paged_attention, kernels.rmsnorm,
+                   kernels.rotary):
         module.check_launchable = lambda *tensors: None
 
 
@@ -82,6 +84,11 @@ def _launch_everything(dtype: torch.dtype, head_dim: int, num_heads: int, num_kv
     q = torch.randn(t, num_heads, head_dim).to(dtype)
     k = torch.randn(t, num_kv_heads, head_dim).to(dtype)
     kernels.rotary.rotary(q, k, torch.arange(t), torch.randn(64, head_dim))
+    hidden, qkv = num_heads * head_dim, (num_heads + 2 * num_kv_heads) * head_dim
+    for rank in (16, 64):  # batched LoRA on the fused qkv projection (3 segments)
+        bounds = (0, hidden, hidden + num_kv_heads * head_dim, qkv)
+        kernels.lora.lora_apply(torch.randn(t, qkv).to(dtype), x, torch.randn(2, 3 * rank, hidden).to(dtype),
+                                torch.randn(2, rank, qkv).to(dtype), bounds, torch.tensor([0, -1, 1, 0]))
 
     spec = KVCacheSpec(num_layers=2, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16,
                        dtype=dtype_name(dtype))

@@ -1,0 +1,85 @@
+"""Batched LoRA, a slot per row (kernels/lora.py): the Triton kernel and the C kernel against the
+torch reference, with rows of several adapters, rows without one, ranks below the padded rank,
+and the segments of a fused projection. On CUDA when present, else Triton's interpreter."""
+
+import pytest
+import torch
+
+from kernels.lora import lora_apply_ref
+
+Q, KV = 96, 32  # a fused qkv projection of hidden 96: q 96, k 32, v 32 columns
+BOUNDS = (0, Q, Q + KV, Q + 2 * KV)
+
+
+def _case(device, dtype, rank: int = 16, slots: int = 3, rows: int = 7):
+    n, k = BOUNDS[-1], Q
+    a = torch.randn(slots, 3 * rank, k, device=device) * 0.2
+    bt = torch.randn(slots, rank, n, device=device) * 0.2
+    ranks = torch.tensor([rank, rank // 2, 4][:slots], dtype=torch.int32, device=device)
+    for s, r in enumerate(ranks.tolist()):  # zero padding past each slot's own rank
+        for seg in range(3):
+            a[s, seg * rank + r:(seg + 1) * rank] = 0
+        bt[s, r:] = 0
+    x = torch.randn(rows, k, device=device).to(dtype)
+    y = torch.randn(rows, n, device=device).to(dtype)
+    idx = torch.tensor([0, -1, 1, 2, 0, -1, 2][:rows], dtype=torch.int32, device=device)
+    return y, x, a.to(dtype), bt.to(dtype), idx, ranks
+
+
+def test_reference_is_the_per_row_definition():
+    y, x, a, bt, idx, ranks = _case("cpu", torch.float32)
+    want = y.clone()
+    for t, slot in enumerate(idx.tolist()):
+        if slot >= 0:
+            u = a[slot] @ x[t]
+            for s, (lo, hi) in enumerate(zip(BOUNDS, BOUNDS[1:])):
+                want[t, lo:hi] += u[s * 16:(s + 1) * 16] @ bt[slot, :, lo:hi]
+    got = y.clone()
+    lora_apply_ref(got, x, a, bt, BOUNDS, idx)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[1], y[1]) and not torch.equal(got[0], y[0])
+
+
+@pytest.mark.parametrize("rank", [8, 64])
+def test_triton_matches_reference(rank, dtype, device):
+    pytest.importorskip("triton")
+    from kernels.lora import lora_apply
+
+    y, x, a, bt, idx, ranks = _case(device, dtype, rank=rank)
+    want, got = y.clone(), y.clone()
+    lora_apply_ref(want, x, a, bt, BOUNDS, idx)
+    lora_apply(got, x, a, bt, BOUNDS, idx, ranks)
+    torch.testing.assert_close(got, want, atol=2e-2 if dtype != torch.float32 else 1e-4, rtol=1e-2)
+    assert torch.equal(got[1], y[1])  # a row without an adapter is untouched
+
+
+@pytest.mark.parametrize("rank", [8, 16, 64])
+def test_cpu_kernel_matches_reference(rank):
+    from kernels import native
+    from kernels.lora_cpu import lora_apply_cpu
+
+    if native.library() is None or not native.library().pdserve_lora_available():
+        pytest.skip("the C kernels need a compiler and AVX-512")
+    y, x, a, bt, idx, ranks = _case("cpu", torch.bfloat16, rank=rank)
+    want, got = y.clone(), y.clone()
+    lora_apply_ref(want, x, a, bt, BOUNDS, idx)
+    lora_apply_cpu(got, x, a, bt, BOUNDS, idx, ranks)
+    # fp32 sums in another order, one bf16 rounding: at most one ulp apart
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+    assert torch.equal(got[1], y[1])
+
+
+def test_cpu_kernel_reads_only_each_slots_rank():
+    """Values past a slot's rank (the padding) must not be read: garbage there changes nothing."""
+    from kernels import native
+    from kernels.lora_cpu import lora_apply_cpu
+
+    if native.library() is None or not native.library().pdserve_lora_available():
+        pytest.skip("the C kernels need a compiler and AVX-512")
+    y, x, a, bt, idx, ranks = _case("cpu", torch.bfloat16)
+    clean = y.clone()
+    lora_apply_cpu(clean, x, a, bt, BOUNDS, idx, ranks)
+    bt[1, 8:] = 100  # slot 1 has rank 8
+    dirty = y.clone()
+    lora_apply_cpu(dirty, x, a, bt, BOUNDS, idx, ranks)
+    assert torch.equal(clean, dirty)
