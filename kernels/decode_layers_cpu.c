@@ -51,6 +51,9 @@ typedef struct {
     const uint16_t *input_norm, *post_norm; /* bf16 RMSNorm weights */
     pd_linear qkv, o, gate_up, down;
     char *k_cache, *v_cache; /* this layer's [blocks, block_size, kv_heads, head_dim] views */
+    /* LoRA stacks of qkv, o, gate_up, down (lora_cpu.c): A [S, nseg*R, K], Bt [S, R, N]; NULL before
+     * the engine's first adapter */
+    const uint16_t *lora_a[4], *lora_bt[4];
 } pd_layer;
 
 typedef struct {
@@ -59,7 +62,24 @@ typedef struct {
     int64_t c_sb, c_st, c_sh; /* the cache views' strides in elements: block, token, head */
     const float *cos_sin;
     int64_t ldc;
+    /* this step's adapters: a slot per row (-1: none), the slots' ranks, the stacks' padded rank;
+     * lora_idx NULL: no row has one */
+    const int32_t *lora_idx, *lora_ranks;
+    int32_t lora_rank;
 } pd_model;
+
+int pdserve_lora_bf16(const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy, int T, int K, int N,
+                      const uint16_t *A, const uint16_t *Bt, int R, int nseg, const int32_t *bounds,
+                      const int32_t *idx, const int32_t *ranks);
+
+/* y += LoRA(x) for projection p of layer L when this step has adapters (the call the model's
+ * Python path makes after the same projection: LoRABatch.apply) */
+static int lora(const pd_model *m, const pd_layer *L, int p, const uint16_t *x, int64_t ldx, uint16_t *y,
+                int64_t ldy, int M, int K, int nseg, const int32_t *bounds) {
+    if (!m->lora_idx) return 0;
+    return pdserve_lora_bf16(x, ldx, y, ldy, M, K, bounds[nseg], L->lora_a[p], L->lora_bt[p], m->lora_rank, nseg,
+                             bounds, m->lora_idx, m->lora_ranks);
+}
 
 static int linear(const pd_linear *l, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy, int M) {
     if (l->gguf)
@@ -77,6 +97,8 @@ int pdserve_decode_layers(const pd_model *m, const pd_layer *layers, const uint1
                           uint16_t *qkv, uint16_t *attn, uint16_t *gu, uint16_t *act) {
     const int H = m->hidden, D = m->head_dim, q_size = m->heads * D, kv_size = m->kv_heads * D;
     const int64_t ld_qkv = q_size + 2 * kv_size;
+    const int32_t b_qkv[4] = {0, q_size, q_size + kv_size, q_size + 2 * kv_size}, b_h[2] = {0, H},
+                  b_gu[3] = {0, m->inter, 2 * m->inter};
     int rc;
     for (int i = 0; i < m->layers; i++) {
         const pd_layer *L = &layers[i];
@@ -90,6 +112,7 @@ int pdserve_decode_layers(const pd_model *m, const pd_layer *layers, const uint1
         }
         if (rc) return rc;
         if ((rc = linear(&L->qkv, h, H, qkv, ld_qkv, M))) return rc;
+        if ((rc = lora(m, L, 0, h, H, qkv, ld_qkv, M, H, 3, b_qkv))) return rc;
         uint16_t *q = qkv, *k = qkv + q_size, *v = qkv + q_size + kv_size;
         if ((rc = pdserve_rotary_bf16(q, ld_qkv, D, M, m->heads, D, positions, m->cos_sin, m->ldc))) return rc;
         if ((rc = pdserve_rotary_bf16(k, ld_qkv, D, M, m->kv_heads, D, positions, m->cos_sin, m->ldc))) return rc;
@@ -110,10 +133,13 @@ int pdserve_decode_layers(const pd_model *m, const pd_layer *layers, const uint1
                                         m->block_size, m->scale);
         }
         if ((rc = linear(&L->o, attn, q_size, x, H, M))) return rc;
+        if ((rc = lora(m, L, 1, attn, q_size, x, H, M, q_size, 1, b_h))) return rc;
         if ((rc = pdserve_rms_norm_bf16(x, H, res, H, L->post_norm, h, H, res, H, M, H, m->eps))) return rc;
         if ((rc = linear(&L->gate_up, h, H, gu, 2 * m->inter, M))) return rc;
+        if ((rc = lora(m, L, 2, h, H, gu, 2 * m->inter, M, H, 2, b_gu))) return rc;
         if ((rc = pdserve_silu_and_mul_bf16(gu, 2 * m->inter, act, m->inter, M, m->inter))) return rc;
         if ((rc = linear(&L->down, act, m->inter, x, H, M))) return rc;
+        if ((rc = lora(m, L, 3, act, m->inter, x, H, M, m->inter, 1, b_h))) return rc;
     }
     return pdserve_rms_norm_bf16(x, H, res, H, final_norm, x, H, res, H, M, H, m->eps);
 }

@@ -36,14 +36,16 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("qkv", _Linear), ("o", _Linear),
-                ("gate_up", _Linear), ("down", _Linear), ("k_cache", c_void_p), ("v_cache", c_void_p)]
+                ("gate_up", _Linear), ("down", _Linear), ("k_cache", c_void_p), ("v_cache", c_void_p),
+                ("lora_a", c_void_p * 4), ("lora_bt", c_void_p * 4)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("layers", c_int32), ("heads", c_int32), ("kv_heads", c_int32), ("head_dim", c_int32),
                 ("hidden", c_int32), ("inter", c_int32), ("block_size", c_int32), ("kv_int8", c_int32),
                 ("eps", c_float), ("scale", c_float), ("c_sb", c_int64), ("c_st", c_int64), ("c_sh", c_int64),
-                ("cos_sin", c_void_p), ("ldc", c_int64)]
+                ("cos_sin", c_void_p), ("ldc", c_int64), ("lora_idx", c_void_p), ("lora_ranks", c_void_p),
+                ("lora_rank", c_int32)]
 
 
 def _linear(mod) -> _Linear | None:
@@ -66,6 +68,7 @@ class DecodeLayers:
     def __init__(self, lib, model: _Model, layers, final_norm: torch.Tensor, q_size: int, kv_size: int):
         self.lib, self.model, self.layers, self.final_norm = lib, model, layers, final_norm
         self.q_size, self.kv_size = q_size, kv_size
+        self._lora_stacks = None  # the LoRASlots whose stacks the layers point at
 
     @classmethod
     def build(cls, model, kv_cache: torch.Tensor) -> DecodeLayers | None:
@@ -107,7 +110,9 @@ class DecodeLayers:
         spec = _Model(len(model.layers), heads, kv_heads, head_dim, cfg.hidden_size, cfg.intermediate_size,
                       k0.shape[1], int(kv_int8), model.layers[0].input_layernorm.eps, attn0.scale,
                       k0.stride(0), k0.stride(1), k0.stride(2), cos_sin.data_ptr(), cos_sin.stride(0))
-        if any(layer.input_layernorm.eps != spec.eps or layer.post_attention_layernorm.eps != spec.eps
+        # compared as the kernels see them (fp32): an eps like 1e-5 is not an fp32 value
+        if any(c_float(layer.input_layernorm.eps).value != spec.eps
+               or c_float(layer.post_attention_layernorm.eps).value != spec.eps
                for layer in model.layers) or model.norm.eps != model.layers[0].input_layernorm.eps:
             return None
         return cls(lib, spec, layers, model.norm.weight, heads * head_dim, kv_heads * head_dim)
@@ -123,6 +128,10 @@ class DecodeLayers:
                 or bt.stride(1) != 1 or bt.shape[0] != m or lens.dtype != torch.int32 or not lens.is_contiguous()):
             return None
         s = self.model
+        if meta.lora is None:
+            s.lora_idx = None
+        elif not self._point_at_lora(meta.lora):
+            return None
         hidden, inter = s.hidden, s.inter
         widths = (hidden, hidden, self.q_size + 2 * self.kv_size, self.q_size, 2 * inter, inter)
         scratch = torch.empty(m * sum(widths), dtype=torch.bfloat16)
@@ -136,3 +145,24 @@ class DecodeLayers:
         if rc != 0:
             raise RuntimeError(f"the fused decode layers failed (kernel error {rc})")
         return x
+
+    def _point_at_lora(self, batch) -> bool:
+        """This step's adapters (a services.engine.lora_slots.LoRABatch) into the driver, which then
+        makes LoRABatch.apply's kernel call after each projection; False where that kernel is not
+        the C one (the step stays on the Python path)."""
+        from kernels.lora_cpu import lora_apply_cpu
+
+        slots = batch.slots
+        if (slots.kernel is not lora_apply_cpu or slots.dtype != torch.bfloat16 or not slots.a
+                or not hasattr(self.lib, "pdserve_lora_bf16") or not self.lib.pdserve_lora_available()
+                or batch.idx.dtype != torch.int32 or not batch.idx.is_contiguous()):
+            return False
+        if self._lora_stacks is not slots:  # the stacks are allocated once: point at them once
+            for i in range(len(self.layers)):
+                for p, proj in enumerate(("qkv", "o", "gate_up", "down")):
+                    self.layers[i].lora_a[p] = slots.a[proj][i].data_ptr()
+                    self.layers[i].lora_bt[p] = slots.bt[proj][i].data_ptr()
+            self._lora_stacks = slots
+        s = self.model
+        s.lora_idx, s.lora_ranks, s.lora_rank = batch.idx.data_ptr(), slots.ranks.data_ptr(), slots.max_rank
+        return True

@@ -32,6 +32,7 @@ BENCHES = {
     "gpu": "services.engine.gpu_bench",
     "spec": "services.engine.spec_bench",
     "structured": "services.engine.structured_bench",
+    "lora": "services.engine.lora_bench",
     "routing": "services.router.bench",
     "serve": "services.gateway.bench",
     "coalesce": "services.gateway.coalesce_bench",

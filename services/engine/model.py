@@ -134,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""
         x = self.embed_tokens(input_ids)
-        if not meta.has_prefill and meta.lora is None and x.device.type == "cpu":
+        if not meta.has_prefill and x.device.type == "cpu":
             fused = self._decode_layers(meta.kv_cache)
             if fused is not None and (out := fused(x, positions, meta)) is not None:
                 return out

@@ -156,3 +156,29 @@ def test_an_adapter_for_other_shapes_is_refused_when_loaded(adapters, tmp_path):
         engine.register_lora("wide", str(make_adapter(other_model, tmp_path / "wide", seed=3)))
         engine.add_request("w", _prompt(0, 5), dataclasses.replace(GREEDY, lora="wide"))
     assert not engine.requests and engine.block_pool.num_used == 0
+
+
+def test_fused_decode_driver_runs_adapters_as_the_python_layers_do(adapters, monkeypatch):
+    """bf16 decode steps with adapters go through the C decode driver (kernels/decode_layers_cpu.c),
+    which makes the LoRA kernel calls of the Python layer loop: the same logits, bit for bit."""
+    loras = {n: str(p) for n, p in adapters.items()}
+    fused = _tiny(dtype="bf16", loras=loras)
+    assert fused.model._decode_layers(fused.kv_cache) is not None
+    python = _tiny(dtype="bf16", loras=loras)
+    monkeypatch.setattr(python.model, "_decode_layers", lambda kv_cache: None)
+    calls = []
+    driver = fused.model._decode_layers(fused.kv_cache)
+    monkeypatch.setattr(type(driver), "_point_at_lora",
+                        lambda self, batch, real=type(driver)._point_at_lora: calls.append(1) or real(self, batch))
+    prompts = {name: (_prompt(i, 6), name) for i, name in enumerate(adapters)}
+    prompts["base"] = (_prompt(8, 6), None)
+    logits = {}
+    for engine in (fused, python):
+        seen = []
+        compute = engine.model.compute_logits
+        monkeypatch.setattr(engine.model, "compute_logits", lambda h, c=compute, s=seen: s.append(c(h)) or s[-1])
+        tokens = _run(engine, prompts)
+        logits[engine is fused] = (tokens, seen)
+    assert calls, "the driver never ran a LoRA step"
+    assert logits[True][0] == logits[False][0]
+    assert all(torch.equal(a, b) for a, b in zip(logits[True][1], logits[False][1]))
