@@ -199,6 +199,29 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram matched")
 
 
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    """The LoRA flags of every command that runs an engine (workers, up, serve, generate)."""
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="serve the PEFT LoRA adapter in directory PATH (adapter_config.json + "
+                        "adapter_model.safetensors) as model NAME; repeatable. A request selects it with "
+                        "\"model\": NAME (or \"<base model>:NAME\")")
+    p.add_argument("--max-loras", type=int, default=4,
+                   help="adapters held in memory at once (least recently used one evicted for another; a "
+                        "batch mixes up to this many)")
+    p.add_argument("--max-lora-rank", type=int, default=16, choices=[8, 16, 32, 64, 128, 256],
+                   help="largest adapter rank served (the slots are sized for it)")
+
+
+def lora_from_args(args) -> dict:
+    """The LoRA fields of EngineConfig the flags of ``add_lora_args`` ask for (ValueError if bad)."""
+    from services.engine.lora_config import parse_lora_flag
+
+    loras = dict(parse_lora_flag(v) for v in args.lora)
+    if len(loras) != len(args.lora):
+        raise ValueError("--lora names an adapter twice")
+    return {"loras": loras, "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
+
+
 def spill_from_args(args) -> dict:
     """The spill-tier fields of EngineConfig the flags of ``add_engine_args`` ask for."""
     if args.kv_spill_gb < 0:

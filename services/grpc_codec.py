@@ -31,6 +31,8 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     kwargs["stop"] = list(msg.stop)
     kwargs["stop_token_ids"] = list(msg.stop_token_ids)
     kwargs["ignore_eos"] = msg.ignore_eos
+    if msg.HasField("lora"):
+        kwargs["lora"] = msg.lora
     if msg.HasField("structured"):
         s = msg.structured
         try:
@@ -51,6 +53,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.lora is not None:
+        msg.lora = params.lora
     if params.structured is not None:
         s = params.structured
         msg.structured.CopyFrom(common_pb2.StructuredOutput(kind=s.kind, spec=s.spec, replay=s.replay))

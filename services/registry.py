@@ -98,6 +98,8 @@ class WorkerInfo:
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     kv_spill_blocks_total: int = 0  # blocks its spill tier holds at most (0: no spill tier)
+    loras: list[str] = field(default_factory=list)  # LoRA adapters it serves (services/lora_registry.py)
+    loaded_loras: list[str] = field(default_factory=list)  # of those, held in its slots now (no load to wait for)
     heartbeat_at: float = field(default_factory=time.time)
 
     @property

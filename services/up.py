@@ -54,8 +54,19 @@ def spec_from_args(args, choice: Choice | None = None) -> StackSpec:
                      gateway=not args.no_gateway, gateway_port=args.port, gateway_grpc_port=args.grpc_port,
                      api_keys=args.api_keys, profiling=args.enable_profiling,
                      router_args=[*choice.router_args, *args.router_arg],
-                     gateway_args=args.gateway_arg,
-                     worker_args=_speculative_args(args) + _spill_args(args))
+                     gateway_args=args.gateway_arg + (["--enable-lora-admin"] if args.enable_lora_admin else []),
+                     worker_args=_speculative_args(args) + _spill_args(args) + _lora_args(args))
+
+
+def _lora_args(args) -> list[str]:
+    """Worker flags for LoRA adapters (every worker: both run the adapter's projections)."""
+    from services.generate import lora_from_args
+
+    lora_from_args(args)  # a bad NAME=PATH fails before any process starts
+    flags = [f"--lora={v}" for v in args.lora]
+    if args.max_loras != 4 or args.max_lora_rank != 16:
+        flags += ["--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
+    return flags
 
 
 def _spill_args(args) -> list[str]:
@@ -149,6 +160,8 @@ def _examples(args, stack: LocalStack) -> str:
 
 
 def add_parser(sub) -> None:
+    from services.generate import add_lora_args
+
     p = sub.add_parser("up", help="start the whole stack (Redis, workers, router, gateway) on this machine",
                        description="Start an embedded Redis-compatible server (unless --redis-url), prefill and "
                                    "decode workers, the router and the gateway as separate processes; Ctrl-C "
@@ -188,6 +201,9 @@ def add_parser(sub) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=5, help="draft tokens per step")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram matched (tried first)")
     p.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram matched")
+    add_lora_args(p)
+    p.add_argument("--enable-lora-admin", action="store_true",
+                   help="the gateway answers POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for the router (repeatable), e.g. --router-arg=--temperature=0.5")
     p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",

@@ -27,10 +27,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvtransfer import TransferConfig
-from services import kv_events, telemetry
+from services import kv_events, lora_registry, telemetry
 from services.advertise import advertised_host, host_port
 from services.config import EngineConfig
-from services.errors import NoWorkerError
+from services.errors import NoWorkerError, PdserveError
 from services.grpc_decode import add_servicer
 from services.registry import ROLES, Registrar, WorkerInfo, connect_redis, new_worker_id
 
@@ -84,6 +84,7 @@ class WorkerRuntime:
         self._stats: dict = {}
         self._tasks: list[asyncio.Task] = []
         self.kv_publisher: kv_events.Publisher | None = None
+        self._lora_problems: set[str] = set()
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.address = ""
@@ -159,10 +160,14 @@ class WorkerRuntime:
                 namespace=self.engine.namespace, block_size=self.engine.config.block_size,
                 max_model_len=self.engine.max_model_len, metrics_address=self.metrics_address, ready=True)
             await kv_events.publish_cleared(self.redis, self.worker_id)
+            for name, spec in self.engine.loras.known.items():  # --lora: served by the whole deployment
+                await lora_registry.add_lora(self.redis, name, spec.path)
+            await self._sync_loras()
             registrar = Registrar(self.redis, self.info, self._refresh_info, cfg.heartbeat_s, cfg.registry_ttl_s)
             await registrar.start()
             self._tasks = [asyncio.create_task(self._publish_kv_events(), name="kv-events"),
-                           asyncio.create_task(self._poll_stats(), name="stats")]
+                           asyncio.create_task(self._poll_stats(), name="stats"),
+                           asyncio.create_task(self._follow_loras(), name="loras")]
             self.ready = True
             for name in ("", *names):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -215,6 +220,44 @@ class WorkerRuntime:
         info.kv_blocks_total = int(s.get("kv_blocks_total", 0))
         info.kv_blocks_used = int(s.get("kv_blocks_used", 0))
         info.kv_spill_blocks_total = int(s.get("kv_spill_blocks_total", 0))
+        if self.engine is not None:
+            info.loras, info.loaded_loras = self.engine.lora_names(), self.engine.loaded_loras()
+
+    async def _sync_loras(self) -> None:
+        """The engine serves exactly the adapters in Redis: new ones registered (config checked; tensors
+        read on demand), removed ones forgotten. On the engine thread, which owns the slots."""
+        wanted = await lora_registry.read_loras(self.redis)
+        engine = self.engine
+
+        def apply() -> list[str]:
+            problems = []
+            for name in set(engine.lora_names()) - set(wanted):
+                engine.unregister_lora(name)
+            for name, path in wanted.items():
+                spec = engine.loras.known.get(name)
+                if spec is not None and spec.path == path:
+                    continue
+                try:
+                    if spec is not None:
+                        engine.unregister_lora(name)
+                    engine.register_lora(name, path)
+                except PdserveError as exc:
+                    problems.append(f"{name}: {exc.message}")
+            return problems
+
+        for problem in set(await self.aengine.call(apply)) - self._lora_problems:  # each said once
+            log.warning("LoRA adapter not served here: %s", problem)
+            self._lora_problems.add(problem)
+
+    async def _follow_loras(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            try:
+                await self._sync_loras()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("reading the LoRA adapters failed: %s", exc)
 
     async def _publish_kv_events(self) -> None:
         """Drain the prefix cache's events and publish them; routers index them within milliseconds.
@@ -287,9 +330,10 @@ def add_worker_parser(sub, role: str, help: str, description: str, run) -> None:
 
 def add_worker_args(p, role: str) -> None:
     """Flags of `pdserve prefill|decode` (what a container runs)."""
-    from services.generate import add_engine_args
+    from services.generate import add_engine_args, add_lora_args
 
     add_engine_args(p)
+    add_lora_args(p)
     p.add_argument("--max-num-seqs", type=int, default=128, help="cap on running sequences")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one engine step")
     p.add_argument("--long-prefill-chunk", type=int, default=512, help="largest prefill chunk of one request")
@@ -317,7 +361,7 @@ def add_worker_args(p, role: str) -> None:
 
 
 def configs_from_args(args, role: str) -> tuple[WorkerConfig, EngineConfig, TransferConfig]:
-    from services.generate import speculative_from_args, spill_from_args
+    from services.generate import lora_from_args, speculative_from_args, spill_from_args
 
     if args.threads:
         import torch
@@ -330,7 +374,8 @@ def configs_from_args(args, role: str) -> tuple[WorkerConfig, EngineConfig, Tran
         enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, long_prefill_chunk=args.long_prefill_chunk,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        speculative=speculative_from_args(args) if role == "decode" else None, **spill_from_args(args))
+        speculative=speculative_from_args(args) if role == "decode" else None, **spill_from_args(args),
+        **lora_from_args(args))
     advertise = advertised_host(args.host, args.advertise_host)
     worker = WorkerConfig(role=role, host=args.host, port=args.port, advertise_host=advertise, redis_url=args.redis_url,
                           metrics_port=None if args.metrics_port < 0 else args.metrics_port,

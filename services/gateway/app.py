@@ -45,6 +45,10 @@ def create_app(core: GatewayCore, profiler=None) -> FastAPI:
     app.add_middleware(HttpMetricsMiddleware)  # added last: outermost, counts the others' answers too
     app.include_router(info_router(core))
     app.include_router(responses_router(core, ResponseStore(core.redis, core.config.response_ttl_s)))
+    if core.config.lora_admin:
+        from services.gateway.lora_routes import lora_admin_router
+
+        app.include_router(lora_admin_router(core))
     if profiler is not None:
         from services.gateway.profile_route import profile_router
 

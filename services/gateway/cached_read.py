@@ -47,6 +47,10 @@ class CachedRead(Generic[T]):
                 await self._refresh()
             return self._value
 
+    def invalidate(self) -> None:
+        """The next ``get`` reads again (after a write this process made)."""
+        self._read_at = -1e18
+
     async def _refresh(self) -> None:
         started = time.monotonic()  # the value is as old as the moment it was asked for
         self._value = await self._read()

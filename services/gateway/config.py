@@ -51,6 +51,8 @@ class GatewayConfig:
     coalesce: bool = True
     # answer 503 while no decode worker is ready (False: queue anyway, e.g. workers start later)
     require_ready_worker: bool = True
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_routes.py); off: 404
+    lora_admin: bool = False
 
     def __post_init__(self) -> None:
         self.tiers = tuple(self.tiers)

@@ -58,7 +58,9 @@ from services.gateway.readiness import DecodeWorkers
 from services.gateway.request_record import RequestRecord, RequestRecords
 from services.engine.structured_output import StructuredOutput
 from services.gateway.response_format import GrammarCheck
+from services.gateway.cached_read import CachedRead
 from services.gateway.served_model import ServedModel
+from services.lora_registry import read_loras, split_model
 from services.queue import AdmissionQueue, QueuedRequest, ResultReader, ResultWriter
 from services.queue.cancel import request_cancel
 from services.errors import NotFoundError
@@ -109,6 +111,8 @@ class GatewayCore:
         self.records = RequestRecords(redis, max(config.record_ttl_s, math.ceil(config.max_timeout_s) + 600))
         self.reader = ResultReader(redis)
         self.delivery = ResultDelivery(redis)
+        self._loras = CachedRead(lambda: read_loras(redis), config.workers_cache_s * 4)
+        self._known_loras: dict[str, str] = {}
         self._background: set[asyncio.Task] = set()
         self._refreshers: list[asyncio.Task] = []
 
@@ -149,10 +153,38 @@ class GatewayCore:
         return time.time() + seconds
 
     def check_model(self, name: str | None) -> str:
-        if name and name != self.model.name:
+        """The base model only (tokenize): adapters share its tokenizer, so their names pass too
+        once ``resolve_model`` has checked them."""
+        if name and name != self.model.name and split_model(name, self.model.name)[0] not in self._known_loras:
             raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {self.model.name!r}",
                                      param="model")
         return self.model.name
+
+    def forget_loras(self) -> None:
+        """Read the adapters again at the next request (the admin endpoint changed them)."""
+        self._loras.invalidate()
+
+    async def loras(self) -> dict[str, str]:
+        """The LoRA adapters served (name -> path; services/lora_registry.py), read at most once a second."""
+        self._known_loras = await self._loras.get()
+        return self._known_loras
+
+    async def resolve_model(self, name: str | None) -> tuple[str, str | None]:
+        """A request's ``model`` -> (the model name its responses carry, the LoRA adapter or None).
+        An adapter is named as itself or as ``<base model>:<adapter>``; an unknown adapter in that
+        second form is a 400 naming the ones served, any other unknown name a 404 (OpenAI's)."""
+        if not name or name == self.model.name:
+            return self.model.name, None
+        adapter, explicit = split_model(name, self.model.name)
+        known = await self.loras()
+        if adapter in known:
+            return adapter, adapter
+        served = ", ".join(sorted(known)) or "none"
+        if explicit:
+            raise InvalidRequestError(f"unknown LoRA adapter {adapter!r}; this server serves the adapters: {served}",
+                                      param="model")
+        raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {self.model.name!r} "
+                                 f"and the LoRA adapters: {served}", param="model")
 
     async def max_model_len(self) -> int:
         """The context length: the decode workers' (smallest), capped by --max-model-len, else the model's."""
@@ -163,7 +195,9 @@ class GatewayCore:
 
     async def submit(self, tenant: Tenant, req: GenerationRequest, *, tier: str, deadline: float,
                      idempotency_key: str | None = None, traceparent: str = "") -> Admission:
-        model = self.check_model(req.model)
+        model, lora = await self.resolve_model(req.model)
+        if lora is not None:
+            req.sampling["lora"] = lora
         if idempotency_key is not None:
             validate_key(idempotency_key)
             earlier = await self._attach_by_key(tenant, idempotency_key, tier)

@@ -186,10 +186,13 @@ class GatewayGenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             self.core.authenticate(_metadata(context).get("authorization"))
             max_len = await self.core.max_model_len()
+            loras = await self.core.loras()
         except Exception as exc:
             await abort_with(context, exc)
-        return generate_pb2.ListModelsResponse(models=[generate_pb2.Model(id=self.core.model.name,
-                                                                          max_model_len=max_len)])
+        base = self.core.model.name
+        return generate_pb2.ListModelsResponse(models=[
+            generate_pb2.Model(id=base, max_model_len=max_len),
+            *(generate_pb2.Model(id=name, max_model_len=max_len, parent=base) for name in sorted(loras))])
 
 
 async def start_grpc(core: GatewayCore, host: str, port: int) -> tuple[grpc.aio.Server, int]:

@@ -1,6 +1,8 @@
 """The endpoints that say what this server is: models, health, version (as the OpenAI API and vLLM have them).
 
-    GET  /v1/models, /v1/models/{model}   the served model (OpenAI's Model object; 404 for another)
+    GET  /v1/models, /v1/models/{model}   the served model and its LoRA adapters (OpenAI's Model object;
+                                           an adapter's ``parent`` is the base model, as vLLM lists
+                                           them; 404 for another)
     GET  /health, GET|POST /ping           200 (empty body) while Redis answers and a decode worker
                                            is ready, else 503 with an OpenAI error and Retry-After:
                                            what vLLM's /health and /ping answer, and what load
@@ -33,19 +35,25 @@ def info_router(core) -> APIRouter:
     router = APIRouter()
     started_at = int(time.time())
 
+    async def listed() -> list[dict]:
+        max_len = await core.max_model_len()
+        base = {**model_object(core, started_at), "root": core.model.name, "parent": None, "max_model_len": max_len}
+        return [base, *({**base, "id": name, "root": path, "parent": core.model.name}
+                        for name, path in sorted((await core.loras()).items()))]
+
     @router.get("/v1/models")
     async def models(request: Request):
         core.authenticate(request.headers.get("authorization"))
-        return {"object": "list",
-                "data": [{**model_object(core, started_at), "max_model_len": await core.max_model_len()}]}
+        return {"object": "list", "data": await listed()}
 
     @router.get("/v1/models/{model:path}")  # a path: Hugging Face names have a slash (org/name)
     async def model(model: str, request: Request):
         core.authenticate(request.headers.get("authorization"))
-        if model != core.model.name:
+        found = next((m for m in await listed() if m["id"] == model), None)
+        if found is None:
             raise ModelNotFoundError(f"the model {model[:200]!r} does not exist; this server serves "
                                      f"{core.model.name!r}", param="model")
-        return {**model_object(core, started_at), "max_model_len": await core.max_model_len()}
+        return found
 
     async def health() -> Response:
         ok, why, _ = await core.readiness()

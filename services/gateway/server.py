@@ -30,7 +30,7 @@ def build_config(args) -> GatewayConfig:
                          max_model_len=args.max_model_len, require_ready_worker=not args.allow_no_worker,
                          response_ttl_s=args.response_ttl, coalesce=not args.no_coalesce,
                          redis_max_connections=args.redis_max_connections,
-                         redis_pool_timeout_s=args.redis_pool_timeout)
+                         redis_pool_timeout_s=args.redis_pool_timeout, lora_admin=args.enable_lora_admin)
 
 
 async def serve(args) -> None:
@@ -149,6 +149,11 @@ def add_parser(sub) -> None:
     p.add_argument("--allow-no-worker", action="store_true",
                    help="queue requests even while no decode worker is ready (default: 503)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open streams get on shutdown")
+    p.add_argument("--enable-lora-admin", action="store_true",
+                   help="answer POST /v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter "
+                        "{lora_name} (vLLM's endpoints): LoRA adapters added and removed at run time, for every "
+                        "worker (the path must be readable by each). Off by default: anyone with an API key could "
+                        "make the workers read files")
     p.add_argument("--enable-profiling", action="store_true",
                    help="serve POST /admin/profile and Admin.Profile (pdserve profile) on a free gRPC port")
     p.set_defaults(func=run)

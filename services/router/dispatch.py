@@ -41,7 +41,7 @@ import grpc
 
 from proto.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import hops, telemetry
-from services.engine.block_hash import hash_prompt_blocks
+from services.engine.block_hash import hash_prompt_blocks, request_namespace
 from services.engine.sampling_params import SamplingParams
 from services.errors import CapacityError, InvalidRequestError, NoWorkerError, PdserveError
 from services.grpc_codec import check_deadline, error_from_rpc, worker_request
@@ -254,9 +254,16 @@ class Dispatcher:
             raise _AttemptFailed(InvalidRequestError(
                 f"prompt has {len(prompt)} tokens, but the model's context is {sample.max_model_len} tokens "
                 "(including at least one generated token); shorten the prompt", param="prompt"), None, False)
-        hashes = hash_prompt_blocks(prompt, block_size, namespace)
         prefill_workers = [w for w in self.pool.prefill_workers()
                            if w.namespace == namespace and w.worker_id not in avoid_prefill]
+        if params.lora is not None:
+            decode_workers = with_adapter(decode_workers, params.lora)
+            if not decode_workers:  # an adapter just added: workers pick it up at their next heartbeat
+                raise _AttemptFailed(NoWorkerError(f"no decode worker serves the LoRA adapter {params.lora!r} "
+                                                   "yet"), None, wait=True)
+            prefill_workers = with_adapter(prefill_workers, params.lora)
+        # a LoRA request's blocks hash in its adapter's namespace, as the workers hash them
+        hashes = hash_prompt_blocks(prompt, block_size, request_namespace(namespace, params.lora))
         try:
             placement = place(self.policy, self.policy_config, self.config.disaggregation, self.pool, self.index,
                               decode_workers, prefill_workers, hashes, len(prompt), block_size, avoid_decode,
@@ -406,3 +413,11 @@ class Dispatcher:
 
     async def aclose(self) -> None:
         await self.channels.aclose()
+
+
+def with_adapter(workers: list[WorkerInfo], lora: str) -> list[WorkerInfo]:
+    """The workers that serve LoRA adapter ``lora``, those holding it in a slot only when there are
+    any (a request there does not wait for the adapter to be read)."""
+    serving = [w for w in workers if lora in w.loras]
+    loaded = [w for w in serving if lora in w.loaded_loras]
+    return loaded or serving

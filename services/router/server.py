@@ -26,6 +26,7 @@ from services.advertise import advertised_host, host_port
 from services.errors import InvalidRequestError, NoWorkerError
 from services.grpc_codec import abort_with, append_chunk, sampling_from_proto
 from services.grpc_decode import add_servicer
+from services.lora_registry import split_model
 from services.profiling.admin import AdminServicer, front_profiler
 from services.profiling.peers import AdminAdvert, Peer
 from services.registry import connect_redis
@@ -50,11 +51,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         kind = request.WhichOneof("input")
         if kind is None:
             raise InvalidRequestError("give a prompt: text, chat or token_ids", param="input")
-        if request.model and request.model != self.model_name:
-            from services.errors import ModelNotFoundError
-
-            raise ModelNotFoundError(f"model {request.model!r} is not served here; this deployment serves "
-                                     f"{self.model_name!r}")
+        self._adapter(request.model)
         if kind == "token_ids":
             ids = list(request.token_ids.ids)
             if not ids:
@@ -69,6 +66,27 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
         return self.tokenizer.apply_chat_template(messages)
 
+    def _adapters(self) -> list[str]:
+        """The LoRA adapters the workers announce."""
+        return sorted({name for w in self.pool.decode_workers() for name in w.loras})
+
+    def _adapter(self, model: str) -> str | None:
+        """``model`` -> the LoRA adapter it names (itself or ``<base>:<adapter>``), None for the base model;
+        an unknown adapter in the explicit form is INVALID_ARGUMENT, any other unknown name NOT_FOUND."""
+        if not model or model == self.model_name:
+            return None
+        adapter, explicit = split_model(model, self.model_name)
+        served = self._adapters()
+        if adapter in served:
+            return adapter
+        if explicit:
+            raise InvalidRequestError(f"unknown LoRA adapter {adapter!r}; the workers serve {served or 'none'}",
+                                      param="model")
+        from services.errors import ModelNotFoundError
+
+        raise ModelNotFoundError(f"model {model!r} is not served here; this deployment serves {self.model_name!r}"
+                                 + (f" and the LoRA adapters {served}" if served else ""))
+
     def _max_model_len(self) -> int:
         workers = self.pool.decode_workers()
         return workers[0].max_model_len if workers else 0
@@ -79,6 +97,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             try:
                 prompt = self._prompt(request)
                 params = sampling_from_proto(request.sampling)
+                lora = self._adapter(request.model)
+                if lora is not None:
+                    params.lora = lora
                 stream = not request.HasField("stream") or request.stream
                 deadline = time.time() + context.time_remaining() if context.time_remaining() else 0.0
                 merged = common_pb2.TokenChunk()
@@ -106,8 +127,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         return generate_pb2.TokenizeResponse(token_ids=ids, max_model_len=self._max_model_len())
 
     async def ListModels(self, request, context):
+        max_len = self._max_model_len()
         return generate_pb2.ListModelsResponse(
-            models=[generate_pb2.Model(id=self.model_name, max_model_len=self._max_model_len())])
+            models=[generate_pb2.Model(id=self.model_name, max_model_len=max_len),
+                    *(generate_pb2.Model(id=n, max_model_len=max_len, parent=self.model_name) for n in self._adapters())])
 
 
 async def serve(args) -> None:
