@@ -40,8 +40,9 @@ def _log(msg: str) -> None:
     print(f"[bench lora] {msg}", file=sys.stderr, flush=True)
 
 
-def write_random_adapter(cfg, directory: Path, rank: int, seed: int) -> Path:
-    """A PEFT-format adapter on every projection of ``cfg``'s shapes, small random A and B."""
+def write_random_adapter(cfg, directory: Path, rank: int, seed: int, b_std: float = 0.01) -> Path:
+    """A PEFT-format adapter on every projection of ``cfg``'s shapes: random A (unit-variance outputs) and B
+    (standard deviation ``b_std``; larger changes the model's answers more)."""
     from safetensors.torch import save_file
 
     q, kv, h, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, \
@@ -55,7 +56,7 @@ def write_random_adapter(cfg, directory: Path, rank: int, seed: int) -> Path:
             kind = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             key = f"base_model.model.model.layers.{layer}.{kind}.{module}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * fan_in ** -0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.01
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * b_std
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / WEIGHTS_FILE))
     (directory / CONFIG_FILE).write_text(json.dumps({

@@ -170,7 +170,7 @@ class GatewayCore:
         return self._known_loras
 
     async def resolve_model(self, name: str | None) -> tuple[str, str | None]:
-        """A request's ``model`` -> (the model name its responses carry, the LoRA adapter or None).
+        """A request's ``model`` -> (the name its responses carry, the LoRA adapter or None).
         An adapter is named as itself or as ``<base model>:<adapter>``; an unknown adapter in that
         second form is a 400 naming the ones served, any other unknown name a 404 (OpenAI's)."""
         if not name or name == self.model.name:
@@ -178,7 +178,7 @@ class GatewayCore:
         adapter, explicit = split_model(name, self.model.name)
         known = await self.loras()
         if adapter in known:
-            return adapter, adapter
+            return name, adapter  # responses echo the name as asked, as vLLM's do
         served = ", ".join(sorted(known)) or "none"
         if explicit:
             raise InvalidRequestError(f"unknown LoRA adapter {adapter!r}; this server serves the adapters: {served}",
