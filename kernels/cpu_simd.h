@@ -77,6 +77,15 @@ static inline __m512i narrow32_bf16(__m512 even, __m512 odd) {
     return _mm512_or_si512(_mm512_srli_epi32(round_bf16_bits(even), 16),
                            _mm512_and_si512(round_bf16_bits(odd), _mm512_set1_epi32((int)0xffff0000u)));
 }
+
+/* the lanes of a row's last, partial vector of 16 */
+static inline __mmask16 tail_mask(int left) { return left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u); }
+
+/* up to 16 bf16 (the mask's lanes) widened to fp32; other lanes 0 */
+static inline __m512 load16m_bf16(const uint16_t *p, __mmask16 m) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
 #endif
 
 #endif

@@ -33,11 +33,6 @@ int pdserve_fused_available(void) {
 static inline void store16_bf16(uint16_t *p, __m512 v, __mmask16 m) {
     _mm256_mask_storeu_epi16(p, m, narrow16_bf16(v));
 }
-static inline __m512 load16m_bf16(const uint16_t *p, __mmask16 m) {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-static inline __mmask16 tail_mask(int left) { return left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u); }
 /* round an fp32 vector to bf16 and back: the value a bf16 temporary would hold */
 static inline __m512 round_bf16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow16_bf16(v)), 16));

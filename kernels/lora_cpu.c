@@ -25,14 +25,6 @@ int pdserve_lora_available(void) {
 #endif
 }
 
-#if defined(__AVX512F__)
-static inline __m512 lora_load16(const uint16_t *p, __mmask16 m) {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-static inline __mmask16 lora_tail(int left) { return left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u); }
-#endif
-
 /* x [T, K] (ldx), y [T, N] (ldy), bf16; A [S, nseg*R, K], Bt [S, R, N] bf16 contiguous;
  * bounds [nseg + 1] column offsets; idx [T] slot or -1; ranks [S]. Returns 0, or -1 when
  * this build cannot run it (the caller then uses the reference). */
@@ -56,8 +48,8 @@ int pdserve_lora_bf16(const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy, 
                 const uint16_t *ar = As + (int64_t)(s * R + j) * K;
                 __m512 acc = _mm512_setzero_ps();
                 for (int k = 0; k < K; k += 16) {
-                    const __mmask16 m = lora_tail(K - k);
-                    acc = _mm512_fmadd_ps(lora_load16(ar + k, m), lora_load16(xr + k, m), acc);
+                    const __mmask16 m = tail_mask(K - k);
+                    acc = _mm512_fmadd_ps(load16m_bf16(ar + k, m), load16m_bf16(xr + k, m), acc);
                 }
                 u[s * R + j] = _mm512_reduce_add_ps(acc);
             }
@@ -66,10 +58,10 @@ int pdserve_lora_bf16(const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy, 
         for (int s = 0; s < nseg; s++) {
             const float *us = u + s * R;
             for (int n = bounds[s]; n < bounds[s + 1]; n += 16) {
-                const __mmask16 m = lora_tail(bounds[s + 1] - n);
-                __m512 acc = lora_load16(yr + n, m);
+                const __mmask16 m = tail_mask(bounds[s + 1] - n);
+                __m512 acc = load16m_bf16(yr + n, m);
                 for (int j = 0; j < r; j++)
-                    acc = _mm512_fmadd_ps(_mm512_set1_ps(us[j]), lora_load16(Bs + (int64_t)j * N + n, m), acc);
+                    acc = _mm512_fmadd_ps(_mm512_set1_ps(us[j]), load16m_bf16(Bs + (int64_t)j * N + n, m), acc);
                 _mm256_mask_storeu_epi16(yr + n, m, narrow16_bf16(acc));
             }
         }

@@ -1,9 +1,12 @@
 """Small random PEFT LoRA adapters for a pdserve model's shapes, written with ``peft`` itself
-(``save_pretrained``: adapter_config.json + adapter_model.safetensors), and PEFT's merged HF model."""
+(``save_pretrained``: adapter_config.json + adapter_model.safetensors), PEFT's merged HF model, and
+a batch of requests with adapters run through an engine."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import dataclasses
 
 import torch
 
@@ -41,3 +44,15 @@ def peft_merged(model, directory: Path):
 
     base = hf_twin(model).float()
     return PeftModel.from_pretrained(base, str(directory)).merge_and_unload().eval()
+
+
+def run_batch(engine, prompts: dict, params) -> dict[str, list[int]]:
+    """``prompts``: request id -> (token ids, adapter or None), all added at once (one batch) with
+    ``params``, stepped to the end: request id -> generated tokens."""
+    for rid, (ids, lora) in prompts.items():
+        engine.add_request(rid, ids, dataclasses.replace(params, lora=lora))
+    got = {rid: [] for rid in prompts}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    return got

@@ -15,7 +15,7 @@ from services.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError
-from tests.engine.lora_adapters import make_adapter, peft_merged
+from tests.engine.lora_adapters import make_adapter, peft_merged, run_batch
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -26,15 +26,8 @@ def _tiny(**config) -> Engine:
     return Engine(EngineConfig(model="dummy:tiny", **config))
 
 
-def _run(engine: Engine, prompts: dict[str, tuple[list[int], str | None]]) -> dict[str, list[int]]:
-    """Every prompt added at once (one batch), stepped to the end: request id -> tokens."""
-    for rid, (ids, lora) in prompts.items():
-        engine.add_request(rid, ids, dataclasses.replace(GREEDY, lora=lora))
-    got = {rid: [] for rid in prompts}
-    while engine.has_unfinished():
-        for out in engine.step():
-            got[out.request_id] += out.new_token_ids
-    return got
+def _run(engine: Engine, prompts: dict) -> dict[str, list[int]]:
+    return run_batch(engine, prompts, GREEDY)
 
 
 def _prompt(seed: int, n: int) -> list[int]:

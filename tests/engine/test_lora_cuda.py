@@ -4,15 +4,13 @@ with an adapter runs eagerly); each request's greedy tokens equal the fp32 CPU e
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from services.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.sampling_params import SamplingParams
-from tests.engine.lora_adapters import make_adapter
+from tests.engine.lora_adapters import make_adapter, run_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton LoRA path needs a GPU")
 
@@ -20,13 +18,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 def _run(engine: Engine, prompts: dict) -> dict[str, list[int]]:
-    for rid, (ids, lora) in prompts.items():
-        engine.add_request(rid, ids, dataclasses.replace(GREEDY, lora=lora))
-    got = {rid: [] for rid in prompts}
-    while engine.has_unfinished():
-        for out in engine.step():
-            got[out.request_id] += out.new_token_ids
-    return got
+    return run_batch(engine, prompts, GREEDY)
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
