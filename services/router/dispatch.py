@@ -46,7 +46,7 @@ from services.engine.sampling_params import SamplingParams
 from services.errors import CapacityError, InvalidRequestError, NoWorkerError, PdserveError
 from services.grpc_codec import check_deadline, error_from_rpc, worker_request
 from services.registry import WorkerInfo
-from services.router.placement import begin_prefill, place
+from services.router.placement import begin_decode, begin_prefill, place
 from services.router.policy import RouterPolicyConfig, policy_from_config
 from services.router.prefix_index import PrefixIndex
 from services.router.worker_pool import WorkerPool
@@ -293,6 +293,7 @@ class Dispatcher:
         self._count(prefill, choice.reason)
         self._count(decode, d.reason)
         token = begin_prefill(self.pool, self.index, choice, hashes, len(prompt), block_size)
+        decode_token = begin_decode(self.pool, d)
         prefill_task: asyncio.Task | None = None
         call = None
         # From the Reserve call on, the decode worker may hold blocks for this attempt. Unless the attempt
@@ -337,6 +338,7 @@ class Dispatcher:
                 yield item
         finally:
             self.pool.end(token)
+            self.pool.end(decode_token)
             if prefill_task is not None and not prefill_task.done():
                 prefill_task.cancel()
             if call is not None and not call.done():

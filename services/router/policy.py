@@ -62,6 +62,7 @@ overlaps from a ``PrefixIndex``; they never mutate either (the caller calls
 from __future__ import annotations
 
 import math
+import operator
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -175,8 +176,10 @@ class RoutingPolicy:
         Raises NoWorkerError when no candidate is left, CapacityError when none has room.
         """
         candidates = _candidates(workers, exclude, "decode")
-        loads = {w.worker_id: pool.load(w.worker_id) for w in candidates}
-        fits = [w for w in candidates if loads[w.worker_id].kv_blocks_free >= num_blocks_needed]
+        ids = [w.worker_id for w in candidates]
+        listed = list(map(pool.load, ids))
+        loads = dict(zip(ids, listed))
+        fits = [w for w, load in zip(candidates, listed) if load.kv_blocks_free >= num_blocks_needed]
         if not fits:
             roomiest = max(candidates, key=lambda w: loads[w.worker_id].kv_blocks_free)
             largest = max(w.kv_blocks_total for w in candidates)
@@ -199,9 +202,9 @@ class RoutingPolicy:
         return self._pick_decode(fits, loads)
 
     def _pick_decode(self, fits: list[WorkerInfo], loads: dict[str, WorkerLoad]) -> Decision:
-        best = min(fits, key=lambda w: (loads[w.worker_id].num_requests, -loads[w.worker_id].kv_blocks_free,
-                                        w.worker_id))
-        return Decision(best, "least_load", cost=loads[best.worker_id].num_requests)
+        # fits are in id order, so the first of the least loaded is the lowest id
+        load, best = min(((loads[w.worker_id].decode_rank, w) for w in fits), key=_FIRST)
+        return Decision(best, "least_load", cost=load[0])
 
 
 class KVAwarePolicy(RoutingPolicy):
@@ -333,9 +336,14 @@ def should_prefill_locally(uncached_tokens: int, prefill_queue_tokens: int, has_
     return 0 < config.prefill_queue_limit_tokens < prefill_queue_tokens
 
 
+_BY_ID = operator.attrgetter("worker_id")
+_FIRST = operator.itemgetter(0)
+
+
 def _candidates(workers: Sequence[WorkerInfo], exclude: Iterable[str], role: str) -> list[WorkerInfo]:
     excluded = set(exclude)
-    candidates = sorted((w for w in workers if w.worker_id not in excluded), key=lambda w: w.worker_id)
+    # attrgetter, not a lambda: this runs per request over every worker of the role
+    candidates = sorted((w for w in workers if w.worker_id not in excluded) if excluded else workers, key=_BY_ID)
     if not candidates:
         detail = f" ({len(excluded)} excluded after failing)" if excluded and workers else ""
         raise NoWorkerError(f"no {role} worker is available{detail}")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from services.errors import CapacityError, NoWorkerError
 from services.queue.config import QueueConfig
-from services.router.placement import begin_prefill, place
+from services.router.placement import begin_decode, begin_prefill, place
 from services.router.policy import RouterPolicyConfig, policy_from_config
 from services.router.prefix_index import PrefixIndex
 from services.router.worker_pool import WorkerPool
@@ -189,6 +189,7 @@ class ClusterSim:
             return
         job.prefill_worker = prefill.worker_id
         job.token = begin_prefill(self.pool, self.index, placement.prefill, req.hashes, req.num_tokens, bs)
+        job.decode_token = begin_decode(self.pool, placement.decode)
         prefill.submit(job)
 
     def _wait(self, job: Job) -> None:
@@ -219,6 +220,8 @@ class ClusterSim:
 
     def finished(self, job: Job, worker: DecodeWorker) -> None:
         self.pool.end(job.token)
+        if job.decode_token is not None:
+            self.pool.end(job.decode_token)
         self.inflight -= 1
         if self.on_finished is not None:
             self.on_finished(job)
