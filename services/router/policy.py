@@ -176,10 +176,11 @@ class RoutingPolicy:
         Raises NoWorkerError when no candidate is left, CapacityError when none has room.
         """
         candidates = _candidates(workers, exclude, "decode")
-        ids = [w.worker_id for w in candidates]
-        listed = list(map(pool.load, ids))
-        loads = dict(zip(ids, listed))
-        fits = [w for w, load in zip(candidates, listed) if load.kv_blocks_free >= num_blocks_needed]
+        loads, fits, load_of = {}, [], pool.load
+        for w in candidates:
+            load = loads[w.worker_id] = load_of(w.worker_id)
+            if load.kv_blocks_free >= num_blocks_needed:
+                fits.append(w)
         if not fits:
             roomiest = max(candidates, key=lambda w: loads[w.worker_id].kv_blocks_free)
             largest = max(w.kv_blocks_total for w in candidates)
@@ -203,8 +204,9 @@ class RoutingPolicy:
 
     def _pick_decode(self, fits: list[WorkerInfo], loads: dict[str, WorkerLoad]) -> Decision:
         # fits are in id order, so the first of the least loaded is the lowest id
-        load, best = min(((loads[w.worker_id].decode_rank, w) for w in fits), key=_FIRST)
-        return Decision(best, "least_load", cost=load[0])
+        ranks = [loads[w.worker_id].decode_rank for w in fits]
+        best = min(ranks)
+        return Decision(fits[ranks.index(best)], "least_load", cost=best[0])
 
 
 class KVAwarePolicy(RoutingPolicy):
@@ -225,14 +227,15 @@ class KVAwarePolicy(RoutingPolicy):
         # with hundreds of workers most are ruled out by their load alone, the same choice at a
         # fraction of the work (the charge walks the worker's cache model).
         base = []  # (cost without the eviction charge, position by id, worker, overlap)
+        cost, load_of = self.cost, pool.load
         for i, w in enumerate(candidates):  # candidates are sorted by id
             overlap = overlaps.get(w.worker_id, 0)
             uncached = max(0, num_tokens - overlap * block_size)
             if overlap and index is not None:  # blocks in its spill tier: a copy back, not free
                 uncached += self.config.restore_token_cost * block_size * index.spilled_run(
                     w.worker_id, block_hashes, overlap)
-            base.append((self.cost(pool.load(w.worker_id), uncached), i, w, overlap))
-        base.sort(key=lambda s: (s[0], s[1]))
+            base.append((cost(load_of(w.worker_id), uncached), i, w, overlap))
+        base.sort(key=_FIRST_TWO)  # positions are unique: never compares workers
         margin = self.config.tie_tokens if self.config.temperature > 0 else 0.0
         scored = []  # (cost, position by id, worker, overlap)
         best = math.inf
@@ -337,7 +340,7 @@ def should_prefill_locally(uncached_tokens: int, prefill_queue_tokens: int, has_
 
 
 _BY_ID = operator.attrgetter("worker_id")
-_FIRST = operator.itemgetter(0)
+_FIRST_TWO = operator.itemgetter(0, 1)
 
 
 def _candidates(workers: Sequence[WorkerInfo], exclude: Iterable[str], role: str) -> list[WorkerInfo]:

@@ -18,6 +18,7 @@ drops it from the prefix index).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -43,21 +44,23 @@ class WorkerLoad:
     inflight_prefill_tokens: int = 0
     ended_since_beat: int = 0  # this router's requests that ended after the heartbeat counted them
 
-    @property
+    # cached_property: a policy reads these for every worker on every request, and a pool's
+    # WorkerLoad lives until that worker's heartbeat or in-flight counts change (WorkerPool.load)
+    @functools.cached_property
     def pending_prefill_tokens(self) -> int:
         """Prompt tokens ahead of a new request: reported queue plus what this router sent since."""
         return self.queued_prefill_tokens + self.inflight_prefill_tokens
 
-    @property
+    @functools.cached_property
     def num_requests(self) -> int:
         return self.num_running + self.num_waiting + self.inflight_requests
 
-    @property
+    @functools.cached_property
     def decode_rank(self) -> tuple[int, int]:
         """The shared decode choice's order: fewest requests, then most free blocks."""
-        return self.num_running + self.num_waiting + self.inflight_requests, -self.kv_blocks_free
+        return self.num_requests, -self.kv_blocks_free
 
-    @property
+    @functools.cached_property
     def active_requests(self) -> int:
         """Requests on the worker, none counted twice: the larger of its heartbeat's count (other
         routers' requests too, up to a second old), less this router's requests that ended since

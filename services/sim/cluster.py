@@ -86,13 +86,15 @@ class ClusterSim:
         self.controller = controller  # an autoscaler with .tick(sim), called every heartbeat
         self.on_finished: Callable[[Job], None] | None = None
         for _ in range(config.prefill_workers):
-            self.add_worker("prefill")
+            self.add_worker("prefill", announce=False)
         for _ in range(config.decode_workers):
-            self.add_worker("decode")
+            self.add_worker("decode", announce=False)
+        self.pool.update([w.heartbeat(0.0) for w in self.workers.values()])  # one update, not one per worker
 
     # ---- workers ------------------------------------------------------------------------
-    def add_worker(self, role: str, ready_in: float = 0.0) -> SimWorker:
-        """Start a worker; it registers after ``ready_in`` seconds (a cold or warm start)."""
+    def add_worker(self, role: str, ready_in: float = 0.0, announce: bool = True) -> SimWorker:
+        """Start a worker; it registers after ``ready_in`` seconds (a cold or warm start). ``announce``:
+        a ready worker's heartbeat reaches the router at once (False: at the caller's next update)."""
         self._ids[role] += 1
         cls = PrefillWorker if role == "prefill" else DecodeWorker
         worker = cls(self, f"{role}-{self._ids[role]:04d}", self.config.profile, self.config.model,
@@ -100,7 +102,7 @@ class ClusterSim:
         worker.started_at = self.loop.now
         worker.ready_at = self.loop.now + ready_in
         self.workers[worker.worker_id] = worker
-        if ready_in <= 0:
+        if ready_in <= 0 and announce:
             self.pool.update([w.heartbeat(self.loop.now) for w in self._registered()])
         return worker
 
