@@ -2,8 +2,9 @@
 
 Heartbeats (about 1 s apart) are too slow for bursts: fifty requests arriving in
 one heartbeat would all see the same idle worker. So the router also counts
-what it has sent itself: ``begin`` when it dispatches, ``end`` when the worker
-is done with the request (``end_prefill`` when only the prefill part is). A
+what it has sent itself: ``begin`` when it dispatches (a disaggregated request
+on both its workers, placement.begin_prefill and begin_decode), ``end`` when the
+worker is done with the request (``end_prefill`` when only the prefill part is). A
 request a worker already reported in its heartbeat is then counted twice
 until it ends; that errs towards spreading, which is the safe direction.
 
