@@ -98,6 +98,7 @@ class WorkerInfo:
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     kv_spill_blocks_total: int = 0  # blocks its spill tier holds at most (0: no spill tier)
+    kv_block_bytes: int = 0  # bytes of one KV block (the peer-fetch cost model's transfer size; 0: unknown)
     heartbeat_at: float = field(default_factory=time.time)
 
     @property

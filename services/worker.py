@@ -50,7 +50,7 @@ class WorkerConfig:
     kv_events_interval_s: float = 0.02
     stats_interval_s: float = 0.25
     drain_timeout_s: float = 30.0
-    transfer_timeout_s: float = 60.0  # decode: a reservation waits this long for its KV
+    transfer_timeout_s: float = 60.0  # decode: a reservation waits this long for its KV; prefill: a peer fetch
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -157,7 +157,8 @@ class WorkerRuntime:
             self.info = WorkerInfo(
                 worker_id=self.worker_id, role=cfg.role, address=self.address, model=self.engine.model_name,
                 namespace=self.engine.namespace, block_size=self.engine.config.block_size,
-                max_model_len=self.engine.max_model_len, metrics_address=self.metrics_address, ready=True)
+                max_model_len=self.engine.max_model_len, metrics_address=self.metrics_address, ready=True,
+                kv_block_bytes=self.engine.kv_cache[0].numel() * self.engine.kv_cache.element_size())
             await kv_events.publish_cleared(self.redis, self.worker_id)
             registrar = Registrar(self.redis, self.info, self._refresh_info, cfg.heartbeat_s, cfg.registry_ttl_s)
             await registrar.start()
@@ -314,6 +315,10 @@ def add_worker_args(p, role: str) -> None:
     if role == "decode":
         p.add_argument("--transfer-timeout", type=float, default=60.0,
                        help="seconds a reservation waits for its KV before it is freed")
+    else:
+        p.add_argument("--transfer-timeout", type=float, default=10.0,
+                       help="seconds a peer fetch (a prefix pulled from another prefill worker) may take before "
+                            "its blocks are freed and the prefix is computed instead")
 
 
 def configs_from_args(args, role: str) -> tuple[WorkerConfig, EngineConfig, TransferConfig]:
