@@ -29,12 +29,13 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kvtransfer import Receiver, Sender, TransferDescriptor
+from kvtransfer import Receiver, Sender
 from services import telemetry
 from services.engine.async_engine import AsyncEngine
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError, NotFoundError
-from services.handoff import EngineBlockOwner, PrefillResult, prefill_and_send, reserve_for_transfer
+from services.handoff import (EngineBlockOwner, PrefillResult, parse_descriptor, prefill_and_send,
+                              reserve_for_transfer)
 
 log = logging.getLogger(__name__)
 
@@ -127,12 +128,7 @@ async def serve_fetch(async_engine: AsyncEngine, sender: Sender, descriptor: byt
     them there does, plus the transfer."""
     engine = async_engine.engine
     bs = engine.config.block_size
-    try:
-        desc = TransferDescriptor.from_bytes(descriptor)
-    except Exception as exc:
-        raise InvalidRequestError(f"bad descriptor: {exc}", param="descriptor") from None
-    if desc.transfer_id != fetch_id:
-        raise InvalidRequestError(f"descriptor is for {desc.transfer_id!r}, not {fetch_id!r}", param="descriptor")
+    desc = parse_descriptor(descriptor, fetch_id)
     if not prefix or len(prefix) % bs or len(prefix) // bs != desc.num_blocks:
         raise InvalidRequestError(f"a fetch is whole blocks: {len(prefix)} tokens for {desc.num_blocks} blocks "
                                   f"of {bs}", param="token_ids")

@@ -26,7 +26,7 @@ from kvtransfer import Receiver, Sender, TransferDescriptor
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services import hops, telemetry
 from services.grpc_channels import Channels
-from services.handoff import EngineBlockOwner, prefill_and_send
+from services.handoff import EngineBlockOwner, parse_descriptor, prefill_and_send
 from services.peer_fetch import fetch_prefix, serve_fetch
 from services.errors import InvalidRequestError
 from services.grpc_codec import abort_with, check_deadline, load_message, sampling_from_proto
@@ -71,7 +71,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                         raise InvalidRequestError("request_id is required", param="request_id")
                     params = sampling_from_proto(req.sampling)
                     if request.descriptor:
-                        target = _descriptor(request.descriptor, req.request_id)
+                        target = parse_descriptor(request.descriptor, req.request_id)
                     else:  # it follows once the decode worker reserved blocks; compute meanwhile
                         target = asyncio.ensure_future(_next_descriptor(messages, req.request_id))
                     started = time.perf_counter()
@@ -125,23 +125,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return load_message(self.rt.load())
 
 
-def _descriptor(data: bytes, request_id: str) -> TransferDescriptor:
-    try:
-        desc = TransferDescriptor.from_bytes(data)
-    except Exception as exc:
-        raise InvalidRequestError(f"bad descriptor: {exc}", param="descriptor") from None
-    if desc.transfer_id != request_id:
-        raise InvalidRequestError(f"descriptor is for {desc.transfer_id!r}, not {request_id!r}", param="descriptor")
-    return desc
-
-
 async def _next_descriptor(messages, request_id: str) -> TransferDescriptor:
     """The descriptor from the call's second message."""
     message = await anext(aiter(messages), None)
     if message is None or not message.descriptor:
         raise InvalidRequestError("the Prefill call ended without a descriptor (send it in the first or "
                                   "second message)", param="descriptor")
-    return _descriptor(message.descriptor, request_id)
+    return parse_descriptor(message.descriptor, request_id)
 
 
 def run(args) -> int:

@@ -11,6 +11,7 @@ Every engine is leak-checked after the test (tests/conftest.py); ``idle`` checks
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import grpc
@@ -74,5 +75,8 @@ async def prefill_worker(num_blocks: int = 64, transport: str = "loopback", **en
     finally:
         await server.stop(0)  # cancels the calls in flight: their finally blocks queue their releases
         await servicer.teardown()
-        await runtime.aengine.call(lambda: None)  # those releases ran (the engine thread's queue is FIFO)
-        runtime.aengine.shutdown()
+        for _ in range(50):  # a cancelled call's task may run its finally a moment after stop() returns
+            if not await runtime.aengine.call(lambda: bool(engine.requests)):
+                break
+            await asyncio.sleep(0.1)
+        runtime.aengine.shutdown()  # the leak check then finds what was never released
