@@ -76,6 +76,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                         target = asyncio.ensure_future(_next_descriptor(messages, req.request_id))
                     started = time.perf_counter()
                     if request.HasField("fetch") and request.fetch.num_blocks:
+                        _check_fetch_source(request.fetch)
                         await self._fetch(req, request.fetch)
                     result = await prefill_and_send(self.rt.aengine, self.sender, target, list(req.token_ids),
                                                     params, req.priority, request_id=req.request_id)
@@ -84,8 +85,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             except Exception as exc:
                 await abort_with(context, exc)
             finally:
-                if isinstance(target, asyncio.Future) and not target.done():
-                    target.cancel()
+                if isinstance(target, asyncio.Future):
+                    target.cancel()  # a no-op once done; its outcome is read either way, never left unretrieved
                     with contextlib.suppress(BaseException):
                         await target
             telemetry.TTFT_SECONDS.labels(role="prefill").observe(elapsed)
@@ -123,6 +124,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def GetLoad(self, request, context):
         return load_message(self.rt.load())
+
+
+def _check_fetch_source(source) -> None:
+    """A fetch source names a gRPC host:port (the router takes it from the registry)."""
+    host, _, port = source.address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in host):
+        raise InvalidRequestError(f"fetch.address must be host:port, got {source.address[:100]!r}",
+                                  param="fetch.address")
 
 
 async def _next_descriptor(messages, request_id: str) -> TransferDescriptor:

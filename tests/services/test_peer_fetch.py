@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import grpc
 import pytest
 
 from kvtransfer.faults import TransferFaults
@@ -149,5 +150,24 @@ def test_a_holder_gone_during_the_fetch_falls_back_to_computing():
             await _idle(puller)
             tokens, cached = await puller.generate(prompt, "r")
             assert cached == 0 and tokens == reference
+
+    asyncio.run(main())
+
+
+def test_a_prefill_naming_a_malformed_fetch_source_is_invalid_argument():
+    from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+    from services.grpc_codec import worker_request
+    from services.engine.sampling_params import SamplingParams
+
+    async def main():
+        async with prefill_worker() as worker:
+            stub = worker_pb2_grpc.PrefillWorkerStub(worker.channel)
+            request = worker_pb2.PrefillRequest(
+                request=worker_request("r", _prompt(6), SamplingParams(max_tokens=2, temperature=0)),
+                fetch=worker_pb2.FetchSource(address="no port here", num_blocks=3))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Prefill(iter([request]))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "fetch.address" in err.value.details()
+            await _idle(worker)
 
     asyncio.run(main())
