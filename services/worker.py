@@ -84,6 +84,7 @@ class WorkerRuntime:
         self._stats: dict = {}
         self._tasks: list[asyncio.Task] = []
         self.kv_publisher: kv_events.Publisher | None = None
+        self.fetch_bytes_per_s = 0.0  # peer fetches' measured rate (prefill: services/peer_fetch.py), heartbeated
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.address = ""
@@ -216,6 +217,7 @@ class WorkerRuntime:
         info.kv_blocks_total = int(s.get("kv_blocks_total", 0))
         info.kv_blocks_used = int(s.get("kv_blocks_used", 0))
         info.kv_spill_blocks_total = int(s.get("kv_spill_blocks_total", 0))
+        info.kv_fetch_bytes_per_s = self.fetch_bytes_per_s
 
     async def _publish_kv_events(self) -> None:
         """Drain the prefix cache's events and publish them; routers index them within milliseconds.

@@ -102,6 +102,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                      list(req.token_ids), source.num_blocks, self.rt.config.transfer_timeout_s,
                                      self.rt.worker_id)
         hops.mark(hops.client_id(req.request_id), "prefill.fetched", blocks=outcome.blocks)
+        if outcome.blocks and outcome.seconds > 0:  # the router prices the next fetch to this worker by it
+            rate, old = outcome.nbytes / outcome.seconds, self.rt.fetch_bytes_per_s
+            self.rt.fetch_bytes_per_s = rate if not old else 0.7 * old + 0.3 * rate
 
     async def Fetch(self, request: worker_pb2.FetchRequest, context: grpc.aio.ServicerContext):
         with telemetry.server_span("fetch", context, request_id=request.fetch_id, prompt_tokens=len(request.token_ids)):

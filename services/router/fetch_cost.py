@@ -26,7 +26,13 @@ for a loaded host), a 368 KB block; prefill runs ~600 tokens/s on one thread. A 
 whenever the holder is not on a different continent; on a GPU (prefill 10-50k tokens/s, the
 same transfer) a token fetched costs 0.1-0.5 of one computed, and short prefixes stay local.
 The router's flags (``--peer-fetch-bandwidth-gbps``, ``--peer-fetch-prefill-tokens-per-s``) set the
-two rates for the deployment's hardware.
+two rates for the deployment's hardware. Once a worker has fetched, the bandwidth is the one it
+measured (``WorkerInfo.kv_fetch_bytes_per_s``, heartbeated: bytes over seconds from its
+reservation to the blocks cached, a moving average), so a host slower than the flag says is
+priced as it is. That rate includes the holder's restores and step, which the model adds again:
+it overstates a fetch a little, erring towards computing. Measured end to end on the loaded
+2-core machine (``bench kvtier`` runs C and D): 49 MB in ~0.67 s, 73 MB/s, far below the link's
+GB/s: a 137-block fetch then prices at ~430 tokens against the 2.1k it saves.
 
 Pure logic: no torch, no gRPC.
 """

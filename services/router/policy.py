@@ -209,8 +209,10 @@ class RoutingPolicy:
         spilled = {h.worker_id: index.spilled_run(h.worker_id, block_hashes, overlaps[h.worker_id])
                    for h in holders} if index is not None else {}
         pending = {h.worker_id: pool.load(h.worker_id).pending_prefill_tokens for h in holders}
+        # the rate this worker's fetches measured (heartbeated), else the configured bandwidth
+        bandwidth = w.kv_fetch_bytes_per_s or c.peer_fetch_bandwidth_gbps * 1e9
         return plan_fetch(w, holders, overlaps, spilled, pending, num_tokens, block_size, uncached,
-                          c.peer_fetch_bandwidth_gbps * 1e9, c.peer_fetch_prefill_tokens_per_s, c.restore_token_cost)
+                          bandwidth, c.peer_fetch_prefill_tokens_per_s, c.restore_token_cost)
 
     def _pick_prefill(self, candidates: list[WorkerInfo], overlaps: dict[str, int], num_tokens: int,
                       block_size: int, pool: WorkerPool, block_hashes: Sequence[int],

@@ -91,3 +91,27 @@ def test_peer_fetch_rates_are_validated():
         RouterPolicyConfig(peer_fetch=True, peer_fetch_bandwidth_gbps=0)
     with pytest.raises(ValueError, match="peer_fetch_prefill_tokens_per_s"):
         RouterPolicyConfig(peer_fetch_prefill_tokens_per_s=float("nan"))
+
+
+def test_a_workers_measured_fetch_rate_prices_its_fetches():
+    tokens, hashes = prompt(137 * BS + 10)
+    index = PrefixIndex()
+    index.apply("holder", [("s", hashes)])
+    pool = pool_of(info("holder", kv_blocks_total=1000, kv_block_bytes=BLOCK_BYTES),
+                   info("idle", kv_blocks_total=1000, kv_block_bytes=BLOCK_BYTES))
+    pool.begin("holder", 20_000)
+    policy = make_policy("kv-aware", peer_fetch=True)
+    fast = policy.choose_prefill(pool.prefill_workers(), hashes, BS, pool, index, num_tokens=len(tokens))
+    # the idle worker's fetches measured 73 MB/s end to end (bench kvtier on the loaded machine): dearer,
+    # still far cheaper than computing 2.2k tokens
+    pool.update([info("holder", kv_blocks_total=1000, kv_block_bytes=BLOCK_BYTES),
+                 info("idle", kv_blocks_total=1000, kv_block_bytes=BLOCK_BYTES, kv_fetch_bytes_per_s=73e6)])
+    slow = policy.choose_prefill(pool.prefill_workers(), hashes, BS, pool, index, num_tokens=len(tokens))
+    assert slow.worker.worker_id == "idle" and slow.fetch is not None
+    assert slow.cost == pytest.approx(10 + fetch_tokens(137, BLOCK_BYTES, BS, 20_000, 73e6, 600.0))
+    assert slow.cost > fast.cost + 300
+    # measured at 5 MB/s, computing the prefix here is cheaper than fetching it
+    pool.update([info("holder", kv_blocks_total=1000, kv_block_bytes=BLOCK_BYTES),
+                 info("idle", kv_blocks_total=1000, kv_block_bytes=BLOCK_BYTES, kv_fetch_bytes_per_s=5e6)])
+    crawl = policy.choose_prefill(pool.prefill_workers(), hashes, BS, pool, index, num_tokens=len(tokens))
+    assert crawl.fetch is None

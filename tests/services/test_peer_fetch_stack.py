@@ -34,6 +34,23 @@ def _holder(stack: Stack) -> tuple[str, str]:
     return served[0], next(n for n in PREFILLS if n != served[0])
 
 
+def _registered(stack: Stack, worker_id: str):
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from services.registry import read_workers
+
+    async def read():
+        r = aioredis.Redis.from_url(stack.redis_url)
+        try:
+            return next(w for w in await read_workers(r) if w.worker_id == worker_id)
+        finally:
+            await r.aclose()
+
+    return asyncio.run(read())
+
+
 def _wait_counter(stack: Stack, worker: str, name: str, want: float, **labels) -> None:
     deadline = time.monotonic() + 10  # the counters are on /metrics at once; a margin for a loaded machine
     while _counter(stack.metrics(worker), name, **labels) < want:
@@ -53,6 +70,12 @@ def test_a_returning_prompt_is_fetched_from_the_other_prefill_worker(redis_url):
         _wait_counter(stack, puller, "pdserve_kv_peer_fetches_total", 1, outcome="ok")
         _wait_counter(stack, holder, "pdserve_kv_peer_fetch_served_total", 1, outcome="ok")
         assert _counter(stack.metrics(puller), "pdserve_kv_peer_fetch_bytes_total") > 0
+        # the puller heartbeats the rate it measured; the router prices its next fetches by it
+        puller_id = stack.procs[puller].worker_id
+        deadline = time.monotonic() + 10
+        while _registered(stack, puller_id).kv_fetch_bytes_per_s <= 0:
+            assert time.monotonic() < deadline, "the puller never reported its fetch rate"
+            time.sleep(0.2)
         assert stack.wait_idle([*PREFILLS, "decode-0"]) == {holder: 0, puller: 0, "decode-0": 0}
 
 
