@@ -110,6 +110,7 @@ async def added_latency(args, stack, model: str, host: str, port: int) -> dict:
 
     pids = {name: p.proc.pid for name, p in stack.procs.items()} | {"load generator": os.getpid()}
     sched: dict[str, dict] = {}
+    loops = ("gateway", "load generator")  # one event loop each, on the main thread
 
     def on_request_id(rid: str) -> None:
         tap.follow(rid)
@@ -117,6 +118,7 @@ async def added_latency(args, stack, model: str, host: str, port: int) -> dict:
         if admitted["n"] == args.latency_streams:
             admitted["all_open_at"] = time.time()
             sched.update({name: sched_stat.read(pid) for name, pid in pids.items()})
+            sched.update({f"{name} (loop thread)": sched_stat.read(pids[name], main_thread=True) for name in loops})
 
     client = OpenAIClient(host, port, model, record_chunks=True, on_request_id=on_request_id,
                           timeout_s=args.timeout + 60)
@@ -130,7 +132,10 @@ async def added_latency(args, stack, model: str, host: str, port: int) -> dict:
     client_lag.stop()
     ended_at = time.time()
     # each process's CPU and run-queue wait over the steady window: is a late loop busy, or waiting for a core?
-    sched = {name: sched_stat.delta(sched.get(name), sched_stat.read(pid)) for name, pid in pids.items()}
+    sched = {**{name: sched_stat.delta(sched.get(name), sched_stat.read(pid)) for name, pid in pids.items()},
+             **{f"{name} (loop thread)": sched_stat.delta(sched.get(f"{name} (loop thread)"),
+                                                          sched_stat.read(pids[name], main_thread=True))
+                for name in loops}}
     direct = await asyncio.to_thread(tap.stop)
     steady, every, via_gateway, via_redis, joined = [], [], [], [], []
     for s in samples:
@@ -192,7 +197,7 @@ async def _bench(args, stack) -> dict:
                      "latency_streams": args.latency_streams, "latency_requests": args.latency_requests,
                      "latency_max_tokens": args.latency_max_tokens,
                      "model": args.model, "dtype": args.dtype, "threads_per_worker": args.threads,
-                     "seed": args.seed, "worker_nice": args.worker_nice, "gateway_args": args.gateway_arg, "stack": "pdserve up defaults: 1 prefill, 1 decode, router, gateway"}
+                     "seed": args.seed, "worker_nice": args.worker_nice, "front_nice": args.front_nice, "front_realtime": args.front_realtime, "gateway_args": args.gateway_arg, "stack": "pdserve up defaults: 1 prefill, 1 decode, router, gateway"}
     return out
 
 
@@ -218,6 +223,16 @@ def run(args) -> int:
                 if name.startswith(("prefill", "decode")):
                     sched_stat.renice(p.proc.pid, args.worker_nice)
             _log(f"  workers reniced to {args.worker_nice}")
+        if args.front_nice or args.front_realtime:  # the light processes, this one (the clients and, spawned
+            # later, the tap) included
+            redis = getattr(stack.server, "_process", None)
+            light = [p.proc.pid for name, p in stack.procs.items() if not name.startswith(("prefill", "decode"))]
+            for pid in [*light, *([redis.pid] if redis else []), os.getpid()]:
+                sched_stat.renice(pid, args.front_nice)
+                if args.front_realtime:
+                    sched_stat.realtime(pid)
+            _log(f"  gateway, router, Redis and the load generator at nice {args.front_nice}"
+                 + (", SCHED_RR" if args.front_realtime else ""))
         try:
             result = asyncio.run(_bench(args, stack))
         finally:
@@ -293,6 +308,13 @@ def add_parser(sub) -> None:
     p.add_argument("--worker-nice", type=int, default=0,
                    help="niceness of the prefill and decode workers' threads (0: as started; 10: the gateway, "
                         "router, Redis and clients get a core first when they need one)")
+    p.add_argument("--front-nice", type=int, default=0,
+                   help="niceness of the gateway, router, embedded Redis and the load generator (0: as started; "
+                        "below 0 needs root: on a machine shared with other jobs, what the gateway adds when it "
+                        "gets a core on time)")
+    p.add_argument("--front-realtime", action="store_true",
+                   help="run the gateway, router, embedded Redis and the load generator in the real-time class "
+                        "(SCHED_RR; root): on a machine other jobs load, the figure without their run-queue waits")
     p.add_argument("--no-probe", action="store_true",
                    help="leave the gateway's per-chunk probe off (fanout_probe.py; on, the latency phase says where "
                         "each chunk waited: the delivery stream, the gateway's loop, the client's)")
