@@ -307,7 +307,7 @@ def add_parser(sub) -> None:
                    help="a flag for the gateway, e.g. --gateway-arg=--loop=asyncio (repeatable)")
     p.add_argument("--worker-nice", type=int, default=0,
                    help="niceness of the prefill and decode workers' threads (0: as started; 10: the gateway, "
-                        "router, Redis and clients get a core first when they need one)")
+                        "router, Redis and clients get a larger share of the cores when they need one)")
     p.add_argument("--front-nice", type=int, default=0,
                    help="niceness of the gateway, router, embedded Redis and the load generator (0: as started; "
                         "below 0 needs root: on a machine shared with other jobs, what the gateway adds when it "
