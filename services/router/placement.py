@@ -73,4 +73,5 @@ def begin_prefill(pool: WorkerPool, index: PrefixIndex, prefill: Decision, hashe
     confirm this, or remove what it evicts) and the pool counts the tokens it will compute."""
     worker = prefill.worker
     index.touch(worker.worker_id, hashes, worker.kv_cache_capacity)
-    return pool.begin(worker.worker_id, num_tokens - prefill.overlap_blocks * block_size)
+    held = max(prefill.overlap_blocks, prefill.fetch.blocks if prefill.fetch is not None else 0)
+    return pool.begin(worker.worker_id, num_tokens - held * block_size)
