@@ -98,13 +98,10 @@ class WorkerInfo:
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     kv_spill_blocks_total: int = 0  # blocks its spill tier holds at most (0: no spill tier)
-<<<<<<< HEAD
     loras: list[str] = field(default_factory=list)  # LoRA adapters it serves (services/lora_registry.py)
     loaded_loras: list[str] = field(default_factory=list)  # of those, held in its slots now (no load to wait for)
-=======
     kv_block_bytes: int = 0  # bytes of one KV block (the peer-fetch cost model's transfer size; 0: unknown)
     kv_fetch_bytes_per_s: float = 0.0  # its peer fetches' measured rate, bytes over seconds end to end (0: none yet)
->>>>>>> main
     heartbeat_at: float = field(default_factory=time.time)
 
     @property

@@ -24,11 +24,7 @@ import torch
 
 from kernels.ops import select_ops
 from services.config import EngineConfig
-<<<<<<< HEAD
-from services.engine.block_hash import request_namespace
-=======
-from services.engine.block_hash import hash_block
->>>>>>> main
+from services.engine.block_hash import hash_block, request_namespace
 from services.engine.block_pool import BlockPool, KVEvent
 from services.engine.cuda_graph import capture_decode_graphs
 from services.engine.grammar import GrammarCompiler

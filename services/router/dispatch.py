@@ -298,7 +298,8 @@ class Dispatcher:
             hops.mark(client_id, "router.sent")
             prefill_call = prefill_stub.Prefill(metadata=metadata)
             descriptor: asyncio.Future = asyncio.get_running_loop().create_future()
-            fetch = None if choice.fetch is None else worker_pb2.FetchSource(
+            # a peer fetch moves base-model blocks (services/peer_fetch.py): never one for an adapter's prompt
+            fetch = None if choice.fetch is None or params.lora is not None else worker_pb2.FetchSource(
                 address=choice.fetch.holder.address, num_blocks=choice.fetch.blocks)
             prefill_task = asyncio.create_task(self._prefill(prefill_call, request, descriptor, prefill, fetch))
             prefill_task.add_done_callback(lambda t: self.pool.end_prefill(token))
