@@ -125,3 +125,26 @@ def test_a_resumed_request_replays_the_streamed_tokens(default_model):
         engine.add_request("bad", prompt, SamplingParams(structured=StructuredOutput(
             spec.kind, spec.spec, tuple(engine.tokenizer.encode("hello")))))
     assert not engine.requests
+
+
+def test_logit_bias_steers_greedy_and_constrained_requests(default_model):
+    """The real model, greedy: banning the token it would pick changes its answer; inside a grammar
+    a bias picks among the allowed branches, and a bias on a forbidden token changes nothing."""
+    engine = default_model
+    prompt = _chat(engine, "Is the sky blue? Answer yes or no.")
+    grammar = StructuredOutput("grammar", 'start: ("yes" | "no") "!"')
+    engine.add_request("plain", prompt, SamplingParams(max_tokens=1, temperature=0))
+    engine.add_request("free", prompt, SamplingParams(max_tokens=30, temperature=0, structured=grammar))
+    first = run_to_completion(engine)
+    plain = first["plain"][0].new_token_ids[0]
+    answer = _text(engine, first["free"])
+    other = "no!" if answer == "yes!" else "yes!"
+    other_id = engine.tokenizer.encode(other[:-1])[0]
+    banned = engine.tokenizer.encode("Paris")[0]  # never allowed by the grammar
+    engine.add_request("plain", prompt, SamplingParams(max_tokens=1, temperature=0, logit_bias={plain: -100}))
+    engine.add_request("steered", prompt, SamplingParams(max_tokens=30, temperature=0, structured=grammar,
+                                                         logit_bias={other_id: 100, banned: 100}))
+    outs = run_to_completion(engine)
+    assert outs["plain"][0].new_token_ids[0] != plain
+    assert _text(engine, outs["steered"]) == other
+    assert_no_leaks(engine)
