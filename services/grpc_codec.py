@@ -31,6 +31,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     kwargs["stop"] = list(msg.stop)
     kwargs["stop_token_ids"] = list(msg.stop_token_ids)
     kwargs["ignore_eos"] = msg.ignore_eos
+    kwargs["logit_bias"] = dict(msg.logit_bias)
     if msg.HasField("structured"):
         s = msg.structured
         try:
@@ -46,7 +47,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         top_k=params.top_k, min_p=params.min_p, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
         stop=params.stop, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
-        skip_special_tokens=params.skip_special_tokens)
+        skip_special_tokens=params.skip_special_tokens, logit_bias=params.logit_bias)
     if params.seed is not None:
         msg.seed = params.seed
     if params.logprobs is not None:

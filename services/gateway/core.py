@@ -171,6 +171,7 @@ class GatewayCore:
                 return earlier
 
         token_ids = await prompts.encode(self.model, req.messages, req.prompt, req.tools)
+        prompts.check_logit_bias(self.model, req.sampling)
         for i, tool in enumerate(req.tools):
             await self.grammar.check(StructuredOutput.json_schema(tool.parameters), f"tools[{i}].function.parameters")
         await self.grammar.check(req.sampling.get("structured"), "tools" if req.tool_choice else req.structured_param)

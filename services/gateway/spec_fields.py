@@ -85,7 +85,10 @@ _PENALTIES = {
     "stream_options": _h("include_usage (a last chunk with usage); include_obfuscation true is a 400 "
                          "(pdserve never pads chunks)",
                          {"type": "object", "properties": {"include_usage": _BOOL, "include_obfuscation": _BOOL}}),
-    "logit_bias": _r("per-token biases are not implemented"),
+    "logit_bias": _h("token id -> bias in [-100, 100] added to its logit before sampling (greedy and "
+                     "structured output too; a token the grammar forbids stays forbidden); an id outside the "
+                     "vocabulary or a bias outside the range is a 400",
+                     {"type": "object", "additionalProperties": {**_NUM, "minimum": -100, "maximum": 100}}),
     "user": _i("an end-user id; recorded nowhere, changes nothing", _STR),
 }
 
