@@ -152,8 +152,8 @@ COMPLETION_FIELDS: dict[str, SpecField] = {
 }
 
 RESPONSE_FIELDS: dict[str, SpecField] = {
-    "input": _h("a string, or input messages with text parts (earlier assistant output messages too); "
-                "other item types are a 400", {"anyOf": [_STR, {"type": "array", "minItems": 1}]}),
+    "input": _h("a string, or input messages with text parts (earlier assistant output messages too), "
+                "function_call and function_call_output items; other item types are a 400", {"anyOf": [_STR, {"type": "array", "minItems": 1}]}),
     **_SAMPLING,
     "instructions": _h("a system message before the input; not carried into the next response", _STR),
     "max_output_tokens": _h("default: until the context is full", {**_INT, "minimum": 1}),
@@ -162,16 +162,29 @@ RESPONSE_FIELDS: dict[str, SpecField] = {
     "store": _h("true (default): kept in Redis for GET /v1/responses/{id} and previous_response_id "
                 "until --response-ttl; false: not kept", _BOOL),
     "metadata": _h("up to 16 string pairs, kept and returned with the response", _META),
-    "text": _h("format type text only; json_schema and json_object are a 400",
-               {"type": "object", "properties": {"format": {"type": "object",
-                                                            "properties": {"type": {"enum": ["text"]}}}}}),
+    "text": _h("format: text; json_object; json_schema (name, schema, strict): the output is guaranteed to "
+               "parse and validate, as chat's response_format (the same grammar path); a schema that does not "
+               "compile is a 400 naming text.format",
+               {"type": "object", "properties": {"format": {"type": "object", "properties": {
+                   "type": {"enum": ["text", "json_object", "json_schema"]}, "name": _STR,
+                   "schema": {"type": "object"}, "strict": _BOOL}}}}),
     "stream_options": _h("include_obfuscation true is a 400 (pdserve never pads events)",
                          {"type": "object", "properties": {"include_obfuscation": _BOOL}}),
     "user": _i("an end-user id; changes nothing", _STR),
     "safety_identifier": _i("an end-user id for abuse detection; changes nothing", _STR),
     "prompt_cache_key": _h(_SESSION_NOTE, _SESSION),
-    "parallel_tool_calls": _i("there are no tools to call", _BOOL),
-    "max_tool_calls": _i("there are no tools to call", _INT),
+    "parallel_tool_calls": _h("false: at most one call (required: exactly one)", _BOOL),
+    "max_tool_calls": _i("not enforced beyond parallel_tool_calls", _INT),
+    "tools": _h("function tools (name, description, parameters): chat's tool path (prompt, grammar, parser); "
+                "calls come back as function_call output items; with tools a stream holds the text until the "
+                "output ends; other tool types are a 400",
+                {"type": "array", "items": {"type": "object", "required": ["type", "name"], "properties": {
+                    "type": {"enum": ["function"]}, "name": _STR, "description": _STR,
+                    "parameters": {"type": "object"}}}}),
+    "tool_choice": _h("none; auto; required (a grammar: one or more calls); {type: function, name} (a grammar: "
+                      "that function's parameters); an unknown name is a 400",
+                      {"anyOf": [{"enum": ["none", "auto", "required"]}, {"type": "object", "properties": {
+                          "type": {"enum": ["function"]}, "name": _STR}}]}),
     "background": _r("background responses are not implemented", False),
     "conversation": _r("conversations are not implemented; use previous_response_id"),
     "context_management": _r("no context management"),
@@ -179,8 +192,6 @@ RESPONSE_FIELDS: dict[str, SpecField] = {
     "prompt": _r("stored prompt templates are not implemented"),
     "reasoning": _r("the served models do not reason"),
     "service_tier": _r("one tier per API key here (x-pdserve-priority)", "auto", "default"),
-    "tools": _r("tool calling is not implemented yet"),
-    "tool_choice": _r("tool calling is not implemented yet", "none", "auto"),
     "top_logprobs": _r("logprobs are not implemented on this API yet (chat completions has them)", 0),
     "truncation": _r("an input over the context is a 400, never truncated", "disabled"),
     "moderation": _r("no moderation"),
