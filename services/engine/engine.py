@@ -166,7 +166,7 @@ class Engine:
         if self._structured is None:
             compiler = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
                                        self.eos_token_ids)
-            self._structured = StructuredDecoding(compiler)
+            self._structured = StructuredDecoding(compiler, max_model_len=self.max_model_len)
         return self._structured
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
