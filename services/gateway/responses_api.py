@@ -87,6 +87,22 @@ def parse_input(value: Any) -> list[dict[str, str]]:
     return messages
 
 
+LOGPROBS = "message.output_text.logprobs"
+
+
+def _logprobs(body: dict) -> int | None:
+    """Alternatives per token when logprobs are asked for (``include`` or ``top_logprobs``), else None."""
+    include = get_typed(body, "include", (list,), [])
+    bad = next((x for x in include if x != LOGPROBS), None)
+    if bad is not None:
+        raise InvalidRequestError(f"include: only {LOGPROBS!r} is supported, got {json.dumps(bad)[:60]}",
+                                  param="include")
+    top = get_typed(body, "top_logprobs", (int,))
+    if top is not None and not 0 <= top <= 20:
+        raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
+    return (top or 0) if include or top is not None else None
+
+
 class ResponsesRequest:
     """A validated ``POST /v1/responses`` body (before the previous response is read)."""
 
@@ -124,6 +140,9 @@ class ResponsesRequest:
                 self.sampling[name] = value
         if structured is not None:
             self.sampling["structured"] = {"kind": structured.kind, "spec": structured.spec}
+        self.logprobs = _logprobs(body)
+        if self.logprobs is not None:
+            self.sampling["logprobs"] = self.logprobs
         validate_sampling(self.sampling)
 
     @staticmethod
@@ -137,7 +156,8 @@ class ResponsesRequest:
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         return GenerationRequest(RESPONSE, self.model, dict(self.sampling), stream=self.stream,
                                  messages=system + earlier + self.input, user=self.user, session_key=self.session_key,
-                                 structured_param="text.format", tools=self.prompt_tools, tool_choice=self.tool_choice)
+                                 structured_param="text.format", tools=self.prompt_tools, tool_choice=self.tool_choice,
+                                 logprobs=self.logprobs)
 
 
 def responses_router(core: GatewayCore, store: ResponseStore) -> APIRouter:

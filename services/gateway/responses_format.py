@@ -55,8 +55,16 @@ class ResponseContext:
         return f"msg_{self.record.request_id}"
 
 
-def _part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _part(text: str, logprobs: list | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def _logprobs(entries: list[dict] | None) -> list[dict]:
+    """The result stream's logprob entries in the Responses API's shape."""
+    def token(e: dict) -> dict:
+        t = e.get("token", "")
+        return {"token": t, "logprob": e.get("logprob", 0.0), "bytes": list(t.encode("utf-8", "replace"))}
+    return [{**token(e), "top_logprobs": [token(t) for t in e.get("top") or []]} for e in entries or []]
 
 
 def _status(finish_reason: str | None) -> str:
@@ -76,6 +84,8 @@ class ResponseBuilder:
     def __init__(self, ctx: ResponseContext):
         self.ctx = ctx
         self.text: list[str] = []
+        self.logprobs: list[dict] = []  # every token's, when the request asked for them
+        self.last_logprobs: list[dict] = []  # the latest chunk's
         self.output_tokens = 0
         self.tool_choice = tools.ToolChoice.loads(ctx.record.tools)
         self.response = self.snapshot("in_progress")
@@ -83,13 +93,15 @@ class ResponseBuilder:
     def add(self, data: dict) -> str:
         text = data.get("text") or ""
         self.text.append(text)
+        self.last_logprobs = _logprobs(data.get("logprobs"))
+        self.logprobs += self.last_logprobs
         self.output_tokens += len(data.get("token_ids") or [])
         return text
 
     def message(self, status: str, content: bool = True, text: str | None = None) -> dict:
         text = "".join(self.text) if text is None else text
         return {"id": self.ctx.message_id, "type": "message", "role": "assistant", "status": status,
-                "content": [_part(text)] if content else []}
+                "content": [_part(text, self.logprobs)] if content else []}
 
     def split(self) -> tuple[str | None, list[dict]]:
         """(the message's text or None, the calls) of the output so far."""
@@ -185,15 +197,17 @@ class ResponseEvents(ResponseBuilder):
                 self._event("response.content_part.added", **self._at(), part=_part(""))]
 
     def _message_end(self, text: str, item: dict) -> list[dict]:
-        return [self._event("response.output_text.done", **self._at(), text=text, logprobs=[]),
-                self._event("response.content_part.done", **self._at(), part=_part(text)),
+        return [self._event("response.output_text.done", **self._at(), text=text, logprobs=self.logprobs),
+                self._event("response.content_part.done", **self._at(), part=_part(text, self.logprobs)),
                 self._event("response.output_item.done", output_index=0, item=item)]
 
     def chunk(self, data: dict) -> list[dict]:
         text = self.add(data)
         if self.tool_choice is not None:
             return []  # held until the end: calls are told from text once the output is complete
-        return [self._event("response.output_text.delta", **self._at(), delta=text, logprobs=[])] if text else []
+        if not text and not self.last_logprobs:
+            return []
+        return [self._event("response.output_text.delta", **self._at(), delta=text, logprobs=self.last_logprobs)]
 
     def final(self, data: dict) -> list[dict]:
         response = self.finish(data)
@@ -205,7 +219,8 @@ class ResponseEvents(ResponseBuilder):
             if item["type"] == "message":
                 text = item["content"][0]["text"]
                 out += self._message_opening()
-                out += [self._event("response.output_text.delta", **self._at(), delta=text, logprobs=[])] if text else []
+                out += [self._event("response.output_text.delta", **self._at(), delta=text,
+                                    logprobs=self.logprobs)] if text else []
                 out += self._message_end(text, item)
                 continue
             at = {"item_id": item["id"], "output_index": index}

@@ -188,11 +188,14 @@ RESPONSE_FIELDS: dict[str, SpecField] = {
     "background": _r("background responses are not implemented", False),
     "conversation": _r("conversations are not implemented; use previous_response_id"),
     "context_management": _r("no context management"),
-    "include": _r("no extra output data to include"),
+    "include": _h("[\"message.output_text.logprobs\"]: each output_text part and delta carries its tokens' "
+                  "logprobs; any other value is a 400", {"type": "array", "items": {
+                      "enum": ["message.output_text.logprobs"]}}),
     "prompt": _r("stored prompt templates are not implemented"),
     "reasoning": _r("the served models do not reason"),
     "service_tier": _r("one tier per API key here (x-pdserve-priority)", "auto", "default"),
-    "top_logprobs": _r("logprobs are not implemented on this API yet (chat completions has them)", 0),
+    "top_logprobs": _h("0-20 alternatives per token; turns logprobs on, as the include value does",
+                       {**_INT, "minimum": 0, "maximum": 20}),
     "truncation": _r("an input over the context is a 400, never truncated", "disabled"),
     "moderation": _r("no moderation"),
     "prompt_cache_options": _r("the prefix cache has no per-request options"),

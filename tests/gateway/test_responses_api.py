@@ -133,6 +133,8 @@ def test_a_failure_mid_stream_ends_with_error_and_failed_events(client):
     ({"input": "Hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": "required",
       "text": {"format": {"type": "json_object"}}}, "text.format"),
     ({"input": "Hi", "background": True}, "background"),
+    ({"input": "Hi", "include": ["reasoning.encrypted_content"]}, "include"),
+    ({"input": "Hi", "top_logprobs": 21}, "top_logprobs"),
     ({"input": "Hi", "text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"input": "Hi", "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
     ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "frob"}}}},

@@ -107,3 +107,18 @@ def test_text_format_json_schema_reaches_the_grammar(client):
     assert structured["kind"] == "json_schema" and json.loads(structured["spec"]) == SCHEMA
     c.responses.create(model=h.model.name, input="Any JSON", text={"format": {"type": "json_object"}})
     assert h.router.seen[1].sampling["structured"]["kind"] == "json_object"
+
+
+def test_logprobs_with_include_and_top_logprobs(client):
+    h, c = client
+    r = c.responses.create(model=h.model.name, input="Hi", include=["message.output_text.logprobs"], top_logprobs=2)
+    part = r.output[0].content[0]
+    assert [lp.token for lp in part.logprobs] == ["Hello", ",", " wor", "ld", "!"]
+    assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs) and part.logprobs[0].logprob == -0.25
+    assert h.router.seen[0].sampling["logprobs"] == 2
+    evs = list(c.responses.create(model=h.model.name, input="Hi", top_logprobs=0, stream=True))
+    deltas = [e for e in evs if e.type == "response.output_text.delta"]
+    assert [[lp.token for lp in e.logprobs] for e in deltas] == [["Hello"], [","], [" wor"], ["ld"], ["!"]]
+    assert len(evs[-1].response.output[0].content[0].logprobs) == 5
+    plain = c.responses.create(model=h.model.name, input="Hi")
+    assert plain.output[0].content[0].logprobs == [] and "logprobs" not in h.router.seen[-1].sampling

@@ -310,3 +310,11 @@ def test_responses_api_named_tool_and_text_format(client):
                                 max_output_tokens=150, temperature=0)
     assert r.status == "completed"
     jsonschema.validate(json.loads(r.output_text), SCHEMA)
+
+
+def test_responses_api_logprobs(client):
+    r = client.responses.create(model=MODEL, input="Name three colours.", max_output_tokens=8, temperature=0,
+                                include=["message.output_text.logprobs"], top_logprobs=2)
+    part = r.output[0].content[0]
+    assert len(part.logprobs) == r.usage.output_tokens and "".join(lp.token for lp in part.logprobs) == part.text
+    assert all(lp.top_logprobs[0].logprob == pytest.approx(lp.logprob, abs=1e-4) for lp in part.logprobs)
