@@ -5,7 +5,8 @@ A grammar mask guarantees every prefix can still become a match, not that the ma
 (``finish_reason: length``, output that does not parse). So once a constrained request's remaining
 budget comes within ``WINDOW`` tokens, each step looks for a short path from its matcher's state to
 an accepting one; when the path (plus the end-of-sequence token) takes all the budget left, the
-request is steered onto it (with a few tokens of slack, ``_margin``): its mask allows the path's next token only, and the remaining path is
+request is steered onto it (with a few tokens of slack, ``_margin``; searches are spaced by
+a quarter of the slack left, so a request far from closing is searched rarely): its mask allows the path's next token only, and the remaining path is
 followed to the end. Before that point the model writes freely; after it the output is the
 shortest completion found, e.g. ``"}]}`` closing the string, the array and the objects, or the
 required keys left with minimal values.
@@ -27,6 +28,7 @@ import llguidance
 
 WINDOW = 64  # search for a closing path once the budget left is this many tokens or fewer
 MAX_NODES = 3000  # matcher steps per search: bounds the time a search can take
+RETRY_AFTER = 4  # tokens before searching again after a search that found nothing
 _ORDER = '"}]),:' + "1234567890" + " " + string.ascii_lowercase + string.ascii_uppercase + \
     "".join(c for c in string.printable if c not in string.ascii_letters + string.digits + '"}]),: \t\n\r\x0b\x0c')
 
@@ -50,20 +52,27 @@ class ClosingPath:
                 ids.append(toks[0])
         self.candidates = ids
         self.forced: dict[str, list[int]] = {}  # request id -> the rest of the path it is on
+        self.due: dict[str, int] = {}  # request id -> the budget at which to search next
 
     def forget(self, request_id: str) -> None:
         self.forced.pop(request_id, None)
+        self.due.pop(request_id, None)
 
     def next_token(self, request_id: str, matcher: llguidance.LLMatcher, budget: int | None) -> int | None:
         """The token ``request_id`` must take now to end inside ``budget`` more tokens, or None to sample
         freely. Call once per step before the mask; it does not change the matcher's state."""
         path = self.forced.get(request_id)
         if path is None:
-            if budget is None or budget > WINDOW:
+            if budget is None or budget > min(WINDOW, self.due.get(request_id, WINDOW)):
                 return None
             found = self.search(matcher, budget - 1)  # one token is the end of sequence
-            if found is None or len(found) + 1 + _margin(len(found)) < budget:
-                return None  # no path fits (left to run out), or there is still room to write freely
+            if found is None:  # nothing fits (a failed search is the costly kind): look again later
+                self.due[request_id] = budget - RETRY_AFTER
+                return None
+            slack = budget - (len(found) + 1 + _margin(len(found)))
+            if slack > 0:  # room to write freely; the next search when a quarter of the slack is spent
+                self.due[request_id] = budget - max(1, slack // 4)
+                return None
             path = self.forced[request_id] = found
         if not path:
             return self.eos[0] if self.eos else None
