@@ -33,6 +33,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     kwargs["ignore_eos"] = msg.ignore_eos
     if msg.HasField("lora"):
         kwargs["lora"] = msg.lora
+    kwargs["logit_bias"] = dict(msg.logit_bias)
     if msg.HasField("structured"):
         s = msg.structured
         try:
@@ -48,7 +49,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         top_k=params.top_k, min_p=params.min_p, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
         stop=params.stop, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
-        skip_special_tokens=params.skip_special_tokens)
+        skip_special_tokens=params.skip_special_tokens, logit_bias=params.logit_bias)
     if params.seed is not None:
         msg.seed = params.seed
     if params.logprobs is not None:

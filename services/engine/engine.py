@@ -159,6 +159,10 @@ class Engine:
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})", param="prompt")
+        bad = next((t for t in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"logit_bias names token id {bad}, outside the vocabulary [0, {vocab})",
+                                      param="logit_bias")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none", param="stop")
         if params.structured is not None and self.tokenizer is None:
@@ -173,7 +177,7 @@ class Engine:
         if self._structured is None:
             compiler = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
                                        self.eos_token_ids)
-            self._structured = StructuredDecoding(compiler)
+            self._structured = StructuredDecoding(compiler, max_model_len=self.max_model_len)
         return self._structured
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -74,6 +74,10 @@ class GrammarCompiler:
                                                          eos_token=self._eos or None)
             return self._tokenizer
 
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self._eos)
+
     def compile(self, spec: StructuredOutput, param: str = "response_format") -> llguidance.LLMatcher:
         """The cached start-state matcher of ``spec`` (do not advance it: ``matcher`` copies it).
         An invalid or unsupported spec raises InvalidRequestError naming ``param`` and the problem."""

@@ -9,7 +9,9 @@ Each step, for the constrained requests that sample in it::
 
 llguidance drops the GIL while it fills masks, and so do torch's kernels, so the two overlap.
 A matcher only allows end-of-sequence where its grammar accepts, so a constrained request ends
-with ``stop`` on a complete match, or with ``length`` (max_tokens or the context) mid-match.
+with ``stop`` on a complete match. Near its token budget (max_tokens or the context) a request is
+steered onto a short completion of its grammar (``grammar_budget.py``), so it still ends with a
+match; only where no completion fits the budget left does it end with ``length`` mid-match.
 
 Disaggregated serving: the prefill engine samples the first token through the same masks; the
 decode engine's matcher starts in the start state and consumes that first token in
@@ -30,14 +32,17 @@ import numpy as np
 import torch
 
 from services.engine.grammar import GrammarCompiler
+from services.engine.grammar_budget import ClosingPath
 from services.engine.request import Request
 
 log = logging.getLogger(__name__)
 
 
 class StructuredDecoding:
-    def __init__(self, compiler: GrammarCompiler, threads: int = 1):
+    def __init__(self, compiler: GrammarCompiler, threads: int = 1, max_model_len: int | None = None):
         self.compiler = compiler
+        self.max_model_len = max_model_len
+        self.closing = ClosingPath(compiler.tokenizer, compiler.eos_token_ids)
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         self._executor = llguidance.LLExecutor(num_threads=threads)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
@@ -63,11 +68,20 @@ class StructuredDecoding:
 
     def forget(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self.closing.forget(request_id)
+
+    def _budget(self, req: Request) -> int | None:
+        """Tokens ``req`` may still produce, this step's included; None: no limit near."""
+        left = [req.params.max_tokens - req.num_output_tokens] if req.params.max_tokens is not None else []
+        if self.max_model_len is not None:
+            left.append(self.max_model_len - req.num_tokens)
+        return min(left) if left else None
 
     def begin(self, reqs: list[Request]) -> Future | None:
         """Compute the masks of the constrained ones among ``reqs`` (those sampling this step) on
         the helper thread; ``masks`` collects them."""
-        rows = [(m, req.request_id) for req in reqs if (m := self._matchers.get(req.request_id)) is not None]
+        rows = [(m, req.request_id, self._budget(req)) for req in reqs
+                if (m := self._matchers.get(req.request_id)) is not None]
         if not rows:
             return None
         if len(rows) > self._bitmask.shape[0]:
@@ -79,10 +93,15 @@ class StructuredDecoding:
         """On the helper thread: the bitmasks, then one bool per token (numpy: torch's element-wise
         ops on a few hundred thousand elements cost tens of milliseconds on a busy 2-core CPU,
         numpy's unpackbits tens of microseconds)."""
-        llnp.fill_next_token_bitmask_par(self._executor, [(m, i) for i, (m, _) in enumerate(rows)], bitmask)
+        llnp.fill_next_token_bitmask_par(self._executor, [(m, i) for i, (m, _, _) in enumerate(rows)], bitmask)
         words = bitmask[: len(rows)]
         allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little").view(bool)
-        return {rid: i for i, (_, rid) in enumerate(rows)}, allowed
+        for i, (matcher, rid, budget) in enumerate(rows):
+            token = self.closing.next_token(rid, matcher, budget)
+            if token is not None:  # the budget left is what the grammar needs to finish: its next token only
+                allowed[i] = False
+                allowed[i, token] = True
+        return {rid: i for i, (_, rid, _) in enumerate(rows)}, allowed
 
     def masks(self, job: Future | None, reqs: list[Request], vocab: int, device) -> torch.Tensor | None:
         """Per row of ``reqs``: True where the token is disallowed (all False for an unconstrained
@@ -107,6 +126,8 @@ class StructuredDecoding:
 
     def accept(self, req: Request, token: int) -> None:
         matcher = self._matchers.get(req.request_id)
+        if matcher is not None:
+            self.closing.accepted(req.request_id, token)
         if matcher is not None and not matcher.consume_token(token) and token not in req.eos_token_ids:
             log.warning("structured output of %s refused token %d: %s", req.request_id, token, matcher.get_error())
 

@@ -7,6 +7,8 @@ categorical sample; a request with a seed draws its noise from its own
 generator, so its output does not depend on what it was batched with.
 Logprobs are of the raw model distribution, before any of the above. A structured-output
 row's grammar mask (``grammar_masks.py``) comes before everything: forbidden tokens get -inf.
+Then a request's ``logit_bias`` is added to its rows (a forbidden token stays forbidden:
+-inf plus a bias is -inf), before penalties, so greedy rows and structured rows see it too.
 
 Speculative decoding (``verify``): a request brings draft tokens and one logits row per
 position. Draft token x_j at a row whose (penalised, filtered) distribution is p_j is
@@ -56,6 +58,13 @@ def _apply_penalties(logits: torch.Tensor, rows: list[tuple[int, Request, list[i
             counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=logits.shape[1])
             counts = counts.to(logits.dtype)
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _add_bias(logits: torch.Tensor, start: int, count: int, bias: dict[int, float]) -> None:
+    """A request's logit_bias on its ``count`` rows from ``start`` (ids were checked against the vocabulary)."""
+    ids = torch.tensor(list(bias), device=logits.device)
+    values = torch.tensor(list(bias.values()), device=logits.device, dtype=logits.dtype)
+    logits[start:start + count, ids] += values
 
 
 def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -134,6 +143,9 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         if blocked is not None:  # one row per request: constrained requests never have drafts
             logits.masked_fill_(blocked, float("-inf"))
+        for i, req in enumerate(reqs):
+            if req.params.logit_bias:
+                _add_bias(logits, starts[i], len(drafts[i]) + 1, req.params.logit_bias)
         if penalised:
             _apply_penalties(logits, penalised)
 

@@ -29,11 +29,16 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     # The LoRA adapter to run the request with (a name the workers know); None: the base model.
     lora: str | None = None
+    # Token id -> a bias in [-100, 100] added to its logit before penalties and sampling (OpenAI's
+    # logit_bias). Keys may arrive as strings (JSON objects have no integer keys).
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.structured = StructuredOutput.coerce(self.structured)
         def bad(param: str, why: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param} {why}", param=param)
+
+        self.logit_bias = _logit_bias(self.logit_bias, bad)
 
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -85,3 +90,24 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+MAX_LOGIT_BIAS = 100.0
+
+
+def _logit_bias(value, bad) -> dict[int, float]:
+    """``{token id: bias}`` with integer ids >= 0 and biases in [-100, 100]; the range of the ids
+    is checked where the vocabulary is known (the gateway and the engine)."""
+    if not isinstance(value, dict):
+        raise bad("logit_bias", f"must be an object mapping token ids to biases, got {value!r:.60}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = key
+        if isinstance(key, str) and key.strip().isdigit():
+            token = int(key)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise bad("logit_bias", f"keys must be token ids (integers >= 0), got {key!r:.40}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"values must be numbers in [-100, 100], got {bias!r:.40} for token {token}")
+        out[token] = float(bias)
+    return out

@@ -45,7 +45,7 @@ from typing import Any
 from services.errors import (DeadlineExceededError, InvalidRequestError, ModelNotFoundError, PdserveError,
                              ServiceUnavailableError)
 from services import hops
-from services.gateway import metrics, prompts
+from services.gateway import metrics, prompts, tools
 from services.gateway.api_keys import ApiKeys, Tenant
 from services.gateway.backpressure import QueueLoad
 from services.gateway.coalescing import Coalescer, Role
@@ -59,6 +59,7 @@ from services.gateway.request_record import RequestRecord, RequestRecords
 from services.engine.structured_output import StructuredOutput
 from services.gateway.response_format import GrammarCheck
 from services.gateway.cached_read import CachedRead
+from services.gateway.responses_format import RESPONSE
 from services.gateway.served_model import ServedModel
 from services.lora_registry import read_loras, split_model
 from services.queue import AdmissionQueue, QueuedRequest, ResultReader, ResultWriter
@@ -205,9 +206,12 @@ class GatewayCore:
                 return earlier
 
         token_ids = await prompts.encode(self.model, req.messages, req.prompt, req.tools)
+        prompts.check_logit_bias(self.model, req.sampling)
+        nested = "" if req.kind == RESPONSE else "function."  # the Responses API's tools are flat
         for i, tool in enumerate(req.tools):
-            await self.grammar.check(StructuredOutput.json_schema(tool.parameters), f"tools[{i}].function.parameters")
-        await self.grammar.check(req.sampling.get("structured"), "tools" if req.tool_choice else req.structured_param)
+            await self.grammar.check(StructuredOutput.json_schema(tool.parameters), f"tools[{i}].{nested}parameters")
+        forced = tools.structured_output(req.tools, req.tool_choice) is not None
+        await self.grammar.check(req.sampling.get("structured"), "tools" if forced else req.structured_param)
         max_len = await self.max_model_len()
         prompts.check_context(len(token_ids), req.max_tokens, max_len)
         if self.config.require_ready_worker:

@@ -68,6 +68,15 @@ async def encode(model: ServedModel, messages: list[dict] | None = None,
     return await asyncio.to_thread(_encode, model, messages, prompt, tool_list)
 
 
+def check_logit_bias(model: ServedModel, sampling: dict) -> None:
+    """logit_bias token ids inside the vocabulary (the engine checks again; this refuses before queueing)."""
+    bias = sampling.get("logit_bias") or {}
+    bad = [t for t in map(int, bias) if t >= model.vocab_size] if model.vocab_size else []
+    if bad:
+        raise InvalidRequestError(f"logit_bias names token id {bad[0]}, outside the vocabulary of "
+                                  f"{model.vocab_size} tokens", param="logit_bias")
+
+
 def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
     """Prompt and output must fit the context (OpenAI's context_length_exceeded, a 400)."""
     if prompt_tokens >= max_model_len:

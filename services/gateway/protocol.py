@@ -11,13 +11,13 @@ Supported: chat ``messages`` (string content or ``text`` parts), completion
 ``prompt`` (a string or token ids, one prompt), ``max_tokens`` /
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
 ``presence_penalty``, ``frequency_penalty``, ``n`` (1), ``stream``,
-``stream_options.include_usage``, ``logprobs`` / ``top_logprobs``, ``user``,
+``stream_options.include_usage``, ``logprobs`` / ``top_logprobs``, ``logit_bias``, ``user``,
 ``prompt_cache_key`` (session affinity; completions too, as an extension), ``response_format``
 (``json_object``, ``json_schema``; completions too, as vLLM does: response_format.py); and
 vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``. Every other field of OpenAI's
 API is listed in spec_fields.py: features pdserve does not have (tools,
-non-text parts, echo, suffix, logit_bias, best_of > 1, ...) are refused with a
+non-text parts, echo, suffix, best_of > 1, ...) are refused with a
 400 naming them rather than ignored. Fields OpenAI does not define are ignored,
 as vLLM does.
 """
@@ -148,6 +148,9 @@ def _common(body: dict, kind: str) -> tuple[dict, dict]:
     else:
         sampling["max_tokens"] = 16 if max_tokens is None else max_tokens  # OpenAI's completions default
 
+    bias = get_typed(body, "logit_bias", (dict,))
+    if bias:
+        sampling["logit_bias"] = bias  # checked by SamplingParams (ids, range) and the gateway (vocabulary)
     n = get_typed(body, "n", (int,), 1)
     if n != 1:
         raise InvalidRequestError(f"only n=1 is supported, got n={n}", param="n")

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from services.errors import InvalidRequestError, NotFoundError
 from services.gateway.api_keys import Tenant
 from services.gateway.core import GatewayCore
-from services.gateway import sse
+from services.gateway import responses_tools, sse, tools
 from services.gateway.http_admission import admit
 from services.gateway.protocol import GenerationRequest, get_typed, validate_sampling
 from services.gateway.response_store import ResponseStore
@@ -74,13 +74,33 @@ def parse_input(value: Any) -> list[dict[str, str]]:
         kind = item.get("type", "message")
         role = item.get("role")
         if kind != "message":
-            raise InvalidRequestError(f"{where}: only message items are supported (got type "
-                                      f"{json.dumps(kind)[:40]})", param=where)
+            call = responses_tools.input_item(item, where)
+            if call is None:
+                raise InvalidRequestError(f"{where}: only message, function_call and function_call_output "
+                                          f"items are supported (got type {json.dumps(kind)[:40]})", param=where)
+            messages.append(call)
+            continue
         if not isinstance(role, str) or role not in _INPUT_ROLES:
             raise InvalidRequestError(f"{where}.role must be one of {sorted(_INPUT_ROLES)}, got "
                                       f"{json.dumps(role)[:40]}", param=f"{where}.role")
         messages.append({"role": _INPUT_ROLES[role], "content": _text_content(item.get("content"), where)})
     return messages
+
+
+LOGPROBS = "message.output_text.logprobs"
+
+
+def _logprobs(body: dict) -> int | None:
+    """Alternatives per token when logprobs are asked for (``include`` or ``top_logprobs``), else None."""
+    include = get_typed(body, "include", (list,), [])
+    bad = next((x for x in include if x != LOGPROBS), None)
+    if bad is not None:
+        raise InvalidRequestError(f"include: only {LOGPROBS!r} is supported, got {json.dumps(bad)[:60]}",
+                                  param="include")
+    top = get_typed(body, "top_logprobs", (int,))
+    if top is not None and not 0 <= top <= 20:
+        raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
+    return (top or 0) if include or top is not None else None
 
 
 class ResponsesRequest:
@@ -97,9 +117,15 @@ class ResponsesRequest:
         self.metadata = self._metadata(get_typed(body, "metadata", (dict,), {}))
         self.user = get_typed(body, "user", (str,))
         self.session_key = validate_session_key(body.get("prompt_cache_key"), "prompt_cache_key")
-        fmt = (get_typed(body, "text", (dict,), {}) or {}).get("format")
-        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-            raise InvalidRequestError("only text.format type 'text' is supported", param="text.format")
+        self.tools, self.tool_choice = responses_tools.parse_tools(body)
+        structured = responses_tools.parse_text_format(body)
+        forced = tools.structured_output(self.tools, self.tool_choice)
+        if structured is not None and forced is not None:
+            raise InvalidRequestError("text.format cannot be combined with tool_choice required or a named "
+                                      "function (both constrain the output)", param="text.format")
+        structured = structured or forced
+        self.prompt_tools = self.tools if body.get("tool_choice") != "none" else []
+        self.echo = responses_tools.echo(body)
         options = get_typed(body, "stream_options", (dict,), {})
         if get_typed(options, "include_obfuscation", (bool,), False):
             raise InvalidRequestError("stream_options.include_obfuscation: pdserve never pads its events",
@@ -112,6 +138,11 @@ class ResponsesRequest:
         for name in ("temperature", "top_p"):
             if (value := get_typed(body, name, (float,))) is not None:
                 self.sampling[name] = value
+        if structured is not None:
+            self.sampling["structured"] = {"kind": structured.kind, "spec": structured.spec}
+        self.logprobs = _logprobs(body)
+        if self.logprobs is not None:
+            self.sampling["logprobs"] = self.logprobs
         validate_sampling(self.sampling)
 
     @staticmethod
@@ -124,7 +155,9 @@ class ResponsesRequest:
     def generation(self, earlier: list[dict]) -> GenerationRequest:
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         return GenerationRequest(RESPONSE, self.model, dict(self.sampling), stream=self.stream,
-                                 messages=system + earlier + self.input, user=self.user, session_key=self.session_key)
+                                 messages=system + earlier + self.input, user=self.user, session_key=self.session_key,
+                                 structured_param="text.format", tools=self.prompt_tools, tool_choice=self.tool_choice,
+                                 logprobs=self.logprobs)
 
 
 def responses_router(core: GatewayCore, store: ResponseStore) -> APIRouter:
@@ -151,12 +184,12 @@ def responses_router(core: GatewayCore, store: ResponseStore) -> APIRouter:
         record = a.admission.record
         ctx = ResponseContext(record, r.instructions, r.previous_response_id, r.store, r.metadata,
                               r.sampling.get("temperature", 1.0), r.sampling.get("top_p", 1.0),
-                              r.sampling["max_tokens"], r.user)
+                              r.sampling["max_tokens"], r.user, r.echo)
         conversation = earlier + r.input
 
         async def keep(builder) -> None:
             if r.store:
-                turn = [{"role": "assistant", "content": builder.output_text()}] if builder.text else []
+                turn = [{"role": "assistant", "content": builder.turn_text()}] if builder.text else []
                 await store.save(a.tenant.name, builder.response, conversation + turn)
 
         fresh = not a.admission.attached  # a retry (Idempotency-Key) must not overwrite what is stored

@@ -71,7 +71,9 @@ def _r(note: str, *accepts: Any) -> SpecField:
 
 
 _SAMPLING = {
-    "model": _h("the served model's name (or absent); another is a 404", _STR),
+    "model": _h("the served model's name (or absent), or a LoRA adapter's (`NAME` or `<base>:NAME`, served "
+                "with `--lora`); an unknown `<base>:NAME` is a 400 naming the adapters served, any other unknown "
+                "name a 404", _STR),
     "temperature": _h("0 is greedy; OpenAI's default 1", {**_NUM, "minimum": 0, "maximum": 2}),
     "top_p": _h("", {**_NUM, "exclusiveMinimum": 0, "maximum": 1}),
     "stream": _h("server-sent events, each with an id: (resume with Last-Event-ID)", _BOOL),
@@ -85,7 +87,10 @@ _PENALTIES = {
     "stream_options": _h("include_usage (a last chunk with usage); include_obfuscation true is a 400 "
                          "(pdserve never pads chunks)",
                          {"type": "object", "properties": {"include_usage": _BOOL, "include_obfuscation": _BOOL}}),
-    "logit_bias": _r("per-token biases are not implemented"),
+    "logit_bias": _h("token id -> bias in [-100, 100] added to its logit before sampling (greedy and "
+                     "structured output too; a token the grammar forbids stays forbidden); an id outside the "
+                     "vocabulary or a bias outside the range is a 400",
+                     {"type": "object", "additionalProperties": {**_NUM, "minimum": -100, "maximum": 100}}),
     "user": _i("an end-user id; recorded nowhere, changes nothing", _STR),
 }
 
@@ -149,8 +154,8 @@ COMPLETION_FIELDS: dict[str, SpecField] = {
 }
 
 RESPONSE_FIELDS: dict[str, SpecField] = {
-    "input": _h("a string, or input messages with text parts (earlier assistant output messages too); "
-                "other item types are a 400", {"anyOf": [_STR, {"type": "array", "minItems": 1}]}),
+    "input": _h("a string, or input messages with text parts (earlier assistant output messages too), "
+                "function_call and function_call_output items; other item types are a 400", {"anyOf": [_STR, {"type": "array", "minItems": 1}]}),
     **_SAMPLING,
     "instructions": _h("a system message before the input; not carried into the next response", _STR),
     "max_output_tokens": _h("default: until the context is full", {**_INT, "minimum": 1}),
@@ -159,26 +164,40 @@ RESPONSE_FIELDS: dict[str, SpecField] = {
     "store": _h("true (default): kept in Redis for GET /v1/responses/{id} and previous_response_id "
                 "until --response-ttl; false: not kept", _BOOL),
     "metadata": _h("up to 16 string pairs, kept and returned with the response", _META),
-    "text": _h("format type text only; json_schema and json_object are a 400",
-               {"type": "object", "properties": {"format": {"type": "object",
-                                                            "properties": {"type": {"enum": ["text"]}}}}}),
+    "text": _h("format: text; json_object; json_schema (name, schema, strict): the output is guaranteed to "
+               "parse and validate, as chat's response_format (the same grammar path); a schema that does not "
+               "compile is a 400 naming text.format",
+               {"type": "object", "properties": {"format": {"type": "object", "properties": {
+                   "type": {"enum": ["text", "json_object", "json_schema"]}, "name": _STR,
+                   "schema": {"type": "object"}, "strict": _BOOL}}}}),
     "stream_options": _h("include_obfuscation true is a 400 (pdserve never pads events)",
                          {"type": "object", "properties": {"include_obfuscation": _BOOL}}),
     "user": _i("an end-user id; changes nothing", _STR),
     "safety_identifier": _i("an end-user id for abuse detection; changes nothing", _STR),
     "prompt_cache_key": _h(_SESSION_NOTE, _SESSION),
-    "parallel_tool_calls": _i("there are no tools to call", _BOOL),
-    "max_tool_calls": _i("there are no tools to call", _INT),
+    "parallel_tool_calls": _h("false: at most one call (required: exactly one)", _BOOL),
+    "max_tool_calls": _i("not enforced beyond parallel_tool_calls", _INT),
+    "tools": _h("function tools (name, description, parameters): chat's tool path (prompt, grammar, parser); "
+                "calls come back as function_call output items; with tools a stream holds the text until the "
+                "output ends; other tool types are a 400",
+                {"type": "array", "items": {"type": "object", "required": ["type", "name"], "properties": {
+                    "type": {"enum": ["function"]}, "name": _STR, "description": _STR,
+                    "parameters": {"type": "object"}}}}),
+    "tool_choice": _h("none; auto; required (a grammar: one or more calls); {type: function, name} (a grammar: "
+                      "that function's parameters); an unknown name is a 400",
+                      {"anyOf": [{"enum": ["none", "auto", "required"]}, {"type": "object", "properties": {
+                          "type": {"enum": ["function"]}, "name": _STR}}]}),
     "background": _r("background responses are not implemented", False),
     "conversation": _r("conversations are not implemented; use previous_response_id"),
     "context_management": _r("no context management"),
-    "include": _r("no extra output data to include"),
+    "include": _h("[\"message.output_text.logprobs\"]: each output_text part and delta carries its tokens' "
+                  "logprobs; any other value is a 400", {"type": "array", "items": {
+                      "enum": ["message.output_text.logprobs"]}}),
     "prompt": _r("stored prompt templates are not implemented"),
     "reasoning": _r("the served models do not reason"),
     "service_tier": _r("one tier per API key here (x-pdserve-priority)", "auto", "default"),
-    "tools": _r("tool calling is not implemented yet"),
-    "tool_choice": _r("tool calling is not implemented yet", "none", "auto"),
-    "top_logprobs": _r("logprobs are not implemented on this API yet (chat completions has them)", 0),
+    "top_logprobs": _h("0-20 alternatives per token; turns logprobs on, as the include value does",
+                       {**_INT, "minimum": 0, "maximum": 20}),
     "truncation": _r("an input over the context is a 400, never truncated", "disabled"),
     "moderation": _r("no moderation"),
     "prompt_cache_options": _r("the prefix cache has no per-request options"),

@@ -426,3 +426,50 @@ def test_real_model_penalties_reduce_repetition(default_model):
     assert rep.count(yes) < plain.count(yes)  # repetition: " yes" is already in the prompt
     assert_no_leaks(engine)
 
+
+
+# ---- logit_bias ------------------------------------------------------------------------------
+
+
+def test_logit_bias_moves_greedy_and_sampled_choices():
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
+    best = logits.argmax(-1).tolist()
+    reqs = [req("g", temperature=0, logit_bias={best[0]: -100, 11: 100}),
+            req("s", temperature=1.0, seed=1, logit_bias={str(best[1]): -100, "12": 100})]  # JSON keys too
+    for _ in range(20):
+        assert draw(logits, reqs) == [11, 12]
+    # a small bias shifts the distribution rather than forcing: +ln(4) on token 0 of a uniform pair
+    dist = [0.5, 0.5] + [0.0] * (VOCAB - 2)
+    seen = counts(dist, 2000, logit_bias={0: 1.3862944})
+    assert 0.74 < seen[0] / 2000 < 0.86 and seen[0] + seen[1] == 2000
+
+
+def test_logit_bias_cannot_unblock_a_forbidden_token():
+    logits = torch.zeros(1, VOCAB)
+    blocked = torch.ones(1, VOCAB, dtype=torch.bool)
+    blocked[0, [4, 5]] = False  # the grammar allows 4 and 5 only
+    r = req(temperature=0, logit_bias={9: 100, 5: 3})
+    assert Sampler()(logits, [r], blocked).token_ids == [5]
+
+
+def test_logit_bias_keeps_logprobs_of_the_model():
+    """Logprobs report the model's distribution, as with every other sampling setting."""
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(4))
+    raw = logits.log_softmax(-1)
+    out = Sampler()(logits.clone(), [req(temperature=0, logprobs=0, logit_bias={20: 100})])
+    assert out.token_ids == [20] and out.logprobs[0].logprob == pytest.approx(raw[0, 20].item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("bias, says", [({1: 101}, "[-100, 100]"), ({1: "x"}, "[-100, 100]"), ({-1: 1}, "token ids"),
+                                        ({"a": 1}, "token ids"), ({True: 1}, "token ids"), ([1], "object")])
+def test_logit_bias_is_validated(bias, says):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(logit_bias=bias)
+    assert info.value.param == "logit_bias" and says in info.value.message
+
+
+def test_engine_refuses_a_logit_bias_outside_the_vocabulary(tiny_engine):
+    engine = tiny_engine()
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request("r", [1, 2], SamplingParams(logit_bias={10 ** 6: 1}))
+    assert info.value.param == "logit_bias" and not engine.requests

@@ -67,12 +67,52 @@ def test_regex_and_grammar(default_model):
 
 
 def test_max_tokens_mid_object_is_length(default_model):
+    """Only where no completion fits the budget: "{}" and the end of sequence take 3 tokens."""
     engine = default_model
     engine.add_request("cut", _chat(engine, "JSON please."),
-                       SamplingParams(max_tokens=3, temperature=0, structured=StructuredOutput("json_object")))
+                       SamplingParams(max_tokens=2, temperature=0, structured=StructuredOutput("json_object")))
     outs = run_to_completion(engine)["cut"]
     assert outs[-1].finish_reason == "length"
     assert _text(engine, outs).startswith("{")
+
+
+STORY = {"type": "object", "properties": {
+    "title": {"type": "string"}, "chapters": {"type": "array", "items": {"type": "object", "properties": {
+        "heading": {"type": "string"}, "text": {"type": "string"}}, "required": ["heading", "text"]}},
+    "rating": {"type": "integer", "minimum": 1, "maximum": 5}}, "required": ["title", "chapters", "rating"],
+    "additionalProperties": False}
+
+
+@pytest.mark.parametrize("max_tokens", [30, 80])
+def test_output_ends_as_a_match_inside_max_tokens(default_model, max_tokens):
+    """Unbounded strings and a budget far below what the model would write: near the budget the
+    request is steered onto a short completion, so it stops with JSON that validates."""
+    engine = default_model
+    prompt = _chat(engine, "Write a very long fairy tale with many chapters as JSON.")
+    engine.add_request("story", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=3,
+                                                       structured=StructuredOutput.json_schema(STORY)))
+    engine.add_request("free", prompt, SamplingParams(max_tokens=max_tokens, temperature=0))  # beside it: untouched
+    outs = run_to_completion(engine)
+    story = outs["story"]
+    assert story[-1].finish_reason == "stop", _text(engine, story)
+    assert sum(len(o.new_token_ids) for o in story) <= max_tokens
+    jsonschema.validate(json.loads(_text(engine, story)), STORY)
+    assert outs["free"][-1].finish_reason == "length"
+    assert_no_leaks(engine)
+
+
+def test_closing_path_search_leaves_the_matcher_as_it_was(default_model):
+    engine = default_model
+    decoding = engine.structured
+    matcher = decoding.compiler.matcher(StructuredOutput.json_schema(STORY))
+    written = engine.tokenizer.encode('{"title": "The long night of the')
+    assert matcher.consume_tokens(written)
+    path = decoding.closing.search(matcher, 60)
+    assert path is not None and len(path) <= 60
+    assert matcher.consume_tokens(path) and matcher.is_accepting()
+    text = engine.tokenizer.decode(written + path)
+    jsonschema.validate(json.loads(text), STORY)
+    assert decoding.closing.search(matcher, 0) == []  # already accepting
 
 
 def test_invalid_spec_is_refused_and_holds_nothing(default_model):
@@ -125,3 +165,26 @@ def test_a_resumed_request_replays_the_streamed_tokens(default_model):
         engine.add_request("bad", prompt, SamplingParams(structured=StructuredOutput(
             spec.kind, spec.spec, tuple(engine.tokenizer.encode("hello")))))
     assert not engine.requests
+
+
+def test_logit_bias_steers_greedy_and_constrained_requests(default_model):
+    """The real model, greedy: banning the token it would pick changes its answer; inside a grammar
+    a bias picks among the allowed branches, and a bias on a forbidden token changes nothing."""
+    engine = default_model
+    prompt = _chat(engine, "Is the sky blue? Answer yes or no.")
+    grammar = StructuredOutput("grammar", 'start: ("yes" | "no") "!"')
+    engine.add_request("plain", prompt, SamplingParams(max_tokens=1, temperature=0))
+    engine.add_request("free", prompt, SamplingParams(max_tokens=30, temperature=0, structured=grammar))
+    first = run_to_completion(engine)
+    plain = first["plain"][0].new_token_ids[0]
+    answer = _text(engine, first["free"])
+    other = "no!" if answer == "yes!" else "yes!"
+    other_id = engine.tokenizer.encode(other[:-1])[0]
+    banned = engine.tokenizer.encode("Paris")[0]  # never allowed by the grammar
+    engine.add_request("plain", prompt, SamplingParams(max_tokens=1, temperature=0, logit_bias={plain: -100}))
+    engine.add_request("steered", prompt, SamplingParams(max_tokens=30, temperature=0, structured=grammar,
+                                                         logit_bias={other_id: 100, banned: 100}))
+    outs = run_to_completion(engine)
+    assert outs["plain"][0].new_token_ids[0] != plain
+    assert _text(engine, outs["steered"]) == other
+    assert_no_leaks(engine)

@@ -46,6 +46,13 @@ CASES = [
     (CHAT, {"messages": MSG, "top_p": 1.5}, 400, "top_p"),
     (CHAT, {"messages": MSG, "presence_penalty": 3}, 400, "presence_penalty"),
     (CHAT, {"messages": MSG, "n": 2}, 400, "n"),
+    (CHAT, {"messages": MSG, "logit_bias": {"5": 101}}, 400, "logit_bias"),  # bias out of range
+    (CHAT, {"messages": MSG, "logit_bias": {"5": "up"}}, 400, "logit_bias"),
+    (CHAT, {"messages": MSG, "logit_bias": {"dog": 1}}, 400, "logit_bias"),  # not a token id
+    (CHAT, {"messages": MSG, "logit_bias": {"-3": 1}}, 400, "logit_bias"),
+    (CHAT, {"messages": MSG, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),  # outside the vocabulary
+    (CHAT, {"messages": MSG, "logit_bias": [5]}, 400, "logit_bias"),
+    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"5": -100.5}}, 400, "logit_bias"),
     (CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
     (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}, 400, "stream_options"),

@@ -112,3 +112,21 @@ def test_structured_output_reaches_the_queue(grpc_gateway):
                        timeout=10))
     (queued,) = [r for r in h.router.seen if r.sampling.get("structured")]
     assert queued.sampling["structured"]["kind"] == "regex" and queued.sampling["structured"]["spec"] == "[0-9]+"
+
+
+@pytest.mark.parametrize("bias, says", [({5: 150.0}, "[-100, 100]"), ({10 ** 8: 1.0}, "outside the vocabulary")])
+def test_logit_bias_out_of_range_is_invalid_argument(grpc_gateway, bias, says):
+    h, stub = grpc_gateway
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(chat(sampling=common_pb2.SamplingParams(logit_bias=bias)), metadata=AUTH, timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert says in info.value.details() and "logit_bias" in info.value.details()
+    assert not h.router.seen
+
+
+def test_logit_bias_reaches_the_queue(grpc_gateway):
+    h, stub = grpc_gateway
+    list(stub.Generate(chat(sampling=common_pb2.SamplingParams(max_tokens=4, logit_bias={7: -100.0, 9: 2.5})),
+                       metadata=AUTH, timeout=10))
+    (queued,) = h.router.seen
+    assert queued.sampling["logit_bias"] == {"7": -100.0, "9": 2.5}  # JSON keys; SamplingParams makes them ints

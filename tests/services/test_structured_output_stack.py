@@ -244,3 +244,77 @@ def test_bad_tools_are_a_400_naming_the_field(stack, client, extra, param):
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, extra_body=extra)
     assert err.value.body["param"] == param
     assert _queued(stack) == before
+
+
+# ---- sampling surface: logit_bias, logprobs across the hand-off, the Responses API -------------------
+
+
+def _token_id(text: str) -> int:
+    from services.engine.model_source import model_card
+    from services.engine.tokenizer import Tokenizer
+
+    (tid,) = Tokenizer(model_card(None).tokenizer_dir).encode(text)
+    return tid
+
+
+def test_logit_bias_on_chat_and_completions(client):
+    ask = _messages("What is the capital of France?")
+    plain = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=1, temperature=0, logprobs=True)
+    first = plain.choices[0].logprobs.content[0].token
+    banned = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=1, temperature=0, logprobs=True,
+                                            logit_bias={str(_token_id(first)): -100})
+    assert banned.choices[0].logprobs.content[0].token != first
+    yes = _token_id(" yes")
+    forced = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0,
+                                       logit_bias={str(yes): 100})
+    assert forced.choices[0].text == " yes yes yes"
+
+
+def test_logit_bias_over_grpc_reaches_the_prefill_worker(stack):
+    """The first token is sampled on the prefill worker, the rest on the decode worker: both biased."""
+    yes = _token_id(" yes")
+
+    async def run():
+        async with grpc.aio.insecure_channel(stack.router_address) as channel:
+            req = generate_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(
+                max_tokens=3, temperature=0, logit_bias={yes: 100.0}))
+            req.text = "The sky is"
+            ids, finish = [], None
+            async for msg in generate_pb2_grpc.GenerationStub(channel).Generate(req, timeout=120):
+                ids += msg.chunk.token_ids if msg.HasField("chunk") else []
+                finish = msg.finish if msg.HasField("finish") else finish
+            return ids, finish
+    ids, finish = asyncio.run(run())
+    assert ids == [yes] * 3 and finish.prefill_worker.startswith("prefill-")
+
+
+def test_streamed_logprobs_cover_every_token_the_first_included(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=_messages("Name three colours."), max_tokens=12, temperature=0, stream=True,
+        logprobs=True, top_logprobs=3, stream_options={"include_usage": True}))
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(entries) == chunks[-1].usage.completion_tokens == 12
+    for e in entries:  # greedy: the chosen token is the most likely one
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-4)
+
+
+def test_responses_api_named_tool_and_text_format(client):
+    tool = {"type": "function", **WEATHER["function"]}
+    r = client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[tool],
+                                tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60)
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+    fmt = {"type": "json_schema", "name": "city", "schema": SCHEMA, "strict": True}
+    r = client.responses.create(model=MODEL, input="Describe Paris as JSON.", text={"format": fmt},
+                                max_output_tokens=150, temperature=0)
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), SCHEMA)
+
+
+def test_responses_api_logprobs(client):
+    r = client.responses.create(model=MODEL, input="Name three colours.", max_output_tokens=8, temperature=0,
+                                include=["message.output_text.logprobs"], top_logprobs=2)
+    part = r.output[0].content[0]
+    assert len(part.logprobs) == r.usage.output_tokens and "".join(lp.token for lp in part.logprobs) == part.text
+    assert all(lp.top_logprobs[0].logprob == pytest.approx(lp.logprob, abs=1e-4) for lp in part.logprobs)

@@ -24,27 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xf4\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\t\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\n\x88\x01\x01\x12\x35\n\nstructured\x18\x0f \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutputH\x0b\x88\x01\x01\x12\x11\n\x04lora\x18\x18 \x01(\tH\x0c\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\r\n\x0b_structuredB\x07\n\x05_lora\">\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x0e\n\x06replay\x18\x03 \x03(\r\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"e\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"Y\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"P\n\x07Timings\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x02 \x01(\x01\x12\x10\n\x08queue_ms\x18\x03 \x01(\x01\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\"\x96\x01\n\x06\x46inish\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xe5\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\t\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\n\x88\x01\x01\x12\x35\n\nstructured\x18\x0f \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutputH\x0b\x88\x01\x01\x12\x11\n\x04lora\x18\x18 \x01(\tH\x0c\x88\x01\x01\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\r\n\x0b_structuredB\x07\n\x05_lora\">\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x0e\n\x06replay\x18\x03 \x03(\r\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"e\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"Y\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"P\n\x07Timings\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x02 \x01(\x01\x12\x10\n\x08queue_ms\x18\x03 \x01(\x01\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\"\x96\x01\n\x06\x46inish\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=668
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=670
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=732
-  _globals['_TOPLOGPROB']._serialized_start=734
-  _globals['_TOPLOGPROB']._serialized_end=796
-  _globals['_TOKENLOGPROB']._serialized_start=798
-  _globals['_TOKENLOGPROB']._serialized_end=899
-  _globals['_TOKENCHUNK']._serialized_start=901
-  _globals['_TOKENCHUNK']._serialized_end=990
-  _globals['_USAGE']._serialized_start=992
-  _globals['_USAGE']._serialized_end=1079
-  _globals['_TIMINGS']._serialized_start=1081
-  _globals['_TIMINGS']._serialized_end=1161
-  _globals['_FINISH']._serialized_start=1164
-  _globals['_FINISH']._serialized_end=1314
+  _globals['_SAMPLINGPARAMS']._serialized_end=781
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=536
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=584
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=783
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=845
+  _globals['_TOPLOGPROB']._serialized_start=847
+  _globals['_TOPLOGPROB']._serialized_end=909
+  _globals['_TOKENLOGPROB']._serialized_start=911
+  _globals['_TOKENLOGPROB']._serialized_end=1012
+  _globals['_TOKENCHUNK']._serialized_start=1014
+  _globals['_TOKENCHUNK']._serialized_end=1103
+  _globals['_USAGE']._serialized_start=1105
+  _globals['_USAGE']._serialized_end=1192
+  _globals['_TIMINGS']._serialized_start=1194
+  _globals['_TIMINGS']._serialized_end=1274
+  _globals['_FINISH']._serialized_start=1277
+  _globals['_FINISH']._serialized_end=1427
 # @@protoc_insertion_point(module_scope)
