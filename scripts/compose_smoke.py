@@ -54,13 +54,13 @@ def ready(url: str) -> dict | None:
         return None
 
 
-def wait_for(what: str, check, timeout_s: float):
+def wait_for(what: str, check, timeout_s: float, every_s: float = 2.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = check()
         if value:
             return value
-        time.sleep(2)
+        time.sleep(every_s)
     raise TimeoutError(f"{what}: not after {timeout_s:.0f} s")
 
 
@@ -78,11 +78,12 @@ def busiest(containers: list[str]) -> tuple[str, float] | None:
     return (container, running) if running >= 1 else None
 
 
-def chat(client, prompt: str, max_tokens: int) -> tuple[str, str]:
+def chat(client, prompt: str, max_tokens: int, ignore_eos: bool = False) -> tuple[str, str]:
     """(text, finish_reason) of one streamed chat completion."""
     text, finish = [], None
     for chunk in client.chat.completions.create(model=MODEL, stream=True, temperature=0, max_tokens=max_tokens,
-                                                messages=[{"role": "user", "content": prompt}]):
+                                                messages=[{"role": "user", "content": prompt}],
+                                                extra_body={"ignore_eos": ignore_eos}):
         for choice in chunk.choices:
             text.append(choice.delta.content or "")
             finish = choice.finish_reason or finish
@@ -112,7 +113,9 @@ def main(compose_args: list[str]) -> int:
 
     def run(i: int) -> None:
         try:
-            text, finish = chat(client, f"Write a short story about a robot, number {i}.", 96)
+            # long and EOS-proof, so the streams are still running when the poll below looks: with the
+            # GGUF default, 96 tokens ended within one 2 s poll and the smoke missed them
+            text, finish = chat(client, f"Write a short story about a robot, number {i}.", 512, ignore_eos=True)
             results[i] = ("tokens", f"{finish}: {text[:40]!r}" if text else "no text")
         except APIError as exc:
             results[i] = ("error", f"{type(exc).__name__}: {exc}")
@@ -122,7 +125,7 @@ def main(compose_args: list[str]) -> int:
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(STREAMS)]
     for t in threads:
         t.start()
-    victim, running = wait_for("a decode worker running the requests", lambda: busiest(decoders), 120)
+    victim, running = wait_for("a decode worker running the requests", lambda: busiest(decoders), 120, every_s=0.2)
     pid = subprocess.run(["docker", "inspect", "-f", "{{.State.Pid}}", victim], capture_output=True, text=True,
                          check=True).stdout.strip()
     # SIGKILL the container's init from the host: the container dies as in a crash (an OOM kill), which
