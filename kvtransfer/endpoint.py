@@ -24,3 +24,8 @@ class Endpoint:
         self.stats = stats or TransferStats()
         self.peer = PeerInfo(namespace, BlockShape.of(kv_cache))
         self._blocks = BlockBytes(kv_cache)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of the cache (every layer's K and V)."""
+        return self._blocks.block_bytes

@@ -34,7 +34,18 @@ from services.engine.async_engine import AsyncEngine
 from services.engine.outputs import RequestOutput, TokenLogprobs
 from services.engine.sampling_params import SamplingParams
 from services import phases
-from services.errors import TransferError
+from services.errors import InvalidRequestError, TransferError
+
+
+def parse_descriptor(data: bytes, transfer_id: str) -> TransferDescriptor:
+    """A descriptor from a peer's message, for ``transfer_id``; InvalidRequestError when it is not."""
+    try:
+        desc = TransferDescriptor.from_bytes(data)
+    except Exception as exc:
+        raise InvalidRequestError(f"bad descriptor: {exc}", param="descriptor") from None
+    if desc.transfer_id != transfer_id:
+        raise InvalidRequestError(f"descriptor is for {desc.transfer_id!r}, not {transfer_id!r}", param="descriptor")
+    return desc
 
 
 class EngineBlockOwner:

@@ -98,6 +98,8 @@ class WorkerInfo:
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     kv_spill_blocks_total: int = 0  # blocks its spill tier holds at most (0: no spill tier)
+    kv_block_bytes: int = 0  # bytes of one KV block (the peer-fetch cost model's transfer size; 0: unknown)
+    kv_fetch_bytes_per_s: float = 0.0  # its peer fetches' measured rate, bytes over seconds end to end (0: none yet)
     heartbeat_at: float = field(default_factory=time.time)
 
     @property

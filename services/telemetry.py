@@ -105,6 +105,20 @@ KV_TIER_SECONDS = Counter("pdserve_kv_tier_seconds_total",
                           "Seconds of copies between KV tiers, by direction: spill (on the engine thread) | "
                           "restore (off it; from the copy's start until its request is admitted).",
                           ["role", "worker", "direction"])
+# Peer fetch (services/peer_fetch.py): a prefill worker pulling a prompt's leading blocks from the
+# worker that holds them over kvtransfer. Puller side: fetches by outcome (ok | failed: computed
+# instead), the bytes and seconds of the ok ones; holder side: fetches served.
+KV_PEER_FETCHES = Counter("pdserve_kv_peer_fetches_total",
+                          "Prefix fetches from a peer worker, by outcome (ok | failed: the blocks were computed).",
+                          ["role", "worker", "outcome"])
+KV_PEER_FETCH_BYTES = Counter("pdserve_kv_peer_fetch_bytes_total", "KV bytes fetched from peer workers.",
+                              ["role", "worker"])
+KV_PEER_FETCH_SECONDS = Counter("pdserve_kv_peer_fetch_seconds_total",
+                                "Seconds of peer fetches, reservation to blocks cached (every outcome).",
+                                ["role", "worker"])
+KV_PEER_FETCH_SERVED = Counter("pdserve_kv_peer_fetch_served_total",
+                               "Prefix fetches this worker sent to a peer, by outcome (ok | refused | failed).",
+                               ["role", "worker", "outcome"])
 PREEMPTIONS = Counter("pdserve_preemptions_total", "Running requests preempted for lack of KV blocks.",
                       ["role", "worker"])
 SPEC_DRAFT_TOKENS = Counter("pdserve_spec_decode_draft_tokens_total",

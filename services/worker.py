@@ -50,7 +50,7 @@ class WorkerConfig:
     kv_events_interval_s: float = 0.02
     stats_interval_s: float = 0.25
     drain_timeout_s: float = 30.0
-    transfer_timeout_s: float = 60.0  # decode: a reservation waits this long for its KV
+    transfer_timeout_s: float = 60.0  # decode: a reservation waits this long for its KV; prefill: a peer fetch
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -84,6 +84,7 @@ class WorkerRuntime:
         self._stats: dict = {}
         self._tasks: list[asyncio.Task] = []
         self.kv_publisher: kv_events.Publisher | None = None
+        self.fetch_bytes_per_s = 0.0  # peer fetches' measured rate (prefill: services/peer_fetch.py), heartbeated
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.address = ""
@@ -157,7 +158,8 @@ class WorkerRuntime:
             self.info = WorkerInfo(
                 worker_id=self.worker_id, role=cfg.role, address=self.address, model=self.engine.model_name,
                 namespace=self.engine.namespace, block_size=self.engine.config.block_size,
-                max_model_len=self.engine.max_model_len, metrics_address=self.metrics_address, ready=True)
+                max_model_len=self.engine.max_model_len, metrics_address=self.metrics_address, ready=True,
+                kv_block_bytes=self.engine.kv_cache[0].numel() * self.engine.kv_cache.element_size())
             await kv_events.publish_cleared(self.redis, self.worker_id)
             registrar = Registrar(self.redis, self.info, self._refresh_info, cfg.heartbeat_s, cfg.registry_ttl_s)
             await registrar.start()
@@ -215,6 +217,7 @@ class WorkerRuntime:
         info.kv_blocks_total = int(s.get("kv_blocks_total", 0))
         info.kv_blocks_used = int(s.get("kv_blocks_used", 0))
         info.kv_spill_blocks_total = int(s.get("kv_spill_blocks_total", 0))
+        info.kv_fetch_bytes_per_s = self.fetch_bytes_per_s
 
     async def _publish_kv_events(self) -> None:
         """Drain the prefix cache's events and publish them; routers index them within milliseconds.
@@ -314,6 +317,10 @@ def add_worker_args(p, role: str) -> None:
     if role == "decode":
         p.add_argument("--transfer-timeout", type=float, default=60.0,
                        help="seconds a reservation waits for its KV before it is freed")
+    else:
+        p.add_argument("--transfer-timeout", type=float, default=10.0,
+                       help="seconds a peer fetch (a prefix pulled from another prefill worker) may take before "
+                            "its blocks are freed and the prefix is computed instead")
 
 
 def configs_from_args(args, role: str) -> tuple[WorkerConfig, EngineConfig, TransferConfig]:

@@ -24,6 +24,7 @@ import torch
 
 from kernels.ops import select_ops
 from services.config import EngineConfig
+from services.engine.block_hash import hash_block
 from services.engine.block_pool import BlockPool, KVEvent
 from services.engine.cuda_graph import capture_decode_graphs
 from services.engine.grammar import GrammarCompiler
@@ -223,6 +224,33 @@ class Engine:
         if not req.is_finished:
             self.scheduler.add_running(req)
         self._pending.append(out)
+
+    # ---- peer fetch (services/peer_fetch.py) ------------------------------
+    def held_prefix_blocks(self, token_ids: list[int]) -> int:
+        """Leading full blocks of ``token_ids`` this engine holds, in its pool or its spill tier (by
+        hash; the prefill that sends them checks the tokens as every hit does). Mutates nothing."""
+        bs, pool = self.config.block_size, self.block_pool
+        n, parent = 0, None
+        while (n + 1) * bs <= len(token_ids):
+            h = hash_block(parent, token_ids[n * bs:(n + 1) * bs], self.namespace)
+            if h not in pool.cached and (pool.spill is None or h not in pool.spill):
+                break
+            n, parent = n + 1, h
+        return n
+
+    def adopt_fetched(self, request_id: str) -> int:
+        """Puller side of a peer fetch: the reservation's blocks now hold its prompt's KV (whole
+        blocks, received and checksummed). Hash them from this engine's own copy of the tokens into
+        the prefix cache, then free them (cached, so the request that follows hits them). Returns
+        the blocks cached."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is not Status.RESERVED:
+            raise InvalidRequestError(f"request {request_id!r} has no reservation", param="request_id")
+        req.num_computed_tokens = req.num_tokens
+        self.kv.cache_computed_blocks(req)
+        cached = req.num_cached_blocks
+        self._finish(req, "fetched")
+        return cached
 
     def release(self, request_id: str) -> None:
         """Give back the blocks of a finished prefill-only request or an unused reservation."""

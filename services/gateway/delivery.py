@@ -26,7 +26,9 @@ in this inbox: its subscription is caught up by polling its stream every
 ``foreign_poll_s``, all such requests in one pipelined round trip.
 
 Nothing here holds a connection per request: the reader holds one, catch-ups
-and polls borrow one from the pool for one round trip.
+and polls borrow one from the pool for one round trip. The catch-ups of the
+subscriptions opened in one turn of the loop (a burst of streams) and the
+quiet checks of that turn share one pipelined round trip.
 """
 
 from __future__ import annotations
@@ -34,11 +36,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Iterable
 from typing import Any
 
 from services import hops
+from services.gateway import fanout_probe
 from services.queue.keys import delivery_tag, inbox_stream, result_stream, state_key
 from services.queue.message import text
 from services.queue.results import decode_event
@@ -117,7 +121,7 @@ class ResultDelivery:
         self._foreign: set[Subscription] = set()
         self._tasks: list[asyncio.Task] = []
         self._foreign_wake = asyncio.Event()
-        self._checks: list[tuple[Subscription, asyncio.Future]] = []
+        self._checks: list[tuple[Subscription, asyncio.Future, bool]] = []
         self._flushes: set[asyncio.Task] = set()
         self._stopping = False
         self._hop_marked: set[str] = set()  # requests whose first chunk the hop probe saw (hops.py)
@@ -135,6 +139,9 @@ class ResultDelivery:
             loop = asyncio.get_running_loop()
             self._tasks = [loop.create_task(self._read(), name="result-delivery"),
                            loop.create_task(self._poll_foreign(), name="result-delivery-foreign")]
+            probe = fanout_probe.start()
+            if probe is not None:
+                self._tasks.append(probe)
 
     async def close(self) -> None:
         """Stop reading. redis-py can swallow a cancellation landing while it reconnects: the flag ends the
@@ -159,8 +166,8 @@ class ResultDelivery:
         if own:
             self._subs.setdefault(request_id, set()).add(sub)
         try:
-            sub.hold()  # registered first: whatever is written from now on reaches it one way or the other
-            await self.catch_up([sub])
+            await self._batched(sub, status=False)  # registered first: whatever is written from now on
+            # reaches it one way or the other
             if not own:
                 self._foreign.add(sub)
                 self._foreign_wake.set()
@@ -193,8 +200,15 @@ class ResultDelivery:
         exists and the request's queue status (None: unknown). Every check asked for in the same moment
         goes in one pipelined round trip: ten thousand queued requests' heartbeats cost Redis a few
         pipelines, not thirty thousand round trips."""
+        return await self._batched(sub, status=True)
+
+    async def _batched(self, sub: Subscription, status: bool) -> tuple[bool, str | None]:
+        """Catch ``sub`` up (and with ``status``, check its stream and queue status) in one pipeline with every
+        other subscription asking in the same turn of the loop: new subscriptions (a burst of streams
+        opening) and quiet checks alike. Without ``status`` the answer is (True, None)."""
+        sub.hold()  # registered first: what the reader delivers meanwhile is held, then merged
         future = asyncio.get_running_loop().create_future()
-        self._checks.append((sub, future))
+        self._checks.append((sub, future, status))
         if len(self._checks) == 1:  # the first of a batch flushes it, on the loop's next turn
             task = asyncio.get_running_loop().create_task(self._flush_checks())
             self._flushes.add(task)
@@ -203,28 +217,39 @@ class ResultDelivery:
 
     async def _flush_checks(self) -> None:
         batch, self._checks = self._checks, []
-        for sub, _ in batch:
-            sub.hold()
         replies: list = []
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
-                for sub, _ in batch:
+                for sub, _, status in batch:
                     key = result_stream(sub.request_id)
                     pipe.xrange(key, f"({sub.last_id}", "+")
-                    pipe.exists(key)
-                    pipe.hget(state_key(sub.request_id), "status")
+                    if status:
+                        pipe.exists(key)
+                        pipe.hget(state_key(sub.request_id), "status")
                 replies = await pipe.execute()
-        except Exception as exc:  # each follower decides what Redis trouble means for its client
-            for sub, future in batch:
+        except BaseException as exc:  # each follower decides what Redis trouble means for its client
+            for sub, future, _ in batch:
                 sub.release([])
-                if not future.done():
+                if future.done():
+                    continue
+                if isinstance(exc, Exception):
                     future.set_exception(exc)
+                else:  # the flush was cancelled (the gateway stops): its askers are too, not left waiting
+                    future.cancel()
+            if not isinstance(exc, Exception):
+                raise
             return
-        for i, (sub, future) in enumerate(batch):
-            entries, exists, status = replies[3 * i:3 * i + 3]
+        at = 0
+        for sub, future, status in batch:
+            entries = replies[at]
             sub.release([(text(entry_id), *decode_event(fields)) for entry_id, fields in entries])
+            answer = (True, None)
+            if status:
+                exists, state = replies[at + 1:at + 3]
+                answer = (bool(exists), None if state is None else text(state))
+            at += 3 if status else 1
             if not future.done():
-                future.set_result((bool(exists), None if status is None else text(status)))
+                future.set_result(answer)
 
     # -- the reader ---------------------------------------------------------------------------
 
@@ -249,17 +274,18 @@ class ResultDelivery:
                 failing = True
                 await asyncio.sleep(0.5)
                 continue
+            read_at = time.time() if fanout_probe.enabled() else 0.0
             for _, entries in reply or ():
                 for entry_id, fields in entries:
                     last = text(entry_id)
-                    self._dispatch(fields)
+                    self._dispatch(fields, read_at, len(entries))
                 unread_since_trim += len(entries)
             if unread_since_trim >= _TRIM_EVERY:
                 unread_since_trim = 0
                 with contextlib.suppress(Exception):  # the cap bounds it anyway
                     await self.redis.xtrim(self.inbox, minid=last, approximate=True)
 
-    def _dispatch(self, fields: dict) -> None:
+    def _dispatch(self, fields: dict, read_at: float = 0.0, batch: int = 0) -> None:
         f = {text(k): v for k, v in fields.items()}
         event_rid = text(f.get("rid", b""))
         subs = self._subs.get(event_rid)
@@ -270,6 +296,8 @@ class ResultDelivery:
         except (KeyError, ValueError) as exc:
             log.warning("result delivery: skipping a malformed inbox entry: %s", exc)
             return
+        if read_at and event[1] == "chunk":
+            fanout_probe.read(event_rid, event[0], read_at, batch)
         if event[1] == "chunk" and hops.enabled() and event_rid not in self._hop_marked:
             self._hop_marked.add(event_rid)
             hops.mark(event_rid, "gw.delivered")

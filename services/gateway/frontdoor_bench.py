@@ -32,14 +32,20 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 
+from services import sched_stat
 from services.bench import results as result_files
 from services.bench.http_client import Connection
 from services.bench.load import OpenAIClient, OpenAIRequest, closed_loop, open_loop, outcomes
 from services.bench.stats import percentile as pct
+from services.gateway import fanout_probe, frontdoor_probe
+from services.loop_lag import LoopLag
 from services.queue.config import DEFAULT_TIERS
 
 _WORDS = ("river stone light garden window paper engine market silver forest music winter harbor signal "
@@ -102,11 +108,17 @@ async def added_latency(args, stack, model: str, host: str, port: int) -> dict:
     tap = ResultTap(stack.redis_url).start()
     admitted = {"n": 0, "all_open_at": math.inf}
 
+    pids = {name: p.proc.pid for name, p in stack.procs.items()} | {"load generator": os.getpid()}
+    sched: dict[str, dict] = {}
+    loops = ("gateway", "load generator")  # one event loop each, on the main thread
+
     def on_request_id(rid: str) -> None:
         tap.follow(rid)
         admitted["n"] += 1
         if admitted["n"] == args.latency_streams:
             admitted["all_open_at"] = time.time()
+            sched.update({name: sched_stat.read(pid) for name, pid in pids.items()})
+            sched.update({f"{name} (loop thread)": sched_stat.read(pids[name], main_thread=True) for name in loops})
 
     client = OpenAIClient(host, port, model, record_chunks=True, on_request_id=on_request_id,
                           timeout_s=args.timeout + 60)
@@ -115,9 +127,17 @@ async def added_latency(args, stack, model: str, host: str, port: int) -> dict:
     _log(f"added latency: {args.latency_streams} streaming clients in a closed loop ({n_requests} requests, "
          f"max_tokens {args.latency_max_tokens}), each chunk against a separate process reading the result streams")
     await asyncio.sleep(1.0)  # the tap's process is up
+    client_lag = LoopLag().start()  # the client side's own lateness: a slow reader inflates the figure
     samples, wall = await closed_loop(client.send, items, clients=args.latency_streams)
+    client_lag.stop()
+    ended_at = time.time()
+    # each process's CPU and run-queue wait over the steady window: is a late loop busy, or waiting for a core?
+    sched = {**{name: sched_stat.delta(sched.get(name), sched_stat.read(pid)) for name, pid in pids.items()},
+             **{f"{name} (loop thread)": sched_stat.delta(sched.get(f"{name} (loop thread)"),
+                                                          sched_stat.read(pids[name], main_thread=True))
+                for name in loops}}
     direct = await asyncio.to_thread(tap.stop)
-    steady, every, via_gateway, via_redis = [], [], [], []
+    steady, every, via_gateway, via_redis, joined = [], [], [], [], []
     for s in samples:
         for entry_id, read_at in s.chunks:
             tapped = direct.get((s.request_id, entry_id))
@@ -128,6 +148,7 @@ async def added_latency(args, stack, model: str, host: str, port: int) -> dict:
             every.append(added)
             if written >= admitted["all_open_at"]:
                 steady.append(added)
+                joined.append((s.request_id, entry_id, tapped, read_at))
                 via_gateway.append((read_at - written) * 1e3)
                 via_redis.append((tapped - written) * 1e3)
     counts = outcomes(samples)
@@ -140,7 +161,13 @@ async def added_latency(args, stack, model: str, host: str, port: int) -> dict:
         "direct_since_write_ms_p50": pct(via_redis, 50), "direct_since_write_ms_p99": pct(via_redis, 99),
         "chunks_compared_incl_ramp": len(every), "added_ms_p50_incl_ramp": pct(every, 50),
         "added_ms_p99_incl_ramp": pct(every, 99),
+        "steady_window_s": round(ended_at - admitted["all_open_at"], 2) if steady else None,
+        "sched_steady": sched,
     }
+    if args.probe_dir:
+        await asyncio.sleep(1.5)  # the gateway's probe writes what is new every second
+        result["probe"] = frontdoor_probe.breakdown(joined, fanout_probe.load(args.probe_dir), client_lag.samples,
+                                                    admitted["all_open_at"], ended_at)
     _log(f"  {len(steady)} chunks with every client's stream open: added p50 {result['added_ms_p50']:.1f} ms, "
          f"p99 {result['added_ms_p99']:.1f} ms (incl. the ramp: p99 {result['added_ms_p99_incl_ramp']:.1f} ms)")
     return result
@@ -170,7 +197,7 @@ async def _bench(args, stack) -> dict:
                      "latency_streams": args.latency_streams, "latency_requests": args.latency_requests,
                      "latency_max_tokens": args.latency_max_tokens,
                      "model": args.model, "dtype": args.dtype, "threads_per_worker": args.threads,
-                     "seed": args.seed, "stack": "pdserve up defaults: 1 prefill, 1 decode, router, gateway"}
+                     "seed": args.seed, "worker_nice": args.worker_nice, "front_nice": args.front_nice, "front_realtime": args.front_realtime, "gateway_args": args.gateway_arg, "stack": "pdserve up defaults: 1 prefill, 1 decode, router, gateway"}
     return out
 
 
@@ -182,12 +209,35 @@ def run(args) -> int:
     if args.latency_requests and args.latency_requests < args.latency_streams:
         raise ValueError("latency-requests must be at least latency-streams (every client sends one)")
     spec = StackSpec(prefill=1, decode=1, model=args.model, dtype=args.dtype, threads=args.threads,
-                     transport=args.transport, gateway=True)
+                     transport=args.transport, gateway=True, gateway_args=list(args.gateway_arg))
     _log("starting the stack (pdserve up defaults: embedded Redis, 1 prefill, 1 decode, router, gateway)")
     started = time.perf_counter()
+    args.probe_dir = None if args.no_probe else tempfile.mkdtemp(prefix="pdserve-fanout-probe-")
+    if args.probe_dir:
+        os.environ[fanout_probe.ENV] = args.probe_dir  # the gateway inherits it
     with LocalStack(spec) as stack:
+        os.environ.pop(fanout_probe.ENV, None)
         _log(f"  ready in {time.perf_counter() - started:.0f} s")
-        result = asyncio.run(_bench(args, stack))
+        if args.worker_nice:  # the engine below the light processes: they use little CPU but wait on none
+            for name, p in stack.procs.items():
+                if name.startswith(("prefill", "decode")):
+                    sched_stat.renice(p.proc.pid, args.worker_nice)
+            _log(f"  workers reniced to {args.worker_nice}")
+        if args.front_nice or args.front_realtime:  # the light processes, this one (the clients and, spawned
+            # later, the tap) included
+            redis = getattr(stack.server, "_process", None)
+            light = [p.proc.pid for name, p in stack.procs.items() if not name.startswith(("prefill", "decode"))]
+            for pid in [*light, *([redis.pid] if redis else []), os.getpid()]:
+                sched_stat.renice(pid, args.front_nice)
+                if args.front_realtime:
+                    sched_stat.realtime(pid)
+            _log(f"  gateway, router, Redis and the load generator at nice {args.front_nice}"
+                 + (", SCHED_RR" if args.front_realtime else ""))
+        try:
+            result = asyncio.run(_bench(args, stack))
+        finally:
+            if args.probe_dir:
+                shutil.rmtree(args.probe_dir, ignore_errors=True)
         trouble = stack.trouble()
     result["log_trouble_lines"] = len(trouble)  # WARNING / ERROR / Traceback lines the stack printed
     result["log_trouble_sample"] = trouble[:5]
@@ -215,6 +265,15 @@ def format_table(result: dict) -> str:
                      f"chunks): p50 {lat['added_ms_p50']:.1f} ms, p90 {lat['added_ms_p90']:.1f} ms, "
                      f"p99 {lat['added_ms_p99']:.1f} ms (since the write: gateway p99 "
                      f"{lat['gateway_since_write_ms_p99']:.1f} ms, direct p99 {lat['direct_since_write_ms_p99']:.1f} ms)")
+        probe = lat.get("probe")
+        if probe and probe["chunks_joined"]:
+            tail = probe["slowest_1pct"]
+            lines.append("  where it waited (ms, p50 / p99): " + ", ".join(
+                f"{part} {probe[part + '_ms']['p50']} / {probe[part + '_ms']['p99']}" for part in frontdoor_probe.PARTS)
+                + f"; slowest 1%: mean {tail['mean_ms']}, dominant {tail['dominant_part']}")
+            lines.append(f"  loop lag p99 / max: gateway {probe['gateway_loop_lag_ms']['p99']} / "
+                         f"{probe['gateway_loop_lag_ms']['max']} ms, client {probe['client_loop_lag_ms']['p99']} / "
+                         f"{probe['client_loop_lag_ms']['max']} ms; gateway GC {probe['gateway_gc_pauses']}")
     lines.append(f"goals: {result['goals']}")
     return "\n".join(lines)
 
@@ -244,5 +303,20 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     p.add_argument("--transport", default="ucx", choices=["ucx", "tcp"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gateway-arg", action="append", default=[], metavar="FLAG",
+                   help="a flag for the gateway, e.g. --gateway-arg=--loop=asyncio (repeatable)")
+    p.add_argument("--worker-nice", type=int, default=0,
+                   help="niceness of the prefill and decode workers' threads (0: as started; 10: the gateway, "
+                        "router, Redis and clients get a larger share of the cores when they need one)")
+    p.add_argument("--front-nice", type=int, default=0,
+                   help="niceness of the gateway, router, embedded Redis and the load generator (0: as started; "
+                        "below 0 needs root: on a machine shared with other jobs, what the gateway adds when it "
+                        "gets a core on time)")
+    p.add_argument("--front-realtime", action="store_true",
+                   help="run the gateway, router, embedded Redis and the load generator in the real-time class "
+                        "(SCHED_RR; root): on a machine other jobs load, the figure without their run-queue waits")
+    p.add_argument("--no-probe", action="store_true",
+                   help="leave the gateway's per-chunk probe off (fanout_probe.py; on, the latency phase says where "
+                        "each chunk waited: the delivery stream, the gateway's loop, the client's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)

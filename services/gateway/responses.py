@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services import hops
 from services.errors import PdserveError, RequestAbortedError
-from services.gateway import metrics, sse
+from services.gateway import fanout_probe, metrics, sse
 from services.gateway.core import HEARTBEAT, GatewayCore
 from services.gateway.http_errors import as_pdserve, error_body, error_response, event_error
 from services.gateway.openai_format import ResponseAggregate, StreamFormatter
@@ -120,6 +120,8 @@ async def sse_events(core: GatewayCore, record: RequestRecord, resume: sse.Resum
                     continue
                 for event in entry_events(entry_id, payloads):
                     yield event
+                if kind == CHUNK and payloads:
+                    fanout_probe.written(record.stream_id, entry_id)  # its events are in the socket's transport
         finished = True
         if started is not None and outcome == "ok":
             now = time.perf_counter()

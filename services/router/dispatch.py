@@ -46,7 +46,8 @@ from services.engine.sampling_params import SamplingParams
 from services.errors import CapacityError, InvalidRequestError, NoWorkerError, PdserveError
 from services.grpc_codec import check_deadline, error_from_rpc, worker_request
 from services.registry import WorkerInfo
-from services.router.placement import begin_prefill, place
+from services.grpc_channels import Channels
+from services.router.placement import begin_decode, begin_prefill, place
 from services.router.policy import RouterPolicyConfig, policy_from_config
 from services.router.prefix_index import PrefixIndex
 from services.router.worker_pool import WorkerPool
@@ -114,24 +115,6 @@ def _prefill_failure(prefill_task: asyncio.Task | None) -> _PrefillFailed | None
         return None
     exc = prefill_task.exception()
     return exc if isinstance(exc, _PrefillFailed) else None
-
-
-class Channels:
-    """One gRPC channel per worker address, shared by every request."""
-
-    def __init__(self):
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def get(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address)
-        return ch
-
-    async def aclose(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
-        self._channels.clear()
 
 
 class Dispatcher:
@@ -290,9 +273,10 @@ class Dispatcher:
 
         choice = placement.prefill
         prefill = choice.worker
-        self._count(prefill, choice.reason)
+        self._count(prefill, "peer_fetch" if choice.fetch is not None else choice.reason)
         self._count(decode, d.reason)
         token = begin_prefill(self.pool, self.index, choice, hashes, len(prompt), block_size)
+        decode_token = begin_decode(self.pool, d)
         prefill_task: asyncio.Task | None = None
         call = None
         # From the Reserve call on, the decode worker may hold blocks for this attempt. Unless the attempt
@@ -307,7 +291,9 @@ class Dispatcher:
             hops.mark(client_id, "router.sent")
             prefill_call = prefill_stub.Prefill(metadata=metadata)
             descriptor: asyncio.Future = asyncio.get_running_loop().create_future()
-            prefill_task = asyncio.create_task(self._prefill(prefill_call, request, descriptor, prefill))
+            fetch = None if choice.fetch is None else worker_pb2.FetchSource(
+                address=choice.fetch.holder.address, num_blocks=choice.fetch.blocks)
+            prefill_task = asyncio.create_task(self._prefill(prefill_call, request, descriptor, prefill, fetch))
             prefill_task.add_done_callback(lambda t: self.pool.end_prefill(token))
             may_hold = True
             try:
@@ -337,6 +323,7 @@ class Dispatcher:
                 yield item
         finally:
             self.pool.end(token)
+            self.pool.end(decode_token)
             if prefill_task is not None and not prefill_task.done():
                 prefill_task.cancel()
             if call is not None and not call.done():
@@ -349,10 +336,12 @@ class Dispatcher:
                                            worker=worker.worker_id, reason=reason).inc()
 
     @staticmethod
-    async def _prefill(call, request: worker_pb2.WorkerRequest, descriptor: asyncio.Future, worker: WorkerInfo):
-        """The Prefill call: the request, then the descriptor once reserved; its response."""
+    async def _prefill(call, request: worker_pb2.WorkerRequest, descriptor: asyncio.Future, worker: WorkerInfo,
+                       fetch: worker_pb2.FetchSource | None = None):
+        """The Prefill call: the request (and where to fetch its prefix from), then the descriptor
+        once reserved; its response."""
         try:
-            await call.write(worker_pb2.PrefillRequest(request=request))
+            await call.write(worker_pb2.PrefillRequest(request=request, fetch=fetch))
             await call.write(worker_pb2.PrefillRequest(descriptor=await descriptor))
             await call.done_writing()
             return await call

@@ -73,4 +73,13 @@ def begin_prefill(pool: WorkerPool, index: PrefixIndex, prefill: Decision, hashe
     confirm this, or remove what it evicts) and the pool counts the tokens it will compute."""
     worker = prefill.worker
     index.touch(worker.worker_id, hashes, worker.kv_cache_capacity)
-    return pool.begin(worker.worker_id, num_tokens - prefill.overlap_blocks * block_size)
+    held = max(prefill.overlap_blocks, prefill.fetch.blocks if prefill.fetch is not None else 0)
+    return pool.begin(worker.worker_id, num_tokens - held * block_size)
+
+
+def begin_decode(pool: WorkerPool, decode: Decision) -> InflightToken:
+    """Count a disaggregated request on its decode worker as well as its prefill worker. Without it
+    the decode worker's load moved only with its heartbeat, so every request placed between two
+    heartbeats chose the same least-loaded decode worker until its KV was full (``pdserve bench
+    sim`` at 1,000 workers: one worker took a second's arrivals, the rest retried RESOURCE_EXHAUSTED)."""
+    return pool.begin(decode.worker.worker_id)

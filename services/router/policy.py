@@ -49,6 +49,14 @@ index records each choice at once), and weighs that cache against the worker's
 queue better than a ring does (``pdserve bench routing --workload multi-turn
 --prefill 2``: pinning prefills by key raised TTFT by half at the same hit rate).
 
+Peer fetch (``peer_fetch``, off by default): a worker's uncached tokens become the cheaper of
+computing them and fetching the prefix from the worker that holds more of it over kvtransfer
+(``fetch_cost.py`` has the model: transfer bytes over bandwidth, the holder's step in progress
+and its restores, against prefill time for those tokens). So kv-aware weighs three choices: the
+holder (its queue), another worker computing, another worker fetching. The chosen worker's
+``Decision.fetch`` names the holder and the blocks; with ``least-load`` and ``round-robin`` the
+chosen worker fetches where that is cheaper than computing.
+
 ``least-load`` takes the fewest pending prefill tokens; ``round-robin`` cycles
 over workers by id. Decode choice is shared: only workers with enough free KV
 blocks, then the fewest requests, then the most free blocks (round-robin cycles
@@ -62,6 +70,7 @@ overlaps from a ``PrefixIndex``; they never mutate either (the caller calls
 from __future__ import annotations
 
 import math
+import operator
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
@@ -69,6 +78,7 @@ from dataclasses import dataclass, fields
 from services.errors import CapacityError, NoWorkerError
 from services.registry import WorkerInfo
 from services.router.affinity import SessionAffinity
+from services.router.fetch_cost import FetchPlan, plan_fetch
 from services.router.prefix_index import PrefixIndex
 from services.router.worker_pool import WorkerLoad, WorkerPool
 
@@ -112,6 +122,11 @@ class RouterPolicyConfig:
     # "Another worker holds more of the prompt": at least this many more leading full blocks than the
     # key's worker. 1: strictly more. A larger value keeps sessions in place against small differences.
     affinity_override_blocks: int = 1
+    # Peer fetch (fetch_cost.py): route where the cost is best and have that worker pull the prefix
+    # from the peer holding it when that beats computing it. The two rates price a fetch.
+    peer_fetch: bool = False
+    peer_fetch_bandwidth_gbps: float = 2.0
+    peer_fetch_prefill_tokens_per_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -125,6 +140,10 @@ class RouterPolicyConfig:
                 raise ValueError(f"{name} must be >= 0 (0 disables), got {getattr(self, name)}")
         if not math.isfinite(self.affinity_load_factor) or self.affinity_load_factor < 1:
             raise ValueError(f"affinity_load_factor must be a finite number >= 1, got {self.affinity_load_factor}")
+        for name in ("peer_fetch_bandwidth_gbps", "peer_fetch_prefill_tokens_per_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
         if self.affinity_override_blocks < 1:
             raise ValueError(f"affinity_override_blocks must be >= 1, got {self.affinity_override_blocks}")
 
@@ -135,6 +154,7 @@ class Decision:
     reason: str  # prefix_hit | load | least_load | round_robin | only_worker | most_room | affinity[_spill]
     overlap_blocks: int = 0
     cost: float = 0.0  # the policy's score for the winner (kv-aware: tokens); 0 where it has none
+    fetch: FetchPlan | None = None  # peer fetch: pull these leading blocks from this holder first
 
 
 class RoutingPolicy:
@@ -159,7 +179,41 @@ class RoutingPolicy:
         if len(candidates) == 1:
             only = candidates[0]
             return Decision(only, "only_worker", overlaps.get(only.worker_id, 0))
-        return self._pick_prefill(candidates, overlaps, num_tokens, block_size, pool, block_hashes, index)
+        decision = self._pick_prefill(candidates, overlaps, num_tokens, block_size, pool, block_hashes, index)
+        if self.config.peer_fetch:
+            w = decision.worker
+            uncached = self._uncached(w, overlaps.get(w.worker_id, 0), num_tokens, block_size, block_hashes, index)
+            plan = self._fetch_plan(w, candidates, overlaps, num_tokens, block_size, pool, block_hashes, index,
+                                    uncached)
+            if plan is not None:
+                decision = Decision(w, decision.reason, decision.overlap_blocks, decision.cost, plan)
+        return decision
+
+    def _uncached(self, w: WorkerInfo, overlap: int, num_tokens: int, block_size: int,
+                  block_hashes: Sequence[int], index: PrefixIndex | None) -> float:
+        """Prompt tokens ``w`` computes, a block in its spill tier counting ``restore_token_cost``."""
+        uncached = max(0, num_tokens - overlap * block_size)
+        if overlap and index is not None:  # blocks in its spill tier: a copy back, not free
+            uncached += self.config.restore_token_cost * block_size * index.spilled_run(
+                w.worker_id, block_hashes, overlap)
+        return uncached
+
+    def _fetch_plan(self, w: WorkerInfo, candidates: Sequence[WorkerInfo], overlaps: dict[str, int],
+                    num_tokens: int, block_size: int, pool: WorkerPool, block_hashes: Sequence[int],
+                    index: PrefixIndex | None, uncached: float) -> FetchPlan | None:
+        c = self.config
+        if not c.peer_fetch:
+            return None
+        holders = [h for h in candidates if overlaps.get(h.worker_id, 0) > overlaps.get(w.worker_id, 0)]
+        if not holders:
+            return None
+        spilled = {h.worker_id: index.spilled_run(h.worker_id, block_hashes, overlaps[h.worker_id])
+                   for h in holders} if index is not None else {}
+        pending = {h.worker_id: pool.load(h.worker_id).pending_prefill_tokens for h in holders}
+        # the rate this worker's fetches measured (heartbeated), else the configured bandwidth
+        bandwidth = w.kv_fetch_bytes_per_s or c.peer_fetch_bandwidth_gbps * 1e9
+        return plan_fetch(w, holders, overlaps, spilled, pending, num_tokens, block_size, uncached,
+                          bandwidth, c.peer_fetch_prefill_tokens_per_s, c.restore_token_cost)
 
     def _pick_prefill(self, candidates: list[WorkerInfo], overlaps: dict[str, int], num_tokens: int,
                       block_size: int, pool: WorkerPool, block_hashes: Sequence[int],
@@ -175,8 +229,11 @@ class RoutingPolicy:
         Raises NoWorkerError when no candidate is left, CapacityError when none has room.
         """
         candidates = _candidates(workers, exclude, "decode")
-        loads = {w.worker_id: pool.load(w.worker_id) for w in candidates}
-        fits = [w for w in candidates if loads[w.worker_id].kv_blocks_free >= num_blocks_needed]
+        loads, fits, load_of = {}, [], pool.load
+        for w in candidates:
+            load = loads[w.worker_id] = load_of(w.worker_id)
+            if load.kv_blocks_free >= num_blocks_needed:
+                fits.append(w)
         if not fits:
             roomiest = max(candidates, key=lambda w: loads[w.worker_id].kv_blocks_free)
             largest = max(w.kv_blocks_total for w in candidates)
@@ -199,9 +256,10 @@ class RoutingPolicy:
         return self._pick_decode(fits, loads)
 
     def _pick_decode(self, fits: list[WorkerInfo], loads: dict[str, WorkerLoad]) -> Decision:
-        best = min(fits, key=lambda w: (loads[w.worker_id].num_requests, -loads[w.worker_id].kv_blocks_free,
-                                        w.worker_id))
-        return Decision(best, "least_load", cost=loads[best.worker_id].num_requests)
+        # fits are in id order, so the first of the least loaded is the lowest id
+        ranks = [loads[w.worker_id].decode_rank for w in fits]
+        best = min(ranks)
+        return Decision(fits[ranks.index(best)], "least_load", cost=best[0])
 
 
 class KVAwarePolicy(RoutingPolicy):
@@ -222,14 +280,16 @@ class KVAwarePolicy(RoutingPolicy):
         # with hundreds of workers most are ruled out by their load alone, the same choice at a
         # fraction of the work (the charge walks the worker's cache model).
         base = []  # (cost without the eviction charge, position by id, worker, overlap)
+        cost, load_of = self.cost, pool.load
         for i, w in enumerate(candidates):  # candidates are sorted by id
             overlap = overlaps.get(w.worker_id, 0)
-            uncached = max(0, num_tokens - overlap * block_size)
-            if overlap and index is not None:  # blocks in its spill tier: a copy back, not free
-                uncached += self.config.restore_token_cost * block_size * index.spilled_run(
-                    w.worker_id, block_hashes, overlap)
-            base.append((self.cost(pool.load(w.worker_id), uncached), i, w, overlap))
-        base.sort(key=lambda s: (s[0], s[1]))
+            uncached = self._uncached(w, overlap, num_tokens, block_size, block_hashes, index)
+            plan = self._fetch_plan(w, candidates, overlaps, num_tokens, block_size, pool, block_hashes, index,
+                                    uncached)
+            if plan is not None:  # fetching the prefix here beats computing it (the third choice)
+                uncached = plan.cost
+            base.append((cost(load_of(w.worker_id), uncached), i, w, overlap))
+        base.sort(key=_FIRST_TWO)  # positions are unique: never compares workers
         margin = self.config.tie_tokens if self.config.temperature > 0 else 0.0
         scored = []  # (cost, position by id, worker, overlap)
         best = math.inf
@@ -333,9 +393,14 @@ def should_prefill_locally(uncached_tokens: int, prefill_queue_tokens: int, has_
     return 0 < config.prefill_queue_limit_tokens < prefill_queue_tokens
 
 
+_BY_ID = operator.attrgetter("worker_id")
+_FIRST_TWO = operator.itemgetter(0, 1)
+
+
 def _candidates(workers: Sequence[WorkerInfo], exclude: Iterable[str], role: str) -> list[WorkerInfo]:
     excluded = set(exclude)
-    candidates = sorted((w for w in workers if w.worker_id not in excluded), key=lambda w: w.worker_id)
+    # attrgetter, not a lambda: this runs per request over every worker of the role
+    candidates = sorted((w for w in workers if w.worker_id not in excluded) if excluded else workers, key=_BY_ID)
     if not candidates:
         detail = f" ({len(excluded)} excluded after failing)" if excluded and workers else ""
         raise NoWorkerError(f"no {role} worker is available{detail}")

@@ -118,7 +118,9 @@ async def serve(args) -> None:
                                 local_prefill_cached=args.local_prefill_cached,
                                 prefill_queue_limit_tokens=args.prefill_queue_limit_tokens, seed=args.seed,
                                 affinity_load_factor=args.affinity_load_factor,
-                                affinity_override_blocks=args.affinity_override_blocks)
+                                affinity_override_blocks=args.affinity_override_blocks,
+                                peer_fetch=args.peer_fetch, peer_fetch_bandwidth_gbps=args.peer_fetch_bandwidth_gbps,
+                                peer_fetch_prefill_tokens_per_s=args.peer_fetch_prefill_tokens_per_s)
     redis = await connect_redis(args.redis_url, name="pdserve-router")
     index = PrefixIndex()
     pool = WorkerPool(redis, refresh_s=0.25, on_removed=index.drop_worker)
@@ -230,6 +232,13 @@ def add_parser(sub) -> None:
     p.add_argument("--affinity-override-blocks", type=int, default=1,
                    help="session affinity: another worker holding at least this many more leading full blocks "
                         "of the prompt than the key's worker takes the request (>= 1)")
+    p.add_argument("--peer-fetch", action="store_true",
+                   help="let a prefill worker pull a prompt's prefix from the prefill worker holding it (over the KV "
+                        "transport) when the cost model says that beats computing it or queueing at the holder")
+    p.add_argument("--peer-fetch-bandwidth-gbps", type=float, default=2.0,
+                   help="peer fetch cost model: KV transfer bandwidth between workers, GB/s")
+    p.add_argument("--peer-fetch-prefill-tokens-per-s", type=float, default=600.0,
+                   help="peer fetch cost model: a prefill worker's prompt tokens per second (CPU default model: ~600)")
     p.add_argument("--max-attempts", type=int, default=3, help="tries per request across workers")
     p.add_argument("--transfer-timeout", type=float, default=60.0)
     p.add_argument("--drain-timeout", type=float, default=30.0,

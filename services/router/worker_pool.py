@@ -2,8 +2,9 @@
 
 Heartbeats (about 1 s apart) are too slow for bursts: fifty requests arriving in
 one heartbeat would all see the same idle worker. So the router also counts
-what it has sent itself: ``begin`` when it dispatches, ``end`` when the worker
-is done with the request (``end_prefill`` when only the prefill part is). A
+what it has sent itself: ``begin`` when it dispatches (a disaggregated request
+on both its workers, placement.begin_prefill and begin_decode), ``end`` when the
+worker is done with the request (``end_prefill`` when only the prefill part is). A
 request a worker already reported in its heartbeat is then counted twice
 until it ends; that errs towards spreading, which is the safe direction.
 
@@ -18,6 +19,7 @@ drops it from the prefix index).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -43,16 +45,23 @@ class WorkerLoad:
     inflight_prefill_tokens: int = 0
     ended_since_beat: int = 0  # this router's requests that ended after the heartbeat counted them
 
-    @property
+    # cached_property: a policy reads these for every worker on every request, and a pool's
+    # WorkerLoad lives until that worker's heartbeat or in-flight counts change (WorkerPool.load)
+    @functools.cached_property
     def pending_prefill_tokens(self) -> int:
         """Prompt tokens ahead of a new request: reported queue plus what this router sent since."""
         return self.queued_prefill_tokens + self.inflight_prefill_tokens
 
-    @property
+    @functools.cached_property
     def num_requests(self) -> int:
         return self.num_running + self.num_waiting + self.inflight_requests
 
-    @property
+    @functools.cached_property
+    def decode_rank(self) -> tuple[int, int]:
+        """The shared decode choice's order: fewest requests, then most free blocks."""
+        return self.num_requests, -self.kv_blocks_free
+
+    @functools.cached_property
     def active_requests(self) -> int:
         """Requests on the worker, none counted twice: the larger of its heartbeat's count (other
         routers' requests too, up to a second old), less this router's requests that ended since
@@ -97,6 +106,9 @@ class WorkerPool:
         # worker id -> its WorkerLoad until its heartbeat or in-flight counts change: a policy reads
         # every worker's load for every request, and with hundreds of workers building them dominated
         self._loads: dict[str, WorkerLoad] = {}
+        # role -> its ready, not draining workers by id, until the next update: what every dispatch
+        # asks for; rebuilding it per request was most of the router's time at 1,000 workers
+        self._by_role: dict[str, list[WorkerInfo]] | None = None
         self._loops = Loops()
 
     # ---- registry -------------------------------------------------------
@@ -123,6 +135,7 @@ class WorkerPool:
         """Replace the known set with ``workers`` (what the registry holds now)."""
         now = self._clock()
         self._loads.clear()
+        self._by_role = None
         fresh = {w.worker_id: w for w in workers if self.model is None or w.model == self.model}
         for worker_id in [w for w in self._workers if w not in fresh]:
             del self._workers[worker_id]
@@ -173,8 +186,16 @@ class WorkerPool:
         return self._usable("decode")
 
     def _usable(self, role: str) -> list[WorkerInfo]:
-        return [self._workers[w].info for w in sorted(self._workers)
-                if self._workers[w].info.role == role and self.is_usable(w)]
+        if self._by_role is None:
+            self._by_role = {}
+            for w in sorted(self._workers):
+                info = self._workers[w].info
+                if info.ready and not info.draining:
+                    self._by_role.setdefault(info.role, []).append(info)
+        ready = self._by_role.get(role, [])
+        if not self._failed_until:  # the common case: nobody is held out, no clock to check
+            return list(ready)
+        return [info for info in ready if self.is_usable(info.worker_id)]
 
     def mark_failed(self, worker_id: str, for_s: float = 5.0) -> None:
         """Hold ``worker_id`` out of routing now, for ``for_s`` and until it heartbeats after that."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from services.errors import CapacityError, NoWorkerError
 from services.queue.config import QueueConfig
-from services.router.placement import begin_prefill, place
+from services.router.placement import begin_decode, begin_prefill, place
 from services.router.policy import RouterPolicyConfig, policy_from_config
 from services.router.prefix_index import PrefixIndex
 from services.router.worker_pool import WorkerPool
@@ -86,13 +86,15 @@ class ClusterSim:
         self.controller = controller  # an autoscaler with .tick(sim), called every heartbeat
         self.on_finished: Callable[[Job], None] | None = None
         for _ in range(config.prefill_workers):
-            self.add_worker("prefill")
+            self.add_worker("prefill", announce=False)
         for _ in range(config.decode_workers):
-            self.add_worker("decode")
+            self.add_worker("decode", announce=False)
+        self.pool.update([w.heartbeat(0.0) for w in self.workers.values()])  # one update, not one per worker
 
     # ---- workers ------------------------------------------------------------------------
-    def add_worker(self, role: str, ready_in: float = 0.0) -> SimWorker:
-        """Start a worker; it registers after ``ready_in`` seconds (a cold or warm start)."""
+    def add_worker(self, role: str, ready_in: float = 0.0, announce: bool = True) -> SimWorker:
+        """Start a worker; it registers after ``ready_in`` seconds (a cold or warm start). ``announce``:
+        a ready worker's heartbeat reaches the router at once (False: at the caller's next update)."""
         self._ids[role] += 1
         cls = PrefillWorker if role == "prefill" else DecodeWorker
         worker = cls(self, f"{role}-{self._ids[role]:04d}", self.config.profile, self.config.model,
@@ -100,7 +102,7 @@ class ClusterSim:
         worker.started_at = self.loop.now
         worker.ready_at = self.loop.now + ready_in
         self.workers[worker.worker_id] = worker
-        if ready_in <= 0:
+        if ready_in <= 0 and announce:
             self.pool.update([w.heartbeat(self.loop.now) for w in self._registered()])
         return worker
 
@@ -189,6 +191,7 @@ class ClusterSim:
             return
         job.prefill_worker = prefill.worker_id
         job.token = begin_prefill(self.pool, self.index, placement.prefill, req.hashes, req.num_tokens, bs)
+        job.decode_token = begin_decode(self.pool, placement.decode)
         prefill.submit(job)
 
     def _wait(self, job: Job) -> None:
@@ -219,6 +222,8 @@ class ClusterSim:
 
     def finished(self, job: Job, worker: DecodeWorker) -> None:
         self.pool.end(job.token)
+        if job.decode_token is not None:
+            self.pool.end(job.decode_token)
         self.inflight -= 1
         if self.on_finished is not None:
             self.on_finished(job)

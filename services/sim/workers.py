@@ -49,7 +49,8 @@ class Job:
     blocks: int = 0
     prefill_worker: str = ""
     decode_worker: str = ""
-    token: object = None  # the router's in-flight token
+    token: object = None  # the router's in-flight token (the prefill worker's when disaggregated)
+    decode_token: object = None  # a disaggregated request's on its decode worker
     finish_step: float = 0.0
     local: bool = False
     attempts: int = 0

@@ -3,7 +3,7 @@
 import pytest
 
 from services.errors import CapacityError
-from services.router.placement import begin_prefill, place
+from services.router.placement import begin_decode, begin_prefill, place
 from services.router.policy import RouterPolicyConfig, make_policy
 from services.router.prefix_index import PrefixIndex
 from tests.router.test_policy import BS, info, pool_of, prompt
@@ -59,6 +59,23 @@ def test_begin_prefill_predicts_the_cache_and_counts_uncached_tokens():
     assert index.overlap("p2", hashes) == len(hashes)  # the prediction: it will hold every full block
     pool.end(token)
     assert pool.load("p2").inflight_requests == 0
+
+
+def test_disaggregated_requests_between_two_heartbeats_spread_over_the_decode_workers():
+    # no heartbeat arrives between them, so only the router's own in-flight counts tell the decode
+    # workers apart: without begin_decode all six went to d1 (the least loaded at the last beat)
+    pool = pool_of(info("p1"), info("d1", "decode"), info("d2", "decode"), info("d3", "decode"))
+    config, policy, index = RouterPolicyConfig(), make_policy("kv-aware"), PrefixIndex()
+    chosen, tokens = [], []
+    for i in range(6):
+        text, hashes = prompt(4 * BS, first=1000 * i)
+        p = run_place(pool, config, policy, index, text, hashes, "always")
+        tokens += [begin_prefill(pool, index, p.prefill, hashes, len(text), BS), begin_decode(pool, p.decode)]
+        chosen.append(p.decode.worker.worker_id)
+    assert sorted(chosen) == ["d1", "d1", "d2", "d2", "d3", "d3"]
+    for token in tokens:
+        pool.end(token)
+    assert all(pool.load(w).inflight_requests == 0 for w in ("p1", "d1", "d2", "d3"))
 
 
 def test_a_prompt_the_decode_worker_holds_skips_the_prefill_worker():

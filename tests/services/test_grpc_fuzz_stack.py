@@ -34,6 +34,7 @@ TARGETS = [
     ("decode-0", "pdserve.v1.DecodeWorker", "Abort", worker_pb2.AbortRequest, False, False),
     ("prefill-0", "pdserve.v1.PrefillWorker", "Prefill", worker_pb2.PrefillRequest, False, True),
     ("prefill-0", "pdserve.v1.PrefillWorker", "GetLoad", worker_pb2.GetLoadRequest, False, False),
+    ("prefill-0", "pdserve.v1.PrefillWorker", "Fetch", worker_pb2.FetchRequest, False, False),
     ("router", "pdserve.v1.Admin", "Profile", admin_pb2.ProfileRequest, False, False),  # profiling off here
     ("decode-0", "pdserve.v1.Admin", "Profile", admin_pb2.ProfileRequest, False, False),
 ]

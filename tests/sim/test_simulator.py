@@ -54,6 +54,18 @@ def test_the_routing_policy_decides():
     assert kv["hit_rate"] > rr["hit_rate"]
 
 
+def test_a_burst_between_two_heartbeats_spreads_over_the_decode_workers():
+    # the router's view of the decode workers changes only by its own in-flight counts until the next
+    # heartbeat (1 s): before a disaggregated request counted on its decode worker, all went to one
+    sim = small_run(workers=(1, 4), rate=100.0, duration=0.3)
+    burst = [j for j in sim.jobs if j.dispatched_at < 1.0 and j.decode_worker]
+    per_worker = {}
+    for j in burst:
+        per_worker[j.decode_worker] = per_worker.get(j.decode_worker, 0) + 1
+    assert len(burst) >= 20 and len(per_worker) == 4
+    assert max(per_worker.values()) - min(per_worker.values()) <= 1
+
+
 def test_it_is_the_router_code_that_runs(monkeypatch):
     """Patch the production policy class: the simulator's choices follow the patch."""
     before = small_run()

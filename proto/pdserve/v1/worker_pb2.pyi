@@ -56,12 +56,40 @@ class TokenChunkOrFinish(_message.Message):
     def __init__(self, chunk: _Optional[_Union[_common_pb2.TokenChunk, _Mapping]] = ..., finish: _Optional[_Union[_common_pb2.Finish, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request", "descriptor")
+    __slots__ = ("request", "descriptor", "fetch")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
     request: WorkerRequest
     descriptor: bytes
-    def __init__(self, request: _Optional[_Union[WorkerRequest, _Mapping]] = ..., descriptor: _Optional[bytes] = ...) -> None: ...
+    fetch: FetchSource
+    def __init__(self, request: _Optional[_Union[WorkerRequest, _Mapping]] = ..., descriptor: _Optional[bytes] = ..., fetch: _Optional[_Union[FetchSource, _Mapping]] = ...) -> None: ...
+
+class FetchSource(_message.Message):
+    __slots__ = ("address", "num_blocks")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    num_blocks: int
+    def __init__(self, address: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("fetch_id", "token_ids", "descriptor")
+    FETCH_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    fetch_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    descriptor: bytes
+    def __init__(self, fetch_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., descriptor: _Optional[bytes] = ...) -> None: ...
+
+class FetchResponse(_message.Message):
+    __slots__ = ("num_blocks", "cached_tokens")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    cached_tokens: int
+    def __init__(self, num_blocks: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "cached_tokens", "transfer_bytes", "prefill_ms")

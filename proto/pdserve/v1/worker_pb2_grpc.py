@@ -49,6 +49,11 @@ class PrefillWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
                 _registered_method=True)
+        self.Fetch = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/Fetch',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.FetchRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.FetchResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -76,6 +81,14 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fetch(self, request, context):
+        """Send the KV of a prefix this worker holds into a peer's reserved blocks (peer fetch).
+        NOT_FOUND when it no longer holds all of them; the peer then computes them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +106,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerLoad.SerializeToString,
+            ),
+            'Fetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.FetchRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.FetchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +194,33 @@ class PrefillWorker:
             '/pdserve.v1.PrefillWorker/GetLoad',
             pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/Fetch',
+            pdserve_dot_v1_dot_worker__pb2.FetchRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.FetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

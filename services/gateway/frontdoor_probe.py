@@ -1,0 +1,80 @@
+"""Where ``bench frontdoor``'s added latency per chunk goes: the gateway's probe joined with the two readers.
+
+Each chunk compared has four times on this machine's clock:
+
+    tapped   a separate process reading the result streams straight from Redis got it (result_tap.py)
+    read     the gateway's delivery reader's XREAD that carried it returned        (fanout_probe.py)
+    written  its SSE event was handed to the HTTP server                           (fanout_probe.py)
+    client   the load generator's loop read it from the socket                     (load.py)
+
+so the added latency (client - tapped) splits into ``delivery`` (read - tapped:
+the delivery stream through Redis, and the gateway's loop being free to run
+the reader), ``gateway`` (written - read: the subscription's wake-up, the
+formatting and the HTTP server's write, all waiting their turn on the gateway's
+loop) and ``client`` (client - written: the socket, and the load generator's
+loop being free to read). For the slowest chunks (the top 1% by added latency)
+it says which part dominated. Beside it, both event loops' lag and the
+gateway's garbage-collector pauses: a loop that wakes 200 ms late delays every
+chunk waiting on it by as much.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from services.bench.stats import percentile as pct
+
+PARTS = ("delivery", "gateway", "client")
+
+
+def _spread(values: list[float]) -> dict:
+    return {"p50": round(pct(values, 50), 2), "p90": round(pct(values, 90), 2), "p99": round(pct(values, 99), 2),
+            "max": round(max(values), 2) if values else None, "n": len(values)}
+
+
+def lag_summary(samples: list, since: float, until: float) -> dict:
+    """A loop's lag (ms late per tick) within [since, until], and how many ticks were 20 / 100 ms late."""
+    lags = [late for at, late in samples if since <= at <= until]
+    return {**_spread(lags), "ticks_over_20ms": sum(v > 20 for v in lags),
+            "ticks_over_100ms": sum(v > 100 for v in lags),
+            "late_ms_total": round(sum(v for v in lags if v > 5), 1)}
+
+
+def gc_summary(pauses: list, since: float, until: float) -> dict:
+    within = [(gen, ms) for at, gen, ms in pauses if since <= at <= until]
+    by_gen = {}
+    for gen in sorted({g for g, _ in within}):
+        ms = [m for g, m in within if g == gen]
+        by_gen[str(gen)] = {"count": len(ms), "ms_total": round(sum(ms), 1), "ms_max": round(max(ms), 1)}
+    return by_gen
+
+
+def breakdown(chunks: list[tuple[str, str, float, float]], probe: dict, client_lag: list,
+              since: float, until: float) -> dict:
+    """``chunks``: (request id, entry id, tapped, client) of the chunks compared; ``probe``: fanout_probe.load();
+    ``client_lag``: the load generator's LoopLag samples; [since, until]: the steady window (unix times)."""
+    reads = {(rid, eid): (at, batch) for rid, eid, at, batch in probe["reads"]}
+    writes = {(rid, eid): at for rid, eid, at in probe["writes"]}
+    rows = []
+    for rid, eid, tapped, client in chunks:
+        read, written = reads.get((rid, eid)), writes.get((rid, eid))
+        if read is None or written is None:
+            continue
+        rows.append({"added": (client - tapped) * 1e3, "delivery": (read[0] - tapped) * 1e3,
+                     "gateway": (written - read[0]) * 1e3, "client": (client - written) * 1e3, "batch": read[1]})
+    out = {"chunks_joined": len(rows), "chunks_unjoined": len(chunks) - len(rows)}
+    for part in ("added", *PARTS):
+        out[f"{part}_ms"] = _spread([r[part] for r in rows])
+    if rows:
+        tail = sorted(rows, key=lambda r: r["added"])[-max(1, len(rows) // 100):]
+        out["slowest_1pct"] = {
+            "chunks": len(tail),
+            "mean_ms": {part: round(sum(r[part] for r in tail) / len(tail), 1) for part in ("added", *PARTS)},
+            "dominant_part": dict(Counter(max(PARTS, key=lambda p: r[p]) for r in tail)),
+        }
+    batches = [r["batch"] for r in rows]
+    out["xread_entries_per_batch"] = _spread(batches)
+    out["gateway_loop_lag_ms"] = lag_summary(probe["lag"], since, until)
+    out["client_loop_lag_ms"] = lag_summary(client_lag, since, until)
+    out["gateway_gc_pauses"] = gc_summary(probe["gc"], since, until)
+    return out

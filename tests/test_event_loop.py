@@ -1,0 +1,38 @@
+"""The gateway's event loop choice and its garbage-collector settling (services/event_loop.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import pytest
+
+from services import event_loop
+
+
+async def _loop_module() -> str:
+    return type(asyncio.get_running_loop()).__module__
+
+
+def test_auto_runs_on_uvloop_when_installed_and_asyncio_on_the_stdlib_loop():
+    pytest.importorskip("uvloop")  # a declared dependency on Linux
+    assert event_loop.run(_loop_module(), "auto").startswith("uvloop")
+    assert event_loop.run(_loop_module(), "uvloop").startswith("uvloop")
+    assert event_loop.run(_loop_module(), "asyncio").startswith("asyncio")
+
+
+def test_an_unknown_loop_is_refused_by_name():
+    coro = _loop_module()
+    with pytest.raises(ValueError, match="loop must be one of auto, uvloop, asyncio"):
+        event_loop.run(coro, "tokio")
+    coro.close()
+
+
+def test_settle_gc_exempts_what_exists_from_later_collections():
+    kept = [[i] for i in range(1000)]  # tracked objects made "at startup"
+    try:
+        event_loop.settle_gc()
+        assert gc.get_freeze_count() >= len(kept)
+        assert not any(obj is kept for obj in gc.get_objects())  # frozen: out of every generation
+    finally:
+        gc.unfreeze()
