@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from services import env_defaults
+from services import env_defaults, openmp_env
 from services.errors import is_described
 
 # command -> the module whose add_parser(sub) defines it. A command's module is imported only when
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         from services import probe
 
         return probe.main(argv[1:])
+    openmp_env.apply()  # before build_parser imports torch, which loads libgomp
     parser = build_parser(argv)
     env_defaults.apply(parser)  # PDSERVE_<FLAG> variables are the flags' defaults
     args = parser.parse_args(argv)

@@ -22,7 +22,7 @@ import sys
 import threading
 from pathlib import Path
 
-from services import up_defaults
+from services import openmp_env, up_defaults
 from services.engine.model_source import default_model_path, model_name
 from services.errors import ModelNotFoundError
 from services.launcher import LocalStack, StackError, StackSpec
@@ -92,6 +92,10 @@ def run(args) -> int:
     spec = spec_from_args(args, choice)
     if choice.reasons:
         print(f"[pdserve] chose: {choice.summary()} (flags override)", flush=True)
+    if openmp_env.chosen_here:
+        print(f"[pdserve] chose: OMP_WAIT_POLICY={openmp_env.DEFAULT} in every process because idle OpenMP threads "
+              "spinning took the cores the serving path needs (measured; set OMP_WAIT_POLICY or GOMP_SPINCOUNT "
+              "to override)", flush=True)
 
     def echo(name: str, line: str) -> None:
         if not args.quiet or "ready on" in line:

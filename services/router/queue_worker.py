@@ -4,7 +4,7 @@
           across tiers) and start one task each; every claim_idle_ms / 3, touch the
           running entries (so no other router reclaims live work) and reclaim what
           a dead router left pending for claim_idle_ms.
-    task: cancelled already? -> final "abort", ack
+    task: dispatch, reading the cancel flag beside it (set: cancelled -> final "abort", ack)
           tokens already in its result stream (a redelivery) -> resume after them
           Dispatcher.generate(results_to=request id): decode workers write the chunks
           -> final event (usage, timings with queue wait) -> ack
@@ -152,20 +152,21 @@ class QueueWorker:
                                           attributes={"request_id": req.request_id, "tier": d.tier,
                                                       "delivery": d.delivery_count}):
             try:
-                if await is_cancelled(self.redis, req.request_id):
-                    await self._final(d, {"finish_reason": "abort", "usage": {}, "timings": {"queue_ms": queue_ms}})
-                    return
                 try:
                     params = SamplingParams(**req.sampling)
                 except (TypeError, ValueError) as exc:  # an unknown field, a value out of range: bad input
                     raise InvalidRequestError(f"bad sampling parameters: {exc}") from None
-                emitted = await self._emitted(req.request_id) if d.delivery_count > 1 else []
                 finish = None
-                async for item in self.dispatcher.generate(
-                        req.request_id, req.token_ids, params, self._priority(d.tier), req.deadline,
-                        results_to=req.request_id, emitted=emitted,
-                        read_emitted=lambda: self._emitted(req.request_id), session_key=req.session_key):
-                    finish = item  # results mode: only the Finish comes back
+                # A client that left while its request queued set the cancel flag (its PUBLISH found no
+                # task to cancel). The flag is read beside the dispatch, not before it: one Redis round
+                # trip off every request's first token; a set flag cancels this task, as a PUBLISH would.
+                with self._cancelled_by_flag(req.request_id):
+                    emitted = await self._emitted(req.request_id) if d.delivery_count > 1 else []
+                    async for item in self.dispatcher.generate(
+                            req.request_id, req.token_ids, params, self._priority(d.tier), req.deadline,
+                            results_to=req.request_id, emitted=emitted,
+                            read_emitted=lambda: self._emitted(req.request_id), session_key=req.session_key):
+                        finish = item  # results mode: only the Finish comes back
                 await self._final(d, {
                     "finish_reason": finish.finish_reason,
                     "usage": {"prompt_tokens": finish.usage.prompt_tokens,
@@ -192,6 +193,26 @@ class QueueWorker:
             except Exception as exc:  # a bug: retry on the next delivery rather than lose the request
                 log.exception("request %s: unexpected failure", req.request_id)
                 await self.consumer.fail(d, f"{type(exc).__name__}: {exc}", self.consumer.consumer)
+
+    @contextlib.contextmanager
+    def _cancelled_by_flag(self, request_id: str):
+        """Read the request's cancel flag while the body runs; a set flag cancels the running task."""
+        task = asyncio.current_task()
+        check = asyncio.ensure_future(is_cancelled(self.redis, request_id))
+        running = True  # a callback already scheduled when the body ended must not cancel what follows
+
+        def checked(f: asyncio.Future) -> None:
+            # a failed read cancels nothing: the dispatch's own Redis writes meet the same trouble
+            if running and not f.cancelled() and f.exception() is None and f.result():
+                log.info("request %s was cancelled by its client while queued", request_id)
+                task.cancel()
+
+        check.add_done_callback(checked)
+        try:
+            yield
+        finally:
+            running = False
+            check.cancel()
 
     async def _final(self, d: Delivery, final: dict) -> None:
         await self.results.finish(d.request_id, final)

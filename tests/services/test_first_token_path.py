@@ -43,7 +43,7 @@ NAMED = {
         "XRANGE": 1,  # the subscription's catch-up
     }),
     "router": collections.Counter({
-        "EXISTS": 1,  # the cancel flag, before dispatch
+        "EXISTS": 1,  # the cancel flag, read beside the dispatch
         "EVALSHA": 2,  # the final event; the ack (finalize script)
     }),
 }
