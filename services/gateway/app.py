@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.errors import InvalidRequestError
-from services.gateway import prompts, protocol, sse
+from services.gateway import choices, prompts, protocol, sse
 from services.gateway.body_limit import BodyLimitMiddleware
 from services.gateway.core import GatewayCore
 from services.gateway.http_admission import admit
@@ -102,6 +102,11 @@ async def _generate(core: GatewayCore, request: Request, kind: str) -> Response:
         return protocol.parse_chat(body) if kind == CHAT else protocol.parse_completion(body)
 
     a = await admit(core, request, kind, parse)
+    if a.req.candidates > 1:
+        records = await choices.admit_children(core, a)
+        if a.req.stream:
+            return choices.stream_response(core, a, records, kind)
+        return await choices.json_response(core, request, a, records, kind)
     if a.req.stream:
         return stream_response(core, a.admission.record, a.resume_from, a.req.include_usage, kind, a.headers,
                                a.measure, a.admitted)

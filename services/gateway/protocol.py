@@ -10,14 +10,14 @@ accepted and the engine refuses.
 Supported: chat ``messages`` (string content or ``text`` parts), completion
 ``prompt`` (a string or token ids, one prompt), ``max_tokens`` /
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
-``presence_penalty``, ``frequency_penalty``, ``n`` (1), ``stream``,
+``presence_penalty``, ``frequency_penalty``, ``n`` and completions' ``best_of`` (up to MAX_N), ``stream``,
 ``stream_options.include_usage``, ``logprobs`` / ``top_logprobs``, ``logit_bias``, ``user``,
 ``prompt_cache_key`` (session affinity; completions too, as an extension), ``response_format``
 (``json_object``, ``json_schema``; completions too, as vLLM does: response_format.py); and
 vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``. Every other field of OpenAI's
 API is listed in spec_fields.py: features pdserve does not have (tools,
-non-text parts, echo, suffix, best_of > 1, ...) are refused with a
+non-text parts, echo, suffix, ...) are refused with a
 400 naming them rather than ignored. Fields OpenAI does not define are ignored,
 as vLLM does.
 """
@@ -38,6 +38,7 @@ from services.session_key import validate_session_key
 
 _INT64 = (-(2 ** 63), 2 ** 63 - 1)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MAX_N = 8  # choices per request (n, best_of): each is a child request through admission (choices.py)
 _NUMBER_PARAMS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty")
 
 
@@ -57,6 +58,13 @@ class GenerationRequest:
     structured_param: str = "response_format"  # what a structured-output error names (gRPC: sampling.structured)
     tools: list = field(default_factory=list)  # tools.Tool, for the prompt and the schema check
     tool_choice: Any = None  # tools.ToolChoice when the output may hold calls
+    n: int = 1  # choices returned; more than one fans out into child requests (choices.py)
+    best_of: int | None = None  # completions: candidates generated, the n likeliest returned
+    hide_logprobs: bool = False  # best_of without logprobs: asked for to rank the candidates, not returned
+
+    @property
+    def candidates(self) -> int:
+        return self.best_of or self.n
 
     @property
     def max_tokens(self) -> int | None:
@@ -152,8 +160,8 @@ def _common(body: dict, kind: str) -> tuple[dict, dict]:
     if bias:
         sampling["logit_bias"] = bias  # checked by SamplingParams (ids, range) and the gateway (vocabulary)
     n = get_typed(body, "n", (int,), 1)
-    if n != 1:
-        raise InvalidRequestError(f"only n=1 is supported, got n={n}", param="n")
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}], got {n}", param="n")
     stream = get_typed(body, "stream", (bool,), False)
     options = get_typed(body, "stream_options", (dict,))
     include_usage = False
@@ -164,7 +172,7 @@ def _common(body: dict, kind: str) -> tuple[dict, dict]:
         if get_typed(options, "include_obfuscation", (bool,), False):
             raise InvalidRequestError("stream_options.include_obfuscation: pdserve never pads its chunks",
                                       param="stream_options.include_obfuscation")
-    settings = {"model": get_typed(body, "model", (str,)), "stream": stream, "include_usage": include_usage,
+    settings = {"n": n, "model": get_typed(body, "model", (str,)), "stream": stream, "include_usage": include_usage,
                 "user": get_typed(body, "user", (str,)),
                 "session_key": validate_session_key(body.get("prompt_cache_key"), "prompt_cache_key")}
     return sampling, settings
@@ -267,8 +275,27 @@ def parse_completion(body: dict) -> GenerationRequest:
         sampling["logprobs"] = logprobs
     _structured(body, sampling)
     validate_sampling(sampling)
+    best_of = _best_of(body, settings)
+    hide = best_of is not None and logprobs is None
+    if hide:
+        sampling["logprobs"] = 0  # each candidate's token logprobs: what best_of ranks by
     return GenerationRequest(COMPLETION, sampling=sampling, prompt=prompt, logprobs=sampling.get("logprobs"),
-                             **settings)
+                             best_of=best_of, hide_logprobs=hide, **settings)
+
+
+def _best_of(body: dict, settings: dict) -> int | None:
+    """OpenAI's completions best_of: at least n, at most the cap, never streamed (the ranking needs whole outputs)."""
+    best_of = get_typed(body, "best_of", (int,))
+    if best_of is None or best_of == settings["n"]:
+        return None
+    if best_of < settings["n"]:
+        raise InvalidRequestError(f"best_of must be >= n ({settings['n']}), got {best_of}", param="best_of")
+    if best_of > MAX_N:
+        raise InvalidRequestError(f"best_of must be an integer in [1, {MAX_N}], got {best_of}", param="best_of")
+    if settings["stream"]:
+        raise InvalidRequestError("best_of > n cannot be streamed (the choices are ranked once all are done)",
+                                  param="best_of")
+    return best_of
 
 
 def parse_prompt(value: Any) -> str | list[int]:

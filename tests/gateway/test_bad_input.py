@@ -45,7 +45,9 @@ CASES = [
     (CHAT, {"messages": MSG, "temperature": -0.5}, 400, "temperature"),
     (CHAT, {"messages": MSG, "top_p": 1.5}, 400, "top_p"),
     (CHAT, {"messages": MSG, "presence_penalty": 3}, 400, "presence_penalty"),
-    (CHAT, {"messages": MSG, "n": 2}, 400, "n"),
+    (CHAT, {"messages": MSG, "n": 0}, 400, "n"),
+    (CHAT, {"messages": MSG, "n": 9}, 400, "n"),  # above the documented cap (protocol.MAX_N)
+    (CHAT, {"messages": MSG, "n": "2"}, 400, "n"),
     (CHAT, {"messages": MSG, "logit_bias": {"5": 101}}, 400, "logit_bias"),  # bias out of range
     (CHAT, {"messages": MSG, "logit_bias": {"5": "up"}}, 400, "logit_bias"),
     (CHAT, {"messages": MSG, "logit_bias": {"dog": 1}}, 400, "logit_bias"),  # not a token id
@@ -77,7 +79,10 @@ CASES = [
     (COMPLETIONS, {"prompt": [10 ** 9]}, 400, "prompt"),  # outside the vocabulary
     (COMPLETIONS, {"prompt": "Hi", "logprobs": 30}, 400, "logprobs"),
     (COMPLETIONS, {"prompt": "Hi", "echo": True}, 400, "echo"),
-    (COMPLETIONS, {"prompt": "Hi", "best_of": 3}, 400, "best_of"),
+    (COMPLETIONS, {"prompt": "Hi", "n": 3, "best_of": 2}, 400, "best_of"),  # fewer candidates than choices
+    (COMPLETIONS, {"prompt": "Hi", "best_of": 9}, 400, "best_of"),
+    (COMPLETIONS, {"prompt": "Hi", "best_of": 2, "stream": True}, 400, "best_of"),
+    (COMPLETIONS, {"prompt": "Hi", "n": 9, "best_of": 9}, 400, "n"),
     ("/tokenize", {}, 400, None),
     ("/tokenize", {"messages": "Hi"}, 400, "messages"),
 ]

@@ -1,0 +1,222 @@
+"""``n`` > 1 and ``best_of``: one request fanned out into child requests, their outputs merged into one response.
+
+Each choice is a child request through the normal admission path (``core.submit``), so queueing,
+rate limits, routing and cancellation treat it like any other; choice i is seeded with seed + i
+when the request has a seed (as vLLM V1 does). The children's prompts are identical, so their
+full prompt blocks are shared through the prefix cache; the last partial block is not (a true
+fork with copy-on-write is future work). Greedy children may coalesce into one generation
+(coalescing.py): their choices are then identical, as they would be anyway.
+
+The merged response numbers its choices ``index`` 0..n-1, keeps each choice's ``finish_reason``
+and logprobs, and counts the prompt once in ``usage`` and the completion tokens of every choice
+(of every candidate, with ``best_of``, as OpenAI bills them). The client leaving detaches every
+child (so each is cancelled); one child's failure ends the response with its error, a stream's
+as a final error event, and the other children are detached (cancelled) too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from services.errors import PdserveError
+from services.gateway import metrics, sse
+from services.gateway.core import HEARTBEAT, GatewayCore
+from services.gateway.http_admission import Admitted
+from services.gateway.http_errors import as_pdserve, error_body, error_response, event_error
+from services.gateway.openai_format import ResponseAggregate, StreamFormatter, usage
+from services.gateway.request_record import RequestRecord
+from services.gateway.responses import _collect, _wait_disconnect, sse_stream
+from services.queue.results import CHUNK, ERROR, FINAL
+
+log = logging.getLogger(__name__)
+_INT64 = 1 << 64
+
+
+def child_request(req, i: int):
+    """Choice i's request: the parent's, with seed + i (wrapped into int64)."""
+    child = copy.copy(req)
+    child.sampling = dict(req.sampling)
+    if "seed" in child.sampling and i:
+        child.sampling["seed"] = (child.sampling["seed"] + i + (1 << 63)) % _INT64 - (1 << 63)
+    return child
+
+
+async def admit_children(core: GatewayCore, a: Admitted) -> list[RequestRecord]:
+    """The first choice was admitted by http_admission.admit; the others join it here (no idempotency key:
+    a retry of an n > 1 request starts afresh). A refused child detaches those already queued."""
+    records = [a.admission.record]
+    try:
+        for i in range(1, a.req.candidates):
+            admission = await core.submit(a.tenant, child_request(a.req, i), tier=a.admission.tier,
+                                          deadline=a.admission.record.deadline)
+            records.append(admission.record)
+    except Exception:
+        for record in records:
+            core.detach(record, False, False)
+        raise
+    return records
+
+
+def merge_usage(finals: list[dict], records: list[RequestRecord], seen: list[int]) -> dict:
+    """The prompt once, every choice's completion tokens summed."""
+    parts = [usage(f, r, s) for f, r, s in zip(finals, records, seen)]
+    out = parts[0]
+    out["completion_tokens"] = sum(p["completion_tokens"] for p in parts)
+    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    return out
+
+
+def _cumulative_logprob(choice: dict) -> float:
+    return sum((choice.get("logprobs") or {}).get("token_logprobs") or [])
+
+
+def merge_bodies(bodies: list[dict], n: int, ranked: bool, keep_logprobs: bool) -> dict:
+    """One response from the children's: with ``ranked`` (best_of) the n likeliest choices, else all in order."""
+    choices = [b["choices"][0] for b in bodies]
+    if ranked:
+        choices = sorted(choices, key=_cumulative_logprob, reverse=True)[:n]
+    for i, choice in enumerate(choices):
+        choice["index"] = i
+        if not keep_logprobs:
+            choice["logprobs"] = None
+    total = bodies[0]["usage"]
+    total["completion_tokens"] = sum(b["usage"]["completion_tokens"] for b in bodies)
+    total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
+    return {**bodies[0], "choices": choices, "usage": total}
+
+
+async def json_response(core: GatewayCore, request: Request, a: Admitted, records: list[RequestRecord],
+                        api: str) -> Response:
+    """Wait for every child; the first error, or the client leaving, ends it (and cancels the rest)."""
+    for record in records:
+        await core.attach(record)
+    works = [asyncio.ensure_future(_collect(core, r, a.started, ResponseAggregate(r))) for r in records]
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    finished = False
+    try:
+        pending = set(works)
+        while pending:
+            done, pending = await asyncio.wait(pending | {gone}, return_when=asyncio.FIRST_COMPLETED)
+            if gone in done:
+                metrics.count(api, "aborted")
+                return Response(status_code=499)
+            pending.discard(gone)
+            for work in done:
+                try:
+                    body, outcome = work.result()
+                except Exception as exc:
+                    metrics.count(api, metrics.outcome_of(exc))
+                    return error_response(exc, a.headers)
+                if isinstance(body, PdserveError):
+                    metrics.count(api, outcome)
+                    return error_response(body, a.headers)
+        finished = True
+        results = [w.result() for w in works]
+        outcome = "aborted" if any(o != "ok" for _, o in results) else "ok"
+        metrics.count(api, outcome)
+        merged = merge_bodies([b for b, _ in results], a.req.n, a.req.best_of is not None,
+                              keep_logprobs=not a.req.hide_logprobs)
+        return JSONResponse(merged, headers=a.headers)
+    finally:
+        for task in (*works, gone):
+            task.cancel()
+        for record in records:
+            core.detach(record, True, finished)
+
+
+async def _pump(core: GatewayCore, i: int, record: RequestRecord, out: asyncio.Queue) -> None:
+    """Child i's events onto the merged stream's queue: (i, kind, data); a failure is an ERROR of its own."""
+    try:
+        async for _, kind, data in core.follow(record, sse.START):
+            await out.put((i, kind, data))
+            if kind in (FINAL, ERROR):
+                return
+        await out.put((i, ERROR, None))
+    except Exception as exc:
+        await out.put((i, "raised", exc))
+
+
+def _tag(payloads: list[dict], i: int) -> list[dict]:
+    for payload in payloads:
+        for choice in payload.get("choices") or []:
+            choice["index"] = i
+    return payloads
+
+
+async def stream_events(core: GatewayCore, a: Admitted, records: list[RequestRecord], api: str) -> AsyncIterator[bytes]:
+    """The children's chunks interleaved as they come, each tagged with its choice index; one usage chunk
+    (include_usage) after the last choice ends. Event ids count the events: an n > 1 stream is not resumable."""
+    fmts = [StreamFormatter(r, a.req.include_usage) for r in records]
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks: list[asyncio.Task] = []
+    counted = finished = False
+    outcome = "aborted"
+    count = 0
+
+    def encode(payload: dict) -> bytes:
+        nonlocal count
+        count += 1
+        return sse.encode(payload, str(count))
+
+    try:
+        for record in records:
+            await core.attach(record)
+        counted = True
+        tasks = [asyncio.ensure_future(_pump(core, i, r, queue)) for i, r in enumerate(records)]
+        for i, fmt in enumerate(fmts):
+            for payload in _tag(fmt.opening(), i):
+                yield encode(payload)
+        finals: list[dict | None] = [None] * len(records)
+        while any(f is None for f in finals):
+            i, kind, data = await queue.get()
+            if kind == HEARTBEAT:
+                yield sse.HEARTBEAT
+                continue
+            if kind == CHUNK:
+                payloads = fmts[i].chunk(data)
+            elif kind == FINAL:
+                finals[i] = data
+                payloads = [p for p in fmts[i].final(data) if p["choices"]]  # usage: once, merged, at the end
+            elif kind == "raised":
+                raise data
+            elif kind == ERROR:
+                body = error_body(event_error(data)) if data is not None else error_body(
+                    PdserveError(f"the result stream of choice {i} ended without a final event"))
+                outcome = "error"
+                for payload in fmts[i].failure(body):
+                    yield encode(payload)
+                yield sse.done(str(count))
+                return
+            else:
+                continue
+            for payload in _tag(payloads, i):
+                yield encode(payload)
+        outcome = "aborted" if any(f.get("finish_reason") == "abort" for f in finals) else "ok"
+        if a.req.include_usage:
+            seen = [f.completion_tokens for f in fmts]
+            yield encode(fmts[0]._chunk([], usage=merge_usage(finals, records, seen)))
+        finished = True
+        yield sse.done(str(count))
+    except Exception as exc:  # the status line is gone: the error becomes an event
+        outcome = metrics.outcome_of(exc)
+        exc = as_pdserve(exc)
+        if not isinstance(exc, PdserveError):
+            log.exception("request %s: n > 1 stream failed", records[0].request_id)
+        yield encode(error_body(exc))
+        yield sse.done(str(count))
+    finally:
+        for task in tasks:
+            task.cancel()
+        metrics.count(api, outcome)
+        for record in records:
+            core.detach(record, counted, finished)
+
+
+def stream_response(core: GatewayCore, a: Admitted, records: list[RequestRecord], api: str):
+    return sse_stream(stream_events(core, a, records, api), a.headers)

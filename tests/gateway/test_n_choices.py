@@ -1,0 +1,74 @@
+"""``n`` > 1 and ``best_of`` through the official ``openai`` client: one request fanned out into child requests."""
+
+from __future__ import annotations
+
+from services.gateway.choices import merge_bodies
+from tests.gateway.fake_router import DEFAULT_PIECES
+
+EXPECTED = "".join(DEFAULT_PIECES)
+MSG = [{"role": "user", "content": "Say hello"}]
+
+
+def test_chat_n3_returns_three_indexed_choices_seeded_per_choice(client):
+    h, c = client
+    r = c.chat.completions.create(model=h.model.name, messages=MSG, n=3, seed=7, temperature=0.8, max_tokens=8)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert all(ch.message.content == EXPECTED and ch.finish_reason == "stop" for ch in r.choices)
+    assert sorted(q.sampling["seed"] for q in h.router.seen) == [7, 8, 9]  # choice i: seed + i
+    assert len({q.token_ids == h.router.seen[0].token_ids for q in h.router.seen}) == 1
+    prompt = len(h.router.seen[0].token_ids)
+    assert r.usage.prompt_tokens == prompt  # counted once
+    assert r.usage.completion_tokens == 3 * len(DEFAULT_PIECES)
+    assert r.usage.total_tokens == prompt + 3 * len(DEFAULT_PIECES)
+
+
+def test_streamed_completion_n2_tags_chunks_with_their_choice_and_sums_usage(client):
+    h, c = client
+    chunks = list(c.completions.create(model=h.model.name, prompt="Once upon a time", n=2, stream=True,
+                                       max_tokens=5, stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for ch in chunks:
+        for choice in ch.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    assert texts == {0: EXPECTED, 1: EXPECTED}
+    assert finish == {0: "stop", 1: "stop"}
+    assert [ch.usage is not None for ch in chunks].count(True) == 1 and chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 2 * len(DEFAULT_PIECES)
+    assert chunks[-1].usage.prompt_tokens == len(h.router.seen[0].token_ids)
+    assert len(h.router.seen) == 2
+
+
+def test_streamed_chat_n2_opens_each_choice_with_the_role(client):
+    h, c = client
+    chunks = list(c.chat.completions.create(model=h.model.name, messages=MSG, n=2, stream=True, max_tokens=8))
+    roles = sorted(ch.choices[0].index for ch in chunks if ch.choices and ch.choices[0].delta.role)
+    assert roles == [0, 1]
+    text = {i: "".join(ch.choices[0].delta.content or "" for ch in chunks
+                       if ch.choices and ch.choices[0].index == i) for i in (0, 1)}
+    assert text == {0: EXPECTED, 1: EXPECTED}
+
+
+def test_best_of_runs_every_candidate_and_returns_n_without_unasked_logprobs(client):
+    h, c = client
+    r = c.completions.create(model=h.model.name, prompt="Hi", best_of=3, max_tokens=5)
+    assert len(r.choices) == 1 and r.choices[0].index == 0 and r.choices[0].logprobs is None
+    assert len(h.router.seen) == 3
+    assert all(q.sampling["logprobs"] == 0 for q in h.router.seen)  # asked for, to rank by
+    assert r.usage.completion_tokens == 3 * len(DEFAULT_PIECES)  # every candidate's tokens, as OpenAI bills
+
+
+def _body(text: str, logprobs: list[float]) -> dict:
+    choice = {"index": 0, "text": text, "finish_reason": "stop", "logprobs": {"token_logprobs": logprobs}}
+    return {"id": "cmpl-x", "choices": [choice],
+            "usage": {"prompt_tokens": 4, "completion_tokens": len(logprobs), "total_tokens": 4 + len(logprobs)}}
+
+
+def test_best_of_keeps_the_n_highest_cumulative_logprobs():
+    bodies = [_body("a", [-1.0, -1.0]), _body("b", [-0.1]), _body("c", [-0.5, -0.2])]
+    merged = merge_bodies(bodies, 2, ranked=True, keep_logprobs=False)
+    assert [(ch["index"], ch["text"]) for ch in merged["choices"]] == [(0, "b"), (1, "c")]
+    assert all(ch["logprobs"] is None for ch in merged["choices"])
+    assert merged["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
