@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import httpx
+import pytest
+
 from services.gateway.choices import merge_bodies
-from tests.gateway.fake_router import DEFAULT_PIECES
+from tests.gateway.fake_router import DEFAULT_PIECES, Plan
+from tests.gateway.harness import wait_for
+from tests.gateway.sse_client import events
 
 EXPECTED = "".join(DEFAULT_PIECES)
 MSG = [{"role": "user", "content": "Say hello"}]
@@ -72,3 +77,39 @@ def test_best_of_keeps_the_n_highest_cumulative_logprobs():
     assert [(ch["index"], ch["text"]) for ch in merged["choices"]] == [(0, "b"), (1, "c")]
     assert all(ch["logprobs"] is None for ch in merged["choices"])
     assert merged["usage"] == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_cancels_every_choice(gateway, stream):
+    h = gateway(disconnect_grace_s=0.2)
+    h.router.plan = lambda req: Plan(pieces=("x",) * 200, delay_s=0.02)
+    body = {"messages": MSG, "n": 3, "seed": 1, "temperature": 1.0, "stream": stream}
+    with httpx.Client(base_url=h.url, timeout=10) as http:
+        if stream:
+            with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                events(r, limit=4)
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post("/v1/chat/completions", json=body, timeout=0.5)
+    assert wait_for(lambda: len(h.router.seen) == 3
+                    and sorted(h.router.cancelled) == sorted(q.request_id for q in h.router.seen))
+    assert h.router.finished == []
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_one_failing_choice_ends_the_response_with_its_error_and_cancels_the_others(gateway, stream):
+    h = gateway(disconnect_grace_s=0.2)
+    h.router.plan = lambda req: (Plan(pieces=("x",) * 3, error_after=1) if req.sampling["seed"] == 2
+                                 else Plan(pieces=("x",) * 200, delay_s=0.02))
+    body = {"messages": MSG, "n": 3, "seed": 1, "temperature": 1.0, "stream": stream}
+    with httpx.Client(base_url=h.url, timeout=10) as http:
+        if stream:
+            with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                got = events(r)
+            assert got[-1].done and "error" in got[-2].json
+            assert got[-2].json["error"]["code"] == "kv_transfer_error"
+        else:
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 502 and r.json()["error"]["code"] == "kv_transfer_error"
+    others = sorted(q.request_id for q in h.router.seen if q.sampling["seed"] != 2)
+    assert wait_for(lambda: sorted(h.router.cancelled) == others)
