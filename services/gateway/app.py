@@ -99,7 +99,8 @@ def create_app(core: GatewayCore, profiler=None) -> FastAPI:
 
 async def _generate(core: GatewayCore, request: Request, kind: str) -> Response:
     async def parse(body: dict, _tenant) -> GenerationRequest:
-        return protocol.parse_chat(body) if kind == CHAT else protocol.parse_completion(body)
+        max_n = core.config.max_n
+        return protocol.parse_chat(body, max_n) if kind == CHAT else protocol.parse_completion(body, max_n)
 
     a = await admit(core, request, kind, parse)
     if a.req.candidates > 1:

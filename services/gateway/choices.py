@@ -31,7 +31,7 @@ from services.gateway.http_admission import Admitted
 from services.gateway.http_errors import as_pdserve, error_body, error_response, event_error
 from services.gateway.openai_format import ResponseAggregate, StreamFormatter, usage
 from services.gateway.request_record import RequestRecord
-from services.gateway.responses import _collect, _wait_disconnect, sse_stream
+from services.gateway.responses import collect, wait_disconnect, sse_stream
 from services.queue.results import CHUNK, ERROR, FINAL
 
 log = logging.getLogger(__name__)
@@ -96,8 +96,8 @@ async def json_response(core: GatewayCore, request: Request, a: Admitted, record
     """Wait for every child; the first error, or the client leaving, ends it (and cancels the rest)."""
     for record in records:
         await core.attach(record)
-    works = [asyncio.ensure_future(_collect(core, r, a.started, ResponseAggregate(r))) for r in records]
-    gone = asyncio.ensure_future(_wait_disconnect(request))
+    works = [asyncio.ensure_future(collect(core, r, a.started, ResponseAggregate(r))) for r in records]
+    gone = asyncio.ensure_future(wait_disconnect(request))
     finished = False
     try:
         pending = set(works)

@@ -42,6 +42,8 @@ class GatewayConfig:
     record_ttl_s: int = 3600
     # how long a Responses API response (store: true) is kept for GET and previous_response_id
     response_ttl_s: int = 7 * 24 * 3600
+    # choices per request (n, best_of): each is a child request (choices.py), so this bounds one request's fan-out
+    max_n: int = 8
     # the context length when no decode worker says (None: the model's own config)
     max_model_len: int | None = None
     # priority tiers, highest first (the queue's); tenant of an unauthenticated gateway gets default_tier
@@ -57,7 +59,7 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         self.tiers = tuple(self.tiers)
         for name in ("max_body_bytes", "max_queued_requests", "max_queued_tokens", "idempotency_ttl_s",
-                     "record_ttl_s", "response_ttl_s", "redis_max_connections"):
+                     "record_ttl_s", "response_ttl_s", "redis_max_connections", "max_n"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be an int >= 1; got {value!r}")

@@ -38,7 +38,7 @@ from services.session_key import validate_session_key
 
 _INT64 = (-(2 ** 63), 2 ** 63 - 1)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-MAX_N = 8  # choices per request (n, best_of): each is a child request through admission (choices.py)
+MAX_N = 8  # default cap on choices per request (n, best_of), gateway --max-n: each is a child request (choices.py)
 _NUMBER_PARAMS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty")
 
 
@@ -118,7 +118,7 @@ def get_typed(body: dict, name: str, types: tuple, default=None):
     return value
 
 
-def _common(body: dict, kind: str) -> tuple[dict, dict]:
+def _common(body: dict, kind: str, max_n: int) -> tuple[dict, dict]:
     """The sampling dict and the stream/model/user settings every endpoint shares."""
     sampling: dict[str, Any] = {}
     for name in _NUMBER_PARAMS:
@@ -160,8 +160,8 @@ def _common(body: dict, kind: str) -> tuple[dict, dict]:
     if bias:
         sampling["logit_bias"] = bias  # checked by SamplingParams (ids, range) and the gateway (vocabulary)
     n = get_typed(body, "n", (int,), 1)
-    if not 1 <= n <= MAX_N:
-        raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}], got {n}", param="n")
+    if not 1 <= n <= max_n:
+        raise InvalidRequestError(f"n must be an integer in [1, {max_n}] (this server's --max-n), got {n}", param="n")
     stream = get_typed(body, "stream", (bool,), False)
     options = get_typed(body, "stream_options", (dict,))
     include_usage = False
@@ -189,14 +189,14 @@ def validate_sampling(sampling: dict) -> None:
     SamplingParams(**sampling)  # raises InvalidRequestError naming the parameter
 
 
-def parse_chat(body: dict) -> GenerationRequest:
+def parse_chat(body: dict, max_n: int = MAX_N) -> GenerationRequest:
     refuse_unsupported(body, CHAT_FIELDS)
     if "messages" not in body:
         raise InvalidRequestError("messages is required", param="messages")
     raw = get_typed(body, "messages", (list,))
     messages = parse_messages(raw)
 
-    sampling, settings = _common(body, CHAT)
+    sampling, settings = _common(body, CHAT, max_n)
     logprobs = get_typed(body, "logprobs", (bool,), False)
     top = get_typed(body, "top_logprobs", (int,))
     if top is not None and not logprobs:
@@ -264,18 +264,18 @@ def _message(m: Any, i: int) -> dict[str, str]:
     return {"role": _ROLES[role], "content": content}
 
 
-def parse_completion(body: dict) -> GenerationRequest:
+def parse_completion(body: dict, max_n: int = MAX_N) -> GenerationRequest:
     if "prompt" not in body or body["prompt"] is None:
         raise InvalidRequestError("prompt is required", param="prompt")
     prompt = parse_prompt(body["prompt"])
     refuse_unsupported(body, COMPLETION_FIELDS)
-    sampling, settings = _common(body, COMPLETION)
+    sampling, settings = _common(body, COMPLETION, max_n)
     logprobs = get_typed(body, "logprobs", (int,))
     if logprobs is not None:
         sampling["logprobs"] = logprobs
     _structured(body, sampling)
     validate_sampling(sampling)
-    best_of = _best_of(body, settings)
+    best_of = _best_of(body, settings, max_n)
     hide = best_of is not None and logprobs is None
     if hide:
         sampling["logprobs"] = 0  # each candidate's token logprobs: what best_of ranks by
@@ -283,15 +283,16 @@ def parse_completion(body: dict) -> GenerationRequest:
                              best_of=best_of, hide_logprobs=hide, **settings)
 
 
-def _best_of(body: dict, settings: dict) -> int | None:
+def _best_of(body: dict, settings: dict, max_n: int) -> int | None:
     """OpenAI's completions best_of: at least n, at most the cap, never streamed (the ranking needs whole outputs)."""
     best_of = get_typed(body, "best_of", (int,))
     if best_of is None or best_of == settings["n"]:
         return None
     if best_of < settings["n"]:
         raise InvalidRequestError(f"best_of must be >= n ({settings['n']}), got {best_of}", param="best_of")
-    if best_of > MAX_N:
-        raise InvalidRequestError(f"best_of must be an integer in [1, {MAX_N}], got {best_of}", param="best_of")
+    if best_of > max_n:
+        raise InvalidRequestError(f"best_of must be an integer in [1, {max_n}] (this server's --max-n), got {best_of}",
+                                  param="best_of")
     if settings["stream"]:
         raise InvalidRequestError("best_of > n cannot be streamed (the choices are ranked once all are done)",
                                   param="best_of")

@@ -164,7 +164,7 @@ def sse_stream(body: AsyncIterator[bytes], headers: dict[str, str]) -> Streaming
     return StreamingResponse(body, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
@@ -176,7 +176,7 @@ class Aggregate(Protocol):
     def body(self, final: dict) -> dict: ...
 
 
-async def _collect(core: GatewayCore, record: RequestRecord, started: float, aggregate: Aggregate,
+async def collect(core: GatewayCore, record: RequestRecord, started: float, aggregate: Aggregate,
                    admitted: float | None = None) -> tuple[dict | PdserveError, str]:
     """The response body and outcome, or the error event's error; raises when no terminal event came."""
     first = True
@@ -205,8 +205,8 @@ async def json_response(core: GatewayCore, request: Request, record: RequestReco
                         admitted: float | None = None) -> Response:
     """Wait for the whole result; a client that leaves meanwhile is detached (and so cancelled)."""
     await core.attach(record)
-    work = asyncio.ensure_future(_collect(core, record, started, aggregate or ResponseAggregate(record), admitted))
-    gone = asyncio.ensure_future(_wait_disconnect(request))
+    work = asyncio.ensure_future(collect(core, record, started, aggregate or ResponseAggregate(record), admitted))
+    gone = asyncio.ensure_future(wait_disconnect(request))
     finished = False
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)

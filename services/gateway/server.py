@@ -27,7 +27,7 @@ def build_config(args) -> GatewayConfig:
                          max_queued_tokens=args.max_queued_tokens, retry_after_s=args.retry_after,
                          default_timeout_s=args.default_timeout, max_timeout_s=args.max_timeout,
                          disconnect_grace_s=args.disconnect_grace, sse_heartbeat_s=args.sse_heartbeat,
-                         max_model_len=args.max_model_len, require_ready_worker=not args.allow_no_worker,
+                         max_model_len=args.max_model_len, max_n=args.max_n, require_ready_worker=not args.allow_no_worker,
                          response_ttl_s=args.response_ttl, coalesce=not args.no_coalesce,
                          redis_max_connections=args.redis_max_connections,
                          redis_pool_timeout_s=args.redis_pool_timeout, lora_admin=args.enable_lora_admin)
@@ -121,6 +121,9 @@ def add_parser(sub) -> None:
                    help='JSON {"sk-...": {"tenant", "tier", "rpm", "tpm"}}; without it auth is off')
     p.add_argument("--max-model-len", type=int, default=None,
                    help="cap the context length (default: the decode workers', else the model's)")
+    p.add_argument("--max-n", type=int, default=d.max_n,
+                   help="most choices one request may ask for (n, completions' best_of); each is a child "
+                        "request, so this bounds one request's fan-out; above it is a 400")
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
                    help="answer 429 while this many requests are unfinished in the queue")
     p.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens,

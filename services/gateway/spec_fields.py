@@ -83,7 +83,7 @@ _PENALTIES = {
     "stop": _h("up to 16 strings; the output ends before the first", _STOP),
     "presence_penalty": _h("", {**_NUM, "minimum": -2, "maximum": 2}),
     "frequency_penalty": _h("", {**_NUM, "minimum": -2, "maximum": 2}),
-    "n": _h("choices per request, 1-8 (MAX_N; above is a 400): each a child request through admission, choice "
+    "n": _h("choices per request, 1 to the gateway's `--max-n` (default 8; above is a 400): each a child request through admission, choice "
             "i seeded with seed + i; full prompt blocks are shared through the prefix cache",
             {**_INT, "minimum": 1, "maximum": 8}),
     "stream_options": _h("include_usage (a last chunk with usage); include_obfuscation true is a 400 "
@@ -150,7 +150,7 @@ COMPLETION_FIELDS: dict[str, SpecField] = {
     "max_tokens": _h("OpenAI's default 16", {**_INT, "minimum": 1}),
     "logprobs": _h("0-20: the chosen token's logprob and that many alternatives, with text_offset",
                    {**_INT, "minimum": 0, "maximum": 20}),
-    "best_of": _h("candidates generated (n to 8), the n with the highest cumulative logprob returned; "
+    "best_of": _h("candidates generated (n to `--max-n`), the n with the highest cumulative logprob returned; "
                   "not with stream (a 400)", {**_INT, "minimum": 1, "maximum": 8}),
     "echo": _r("the prompt is not echoed", False),
     "suffix": _r("no insertion (fill-in-the-middle)", ""),

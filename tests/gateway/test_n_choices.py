@@ -113,3 +113,14 @@ def test_one_failing_choice_ends_the_response_with_its_error_and_cancels_the_oth
             assert r.status_code == 502 and r.json()["error"]["code"] == "kv_transfer_error"
     others = sorted(q.request_id for q in h.router.seen if q.sampling["seed"] != 2)
     assert wait_for(lambda: sorted(h.router.cancelled) == others)
+
+
+def test_the_cap_is_the_gateways_max_n(gateway):
+    h = gateway(max_n=2)
+    with httpx.Client(base_url=h.url, timeout=10) as http:
+        over = http.post("/v1/chat/completions", json={"messages": MSG, "n": 3})
+        assert over.status_code == 400 and over.json()["error"]["param"] == "n"
+        assert "--max-n" in over.json()["error"]["message"]
+        assert http.post("/v1/completions", json={"prompt": "Hi", "best_of": 3}).json()["error"]["param"] == "best_of"
+        assert len(http.post("/v1/chat/completions", json={"messages": MSG, "n": 2}).json()["choices"]) == 2
+    assert len(h.router.seen) == 2  # the refused requests queued nothing
