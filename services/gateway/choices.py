@@ -63,6 +63,19 @@ async def admit_children(core: GatewayCore, a: Admitted) -> list[RequestRecord]:
     return records
 
 
+async def attach_all(core: GatewayCore, records: list[RequestRecord]) -> None:
+    """Count the client on every choice; if one cannot be joined, let go of all (the others are cancelled)."""
+    attached = 0
+    try:
+        for record in records:
+            await core.attach(record)
+            attached += 1
+    except Exception:
+        for k, record in enumerate(records):
+            core.detach(record, k < attached, False)
+        raise
+
+
 def merge_usage(finals: list[dict], records: list[RequestRecord], seen: list[int]) -> dict:
     """The prompt once, every choice's completion tokens summed."""
     parts = [usage(f, r, s) for f, r, s in zip(finals, records, seen)]
@@ -94,8 +107,7 @@ def merge_bodies(bodies: list[dict], n: int, ranked: bool, keep_logprobs: bool) 
 async def json_response(core: GatewayCore, request: Request, a: Admitted, records: list[RequestRecord],
                         api: str) -> Response:
     """Wait for every child; the first error, or the client leaving, ends it (and cancels the rest)."""
-    for record in records:
-        await core.attach(record)
+    await attach_all(core, records)
     works = [asyncio.ensure_future(collect(core, r, a.started, ResponseAggregate(r))) for r in records]
     gone = asyncio.ensure_future(wait_disconnect(request))
     finished = False
@@ -165,8 +177,7 @@ async def stream_events(core: GatewayCore, a: Admitted, records: list[RequestRec
         return sse.encode(payload, str(count))
 
     try:
-        for record in records:
-            await core.attach(record)
+        await attach_all(core, records)
         counted = True
         tasks = [asyncio.ensure_future(_pump(core, i, r, queue)) for i, r in enumerate(records)]
         for i, fmt in enumerate(fmts):
@@ -214,8 +225,9 @@ async def stream_events(core: GatewayCore, a: Admitted, records: list[RequestRec
         for task in tasks:
             task.cancel()
         metrics.count(api, outcome)
-        for record in records:
-            core.detach(record, counted, finished)
+        if counted:  # else attach_all let go of them already
+            for record in records:
+                core.detach(record, True, finished)
 
 
 def stream_response(core: GatewayCore, a: Admitted, records: list[RequestRecord], api: str):
