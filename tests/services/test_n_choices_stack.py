@@ -3,6 +3,8 @@ choices (greedy identical, seeded reproducible per choice), usage, streamed inde
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import redis
 
@@ -18,7 +20,7 @@ MSG = [{"role": "user", "content": "Write one sentence about the sea."}]
 def client(redis_url):
     from openai import OpenAI
 
-    redis.Redis.from_url(redis_url).flushdb()
+    redis.Redis.from_url(redis_url).flushdb()  # test_children_share_the_full_prompt_blocks reads every result stream
     spec = StackSpec(prefill=1, decode=1, dtype="fp32", threads=1, kv_cache_gb=0.25, redis_url=redis_url)
     with LocalStack(spec) as s:
         yield OpenAI(base_url=f"http://{s.gateway_address}/v1", api_key="none", max_retries=0)
@@ -62,3 +64,23 @@ def test_best_of_returns_the_candidate_with_the_highest_cumulative_logprob(clien
     best = max(every.choices, key=lambda c: sum(c.logprobs.token_logprobs))
     r = client.completions.create(best_of=3, **kw)
     assert len(r.choices) == 1 and r.choices[0].text == best.text and r.choices[0].logprobs is None
+
+
+def test_children_share_the_full_prompt_blocks_through_the_prefix_cache(client, redis_url):
+    """The first choice computes the prompt; the others find its full blocks cached, never the partial last one."""
+    prompt = "The history of the sea and its sailors, told slowly. " * 30
+    r = client.completions.create(model=MODEL, prompt=prompt, n=4, seed=1, temperature=1.0, max_tokens=4)
+    store = redis.Redis.from_url(redis_url)
+    cached = []
+    for key in store.scan_iter("pd:res:*"):
+        if key.endswith(b":inbox"):  # a gateway's delivery stream repeats the per-request streams' events
+            continue
+        for _, fields in store.xrange(key):
+            for value in fields.values():
+                if b'"cached_prompt_tokens"' in value and b'"finish_reason"' in value:
+                    usage = json.loads(value)["usage"]
+                    if usage["prompt_tokens"] == r.usage.prompt_tokens:
+                        cached.append(usage["cached_prompt_tokens"])
+    cached = sorted(cached)
+    assert len(cached) == 4 and cached[0] == 0 and len(set(cached[1:])) == 1
+    assert 0 < cached[1] < r.usage.prompt_tokens
