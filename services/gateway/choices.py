@@ -28,10 +28,15 @@ from services.errors import PdserveError
 from services.gateway import metrics, sse
 from services.gateway.core import HEARTBEAT, GatewayCore
 from services.gateway.http_admission import Admitted
-from services.gateway.http_errors import as_pdserve, error_body, error_response, event_error
+from services.gateway.http_errors import (
+    as_pdserve,
+    error_body,
+    error_response,
+    event_error,
+)
 from services.gateway.openai_format import ResponseAggregate, StreamFormatter, usage
 from services.gateway.request_record import RequestRecord
-from services.gateway.responses import collect, wait_disconnect, sse_stream
+from services.gateway.responses import collect, sse_stream, wait_disconnect
 from services.queue.results import CHUNK, ERROR, FINAL
 
 log = logging.getLogger(__name__)

@@ -59,7 +59,7 @@ def test_streamed_n2_chunks_carry_their_choice_index(client):
 
 
 def test_best_of_returns_the_candidate_with_the_highest_cumulative_logprob(client):
-    kw = dict(model=MODEL, prompt="The sea is", temperature=1.0, max_tokens=8, seed=21)
+    kw = {"model": MODEL, "prompt": "The sea is", "temperature": 1.0, "max_tokens": 8, "seed": 21}
     every = client.completions.create(n=3, logprobs=0, **kw)
     best = max(every.choices, key=lambda c: sum(c.logprobs.token_logprobs))
     r = client.completions.create(best_of=3, **kw)
