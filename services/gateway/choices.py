@@ -28,12 +28,7 @@ from services.errors import PdserveError
 from services.gateway import metrics, sse
 from services.gateway.core import HEARTBEAT, GatewayCore
 from services.gateway.http_admission import Admitted
-from services.gateway.http_errors import (
-    as_pdserve,
-    error_body,
-    error_response,
-    event_error,
-)
+from services.gateway.http_errors import as_pdserve, error_body, error_response, event_error
 from services.gateway.openai_format import ResponseAggregate, StreamFormatter, usage
 from services.gateway.request_record import RequestRecord
 from services.gateway.responses import collect, sse_stream, wait_disconnect
