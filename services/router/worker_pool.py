@@ -106,9 +106,10 @@ class WorkerPool:
         # worker id -> its WorkerLoad until its heartbeat or in-flight counts change: a policy reads
         # every worker's load for every request, and with hundreds of workers building them dominated
         self._loads: dict[str, WorkerLoad] = {}
-        # role -> its ready, not draining workers by id, until the next update: what every dispatch
-        # asks for; rebuilding it per request was most of the router's time at 1,000 workers
-        self._by_role: dict[str, list[WorkerInfo]] | None = None
+        # (role, model) -> its ready, not draining workers by id ("" model: every model's), until the next
+        # update: what every dispatch asks for; rebuilding it per request was most of the router's time
+        # at 1,000 workers
+        self._by_role: dict[tuple[str, str], list[WorkerInfo]] | None = None
         self._loops = Loops()
 
     # ---- registry -------------------------------------------------------
@@ -179,20 +180,28 @@ class WorkerPool:
             del self._failed_until[worker_id]
         return True
 
-    def prefill_workers(self) -> list[WorkerInfo]:
-        return self._usable("prefill")
+    def prefill_workers(self, model: str = "") -> list[WorkerInfo]:
+        """Usable prefill workers of ``model`` (its pool; "": every model's)."""
+        return self._usable("prefill", model)
 
-    def decode_workers(self) -> list[WorkerInfo]:
-        return self._usable("decode")
+    def decode_workers(self, model: str = "") -> list[WorkerInfo]:
+        """Usable decode workers of ``model`` (its pool; "": every model's)."""
+        return self._usable("decode", model)
 
-    def _usable(self, role: str) -> list[WorkerInfo]:
+    def models(self) -> list[str]:
+        """The models the known workers announce, sorted."""
+        return sorted({t.info.model for t in self._workers.values()})
+
+    def _usable(self, role: str, model: str = "") -> list[WorkerInfo]:
         if self._by_role is None:
             self._by_role = {}
             for w in sorted(self._workers):
                 info = self._workers[w].info
                 if info.ready and not info.draining:
-                    self._by_role.setdefault(info.role, []).append(info)
-        ready = self._by_role.get(role, [])
+                    self._by_role.setdefault((info.role, ""), []).append(info)
+                    if info.model:
+                        self._by_role.setdefault((info.role, info.model), []).append(info)
+        ready = self._by_role.get((role, model), [])
         if not self._failed_until:  # the common case: nobody is held out, no clock to check
             return list(ready)
         return [info for info in ready if self.is_usable(info.worker_id)]
