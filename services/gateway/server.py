@@ -39,7 +39,7 @@ async def serve(args) -> None:
     from services.gateway.app import create_app
     from services.gateway.core import GatewayCore
     from services.gateway.grpc_api import start_grpc
-    from services.gateway.served_model import load_served_model
+    from services.gateway.served_model import check_cascade, load_served_model
 
     config = build_config(args)
     raise_open_file_limit()  # a socket per open stream
@@ -49,6 +49,8 @@ async def serve(args) -> None:
     models = [load_served_model(spec) for spec in (args.model or [None])]
     model = models[0]
     cascade = cascade_spec(args)
+    if cascade is not None:  # before Redis: a configuration error is said first
+        check_cascade(cascade, {m.name: m for m in models})
     redis = await connect_redis(args.redis_url, max_connections=config.redis_max_connections,
                                 pool_timeout_s=config.redis_pool_timeout_s, name="pdserve-gateway")
     core = GatewayCore(redis, config, model, keys, tuple(models[1:]), cascade)
