@@ -104,7 +104,10 @@ def run(args) -> dict:
     large = Tier.of(large_profile, args.prompt_tokens, args.output_tokens, args.batch)
     rows = [evaluate(small, large, confidences, t, args.tokens, args.output_tokens)
             for t in (-float("inf"), *args.thresholds, float("inf"))]
-    return {"profile": args.profile, "small_scale": args.small_scale, "prompt_tokens": args.prompt_tokens,
+    alone = {name: {"ttft_s": round(t.prefill_s + t.step_s, 4), "e2e_s": round(t.prefill_s + args.output_tokens * t.step_s, 4),
+                    "cost_per_request_s": round(t.prefill_s + args.output_tokens * t.share_s, 6)}
+             for name, t in (("small", small), ("large", large))}
+    return {"profile": args.profile, "small_scale": args.small_scale, "alone": alone, "prompt_tokens": args.prompt_tokens,
             "output_tokens": args.output_tokens, "batch": args.batch, "signal": args.signal, "tokens": args.tokens,
             "confidence": {"model": data["model"], "prompts": len(confidences),
                            "easy": sum(k == "easy" for k, _ in confidences),
@@ -120,6 +123,9 @@ def print_table(result: dict) -> None:
     print(f"cascade {result['profile']} large / x{result['small_scale']} small, prompt {result['prompt_tokens']}, "
           f"output {result['output_tokens']}, batch {result['batch']}, signal {result['signal']} of the first "
           f"{result['tokens']} tokens over {result['confidence']['prompts']} measured prompts")
+    for name, a in result["alone"].items():
+        print(f"  {name} tier alone: TTFT {a['ttft_s']:.3f} s, e2e {a['e2e_s']:.3f} s, {a['cost_per_request_s'] * 1e3:.2f} "
+              "worker-ms per request")
     print(f"{'threshold':>9} {'escal.':>7} {'easy':>6} {'hard':>6} {'cost/large':>10} {'TTFT s':>8} {'e2e s':>8} "
           f"{'e2e p90':>8} {'PGR rllm':>8} {'PGR rand':>8}")
     for r in result["rows"]:

@@ -36,12 +36,12 @@ def prompts() -> list[tuple[str, str]]:
 
 
 def measure(tokens: int = TOKENS) -> dict:
-    """Greedy answers' first ``tokens`` log-probabilities per prompt (fp32, as the stack's tests run)."""
+    """Greedy answers' first ``tokens`` log-probabilities per prompt (bf16, ``pdserve up``'s default)."""
     from services.config import EngineConfig
     from services.engine.engine import Engine
     from services.engine.sampling_params import SamplingParams
 
-    engine = Engine(EngineConfig(dtype="float32", kv_cache_bytes=64 << 20))
+    engine = Engine(EngineConfig(dtype="bfloat16", kv_cache_bytes=64 << 20))
     rows = []
     started = time.perf_counter()
     for i, (kind, text) in enumerate(prompts()):
@@ -52,7 +52,9 @@ def measure(tokens: int = TOKENS) -> dict:
             for out in engine.step():
                 logprobs += [lp.logprob for lp in out.logprobs or () if lp is not None]
         rows.append({"kind": kind, "prompt": text, "logprobs": [round(x, 5) for x in logprobs]})
-    return {"model": engine.model_name, "dtype": "float32", "tokens": tokens, "wall_s": round(time.perf_counter() - started, 1),
+        print(f"[cascade confidence] {i + 1}/{len(prompts())} {kind}: mean {sum(logprobs) / max(1, len(logprobs)):.3f}",
+              flush=True)
+    return {"model": engine.model_name, "dtype": "bfloat16", "tokens": tokens, "wall_s": round(time.perf_counter() - started, 1),
             "prompts": rows}
 
 
