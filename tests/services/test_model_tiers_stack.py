@@ -81,15 +81,24 @@ def test_models_lists_every_served_model(stack):
 
 
 def test_each_request_runs_on_its_models_workers(stack):
+    from concurrent.futures import ThreadPoolExecutor
+
     client = _client(stack)
+
+    def ask(model, i):  # token ids: the dummy model has no tokenizer; each its own (twins would coalesce)
+        raw = client.completions.with_raw_response.create(model=model, prompt=[1, 504, 3458, 282 + i],
+                                                          max_tokens=TOKENS, temperature=0,
+                                                          extra_body={"ignore_eos": True})
+        return model, raw.parse(), _served_by(stack, raw.headers["x-request-id"])
+
+    # one after another, each model twice in a row (a model-blind balancer alternates), then all at once
+    answers = [ask(m, i) for i, m in enumerate((SMALL, SMALL, LARGE, LARGE))]
+    with ThreadPoolExecutor(6) as pool:
+        answers += list(pool.map(ask, (SMALL, LARGE) * 3, range(4, 10)))
     texts = {}
-    for model in (SMALL, LARGE) * 2:  # token ids: the dummy model has no tokenizer
-        raw = client.completions.with_raw_response.create(model=model, prompt=[1, 504, 3458, 282], max_tokens=TOKENS,
-                                                          temperature=0, extra_body={"ignore_eos": True})
-        reply = raw.parse()
-        assert reply.model == model
+    for model, reply, served_by in answers:
+        assert (reply.model, served_by) == (model, model)
         assert reply.usage.completion_tokens == TOKENS
-        assert _served_by(stack, raw.headers["x-request-id"]) == model
         texts.setdefault(model, set()).add(reply.choices[0].text)
     assert texts[SMALL] != {""} and texts[LARGE] == {""}  # the dummy model answers ids without text
 
