@@ -68,7 +68,7 @@ async def run_cascade(dispatcher: Dispatcher, writer: ResultWriter, spec: Cascad
         logprobs: list[float] = []
         released = last  # the last tier answers whatever its confidence: nothing to hold back
         escalate = False
-        generation = dispatcher.generate(f"{request_id}.{tier}", token_ids, params if last else scored, priority,
+        generation = dispatcher.generate(f"{request_id}.t{i}", token_ids, params if last else scored, priority,
                                          deadline, session_key=session_key, model=tier)
         try:
             async for item in generation:

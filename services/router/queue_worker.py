@@ -40,6 +40,7 @@ from services.router.cascade import run_cascade
 from services.router.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
+ATTEMPTS_PER_DELIVERY = 100  # attempt numbers reserved per delivery (dispatch caps --max-attempts far below)
 
 
 class QueueWorker:
@@ -171,11 +172,18 @@ class QueueWorker:
                                                     req.deadline, req.session_key)
                         finish, extra = outcome.finish, {"model": outcome.model, "cascade": outcome.summary()}
                     else:
-                        emitted = await self._emitted(req.request_id) if d.delivery_count > 1 else []
+                        # a redelivered request's attempts are numbered on from the earlier router's, whose
+                        # decode worker may still be writing: fence it off before reading what the stream holds
+                        base = (d.delivery_count - 1) * ATTEMPTS_PER_DELIVERY
+                        emitted = []
+                        if d.delivery_count > 1:
+                            await self.results.fence(req.request_id, f"{req.request_id}.{base + 1}")
+                            emitted = await self._emitted(req.request_id)
                         async for item in self.dispatcher.generate(
                                 req.request_id, req.token_ids, params, self._priority(d.tier), req.deadline,
                                 results_to=req.request_id, emitted=emitted,
                                 read_emitted=lambda: self._emitted(req.request_id), session_key=req.session_key,
+                                fence=lambda wrid: self.results.fence(req.request_id, wrid), attempt_base=base,
                                 model=req.model):
                             finish = item  # results mode: only the Finish comes back
                 await self._final(d, {**extra,
