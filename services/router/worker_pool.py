@@ -110,6 +110,7 @@ class WorkerPool:
         # update: what every dispatch asks for; rebuilding it per request was most of the router's time
         # at 1,000 workers
         self._by_role: dict[tuple[str, str], list[WorkerInfo]] | None = None
+        self._models: list[str] | None = None
         self._loops = Loops()
 
     # ---- registry -------------------------------------------------------
@@ -136,7 +137,7 @@ class WorkerPool:
         """Replace the known set with ``workers`` (what the registry holds now)."""
         now = self._clock()
         self._loads.clear()
-        self._by_role = None
+        self._by_role = self._models = None
         fresh = {w.worker_id: w for w in workers if self.model is None or w.model == self.model}
         for worker_id in [w for w in self._workers if w not in fresh]:
             del self._workers[worker_id]
@@ -189,8 +190,10 @@ class WorkerPool:
         return self._usable("decode", model)
 
     def models(self) -> list[str]:
-        """The models the known workers announce, sorted."""
-        return sorted({t.info.model for t in self._workers.values()})
+        """The models the known workers announce, sorted (kept until the next update)."""
+        if self._models is None:
+            self._models = sorted({t.info.model for t in self._workers.values()})
+        return self._models
 
     def _usable(self, role: str, model: str = "") -> list[WorkerInfo]:
         if self._by_role is None:
