@@ -32,6 +32,10 @@ class LoadRanking:
     def members(self) -> KeysView[str]:
         return self._live.keys()
 
+    def key_of(self, worker_id: str):
+        """A member's current key (KeyError for a non-member)."""
+        return self._live[worker_id][0]
+
     def set(self, worker_id: str, load) -> None:
         """Rank ``worker_id`` by ``load`` from now on (it joins the ranking if new)."""
         key, seq = self.key(load), next(self._seq)

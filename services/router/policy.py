@@ -82,6 +82,7 @@ from services.errors import CapacityError, NoWorkerError
 from services.registry import WorkerInfo
 from services.router.affinity import SessionAffinity
 from services.router.fetch_cost import FetchPlan, plan_fetch
+from services.router.load_ranking import LoadRanking
 from services.router.prefix_index import PrefixIndex
 from services.router.worker_pool import WorkerLoad, WorkerPool
 
@@ -323,6 +324,19 @@ class KVAwarePolicy(RoutingPolicy):
         """(cost without the eviction charge, worker id, worker, overlap), cheapest first (then by id),
         lazily. The workers holding none of the prompt cost its length plus their load cost, so they
         come from the pool's ranking by load cost, merged with the holders (few), costed here."""
+        view = _pool_view(candidates, pool, "prefill", self.load_cost)
+        if view is not None and not self.config.peer_fetch and not (index is not None and index.has_spilled()):
+            # the common case, inlined (hundreds of holders of a popular prefix at 1,000 workers):
+            # cost = uncached + load cost, the load cost read from the ranking
+            ranking, by_id = view
+            held = []
+            for worker_id, overlap in overlaps.items():
+                w = by_id.get(worker_id)
+                if w is not None and overlap > 0:
+                    held.append((max(0, num_tokens - overlap * block_size) + ranking.key_of(worker_id), worker_id,
+                                 w, overlap))
+            held.sort(key=_FIRST_TWO)  # ids are unique: never compares workers
+            return heapq.merge(held, self._unheld(ranking, by_id, overlaps, num_tokens), key=_FIRST_TWO)
         cost, load_of = self.cost, pool.load
         holders = [w for w in candidates if overlaps.get(w.worker_id, 0) > 0]
         if self.config.peer_fetch:  # a fetch plan can lower any worker's cost: cost every one
@@ -344,6 +358,13 @@ class KVAwarePolicy(RoutingPolicy):
                   for load_cost, w in _ranked_keys(candidates, pool, "prefill", self.load_cost)
                   if w.worker_id not in held_ids)
         return heapq.merge(held, others, key=_FIRST_TWO)
+
+    @staticmethod
+    def _unheld(ranking: LoadRanking, by_id: dict[str, WorkerInfo], overlaps: dict[str, int], num_tokens: int):
+        for load_cost, worker_id in ranking.ordered():
+            w = by_id.get(worker_id)
+            if w is not None and not overlaps.get(worker_id, 0) > 0:
+                yield num_tokens + load_cost, worker_id, w, 0
 
 
 class LeastLoadPolicy(RoutingPolicy):
@@ -441,14 +462,25 @@ _DECODE_RANK = operator.attrgetter("decode_rank")
 _LEAST_PREFILL = operator.attrgetter("pending_prefill_tokens", "num_requests")
 
 
+def _pool_view(candidates: list[WorkerInfo], pool: WorkerPool, role: str,
+               key: Callable[[WorkerLoad], object]) -> tuple[LoadRanking, dict[str, WorkerInfo]] | None:
+    """The pool's ranking of ``role`` by ``key`` and the candidates by id, when the ranking holds every
+    candidate (the usual case: they are the pool's own ready workers of the role); else None."""
+    ranking = pool.ranked(role, key)
+    ready = pool.ready_by_id(role)
+    if len(candidates) == len(ready) and all(map(operator.is_, candidates, ready.values())):
+        return ranking, ready  # the same objects in the same order: no dict to build per request
+    by_id = {w.worker_id: w for w in candidates}
+    return (ranking, by_id) if by_id.keys() <= ranking.members() else None
+
+
 def _ranked_keys(candidates: list[WorkerInfo], pool: WorkerPool, role: str,
                  key: Callable[[WorkerLoad], object]) -> Iterator[tuple[object, WorkerInfo]]:
-    """(key(load), worker) for ``candidates``, lowest key first, then by id. From the pool's ranking
-    when it holds every candidate (the usual case: they are the pool's own usable workers of the
-    role), read only as far as the caller goes; else every candidate's load, sorted here."""
-    by_id = {w.worker_id: w for w in candidates}
-    ranking = pool.ranked(role, key)
-    if by_id.keys() <= ranking.members():
+    """(key(load), worker) for ``candidates``, lowest key first, then by id: from the pool's ranking,
+    read only as far as the caller goes, or (candidates it does not rank) every load, sorted here."""
+    view = _pool_view(candidates, pool, role, key)
+    if view is not None:
+        ranking, by_id = view
         for k, worker_id in ranking.ordered():
             w = by_id.get(worker_id)
             if w is not None:

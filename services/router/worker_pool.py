@@ -110,6 +110,7 @@ class WorkerPool:
         # role -> its ready, not draining workers by id, until the next update: what every dispatch
         # asks for; rebuilding it per request was most of the router's time at 1,000 workers
         self._by_role: dict[str, list[WorkerInfo]] | None = None
+        self._by_role_ids: dict[str, dict[str, WorkerInfo]] = {}
         # (role, key) -> that role's usable workers in order of key(load), for policies that want the
         # least loaded first (load_ranking.py); rebuilt after an update, re-keyed as loads change
         self._rankings: dict[tuple[str, Callable], LoadRanking] = {}
@@ -200,12 +201,20 @@ class WorkerPool:
 
     def _usable_by_role(self) -> dict[str, list[WorkerInfo]]:
         if self._by_role is None:
-            self._by_role = {}
+            self._by_role, self._by_role_ids = {}, {}
             for w in sorted(self._workers):
                 info = self._workers[w].info
                 if info.ready and not info.draining:
                     self._by_role.setdefault(info.role, []).append(info)
+                    self._by_role_ids.setdefault(info.role, {})[w] = info
         return self._by_role
+
+    def ready_by_id(self, role: str) -> dict[str, WorkerInfo]:
+        """The ready, not draining workers of ``role`` by id, in id order (failed ones too), until the
+        next update: what ``decode_workers()`` / ``prefill_workers()`` return while none is held out.
+        Read only."""
+        self._usable_by_role()
+        return self._by_role_ids.get(role, {})
 
     def mark_failed(self, worker_id: str, for_s: float = 5.0) -> None:
         """Hold ``worker_id`` out of routing now, for ``for_s`` and until it heartbeats after that."""
