@@ -84,7 +84,7 @@ from services.router.affinity import SessionAffinity
 from services.router.fetch_cost import FetchPlan, plan_fetch
 from services.router.load_ranking import LoadRanking
 from services.router.prefix_index import PrefixIndex
-from services.router.worker_pool import WorkerLoad, WorkerPool
+from services.router.worker_pool import ReadyWorkers, WorkerLoad, WorkerPool
 
 POLICY_NAMES = ("kv-aware", "least-load", "round-robin")
 
@@ -388,7 +388,9 @@ class RoundRobinPolicy(RoutingPolicy):
 
     def _next(self, role: str, workers: list[WorkerInfo]) -> WorkerInfo:
         last = self._last.get(role)
-        chosen = next((w for w in workers if last is None or w.worker_id > last), workers[0])
+        # workers are in id order: the first after the last one chosen (a binary search), else the first
+        i = 0 if last is None else bisect.bisect_right(workers, last, key=_BY_ID)
+        chosen = workers[i] if i < len(workers) else workers[0]
         self._last[role] = chosen.worker_id
         return chosen
 
@@ -401,7 +403,7 @@ class RoundRobinPolicy(RoutingPolicy):
         last = self._last.get("decode")
         if last is None:
             return iter(candidates)
-        start = bisect.bisect_right([w.worker_id for w in candidates], last)
+        start = bisect.bisect_right(candidates, last, key=_BY_ID)
         return itertools.chain(candidates[start:], candidates[:start])
 
     def _decided_decode(self, worker, pool):
@@ -468,6 +470,8 @@ def _pool_view(candidates: list[WorkerInfo], pool: WorkerPool, role: str,
     candidate (the usual case: they are the pool's own ready workers of the role); else None."""
     ranking = pool.ranked(role, key)
     ready = pool.ready_by_id(role)
+    if _is_ready_list(candidates, pool, role):
+        return ranking, ready
     if len(candidates) == len(ready) and all(map(operator.is_, candidates, ready.values())):
         return ranking, ready  # the same objects in the same order: no dict to build per request
     by_id = {w.worker_id: w for w in candidates}
@@ -497,8 +501,15 @@ def _ranked(candidates: list[WorkerInfo], pool: WorkerPool, role: str,
     return (w for _, w in _ranked_keys(candidates, pool, role, key))
 
 
+def _is_ready_list(workers: Sequence[WorkerInfo], pool: WorkerPool, role: str) -> bool:
+    return isinstance(workers, ReadyWorkers) and workers.pool is pool and workers.role == role \
+        and workers.generation == pool.generation
+
+
 def _candidates(workers: Sequence[WorkerInfo], exclude: Iterable[str], role: str) -> list[WorkerInfo]:
     excluded = set(exclude)
+    if not excluded and isinstance(workers, ReadyWorkers) and workers:
+        return workers  # the pool's list, in id order already (read only: policies never change it)
     # attrgetter, not a lambda: this runs per request over every worker of the role
     candidates = sorted((w for w in workers if w.worker_id not in excluded) if excluded else workers, key=_BY_ID)
     if not candidates:

@@ -19,12 +19,11 @@ drops it from the prefix index).
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.loops import Loops
 from services.registry import WorkerInfo, read_workers
@@ -46,29 +45,35 @@ class WorkerLoad:
     inflight_prefill_tokens: int = 0
     ended_since_beat: int = 0  # this router's requests that ended after the heartbeat counted them
 
-    # cached_property: a policy reads these for every worker on every request, and a pool's
-    # WorkerLoad lives until that worker's heartbeat or in-flight counts change (WorkerPool.load)
-    @functools.cached_property
-    def pending_prefill_tokens(self) -> int:
-        """Prompt tokens ahead of a new request: reported queue plus what this router sent since."""
-        return self.queued_prefill_tokens + self.inflight_prefill_tokens
+    # Derived counts, computed once when the load is built: policies and the pool's rankings read them
+    # for many workers per request, and a pool's WorkerLoad lives until that worker's heartbeat or
+    # in-flight counts change (WorkerPool.load). (functools.cached_property takes a lock per first read.)
+    # pending_prefill_tokens: prompt tokens ahead of a new request, reported queue plus what this router sent since.
+    pending_prefill_tokens: int = field(init=False, compare=False)
+    num_requests: int = field(init=False, compare=False)
+    # decode_rank: the shared decode choice's order, fewest requests, then most free blocks.
+    decode_rank: tuple[int, int] = field(init=False, compare=False)
+    # active_requests: requests on the worker, none counted twice: the larger of its heartbeat's count
+    # (other routers' requests too, up to a second old), less this router's requests that ended since
+    # that heartbeat, and this router's exact in-flight count. Without the discount a conversation's
+    # next turn, sent as its last one ends, would find that one still counted.
+    active_requests: int = field(init=False, compare=False)
 
-    @functools.cached_property
-    def num_requests(self) -> int:
-        return self.num_running + self.num_waiting + self.inflight_requests
+    def __post_init__(self) -> None:
+        derive = object.__setattr__  # frozen
+        derive(self, "pending_prefill_tokens", self.queued_prefill_tokens + self.inflight_prefill_tokens)
+        requests = self.num_running + self.num_waiting
+        derive(self, "num_requests", requests + self.inflight_requests)
+        derive(self, "decode_rank", (requests + self.inflight_requests, -self.kv_blocks_free))
+        derive(self, "active_requests", max(requests - self.ended_since_beat, self.inflight_requests))
 
-    @functools.cached_property
-    def decode_rank(self) -> tuple[int, int]:
-        """The shared decode choice's order: fewest requests, then most free blocks."""
-        return self.num_requests, -self.kv_blocks_free
 
-    @functools.cached_property
-    def active_requests(self) -> int:
-        """Requests on the worker, none counted twice: the larger of its heartbeat's count (other
-        routers' requests too, up to a second old), less this router's requests that ended since
-        that heartbeat, and this router's exact in-flight count. Without the discount a
-        conversation's next turn, sent as its last one ends, would find that one still counted."""
-        return max(self.num_running + self.num_waiting - self.ended_since_beat, self.inflight_requests)
+class ReadyWorkers(list):
+    """What ``decode_workers()`` / ``prefill_workers()`` return while no worker is held out: the role's
+    ready workers in id order as of one registry update. A policy handed this list itself (not one a
+    caller filtered) knows it is sorted and is what the pool ranks, and skips re-checking both."""
+
+    __slots__ = ("pool", "role", "generation")
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,7 @@ class WorkerPool:
         # asks for; rebuilding it per request was most of the router's time at 1,000 workers
         self._by_role: dict[str, list[WorkerInfo]] | None = None
         self._by_role_ids: dict[str, dict[str, WorkerInfo]] = {}
+        self.generation = 0  # registry updates seen (a ReadyWorkers list is of one)
         # (role, key) -> that role's usable workers in order of key(load), for policies that want the
         # least loaded first (load_ranking.py); rebuilt after an update, re-keyed as loads change
         self._rankings: dict[tuple[str, Callable], LoadRanking] = {}
@@ -144,6 +150,7 @@ class WorkerPool:
         self._by_role = None
         self._rankings.clear()
         self._dirty.clear()
+        self.generation += 1
         fresh = {w.worker_id: w for w in workers if self.model is None or w.model == self.model}
         for worker_id in [w for w in self._workers if w not in fresh]:
             del self._workers[worker_id]
@@ -196,7 +203,9 @@ class WorkerPool:
     def _usable(self, role: str) -> list[WorkerInfo]:
         ready = self._usable_by_role().get(role, [])
         if not self._failed_until:  # the common case: nobody is held out, no clock to check
-            return list(ready)
+            out = ReadyWorkers(ready)
+            out.pool, out.role, out.generation = self, role, self.generation
+            return out
         return [info for info in ready if self.is_usable(info.worker_id)]
 
     def _usable_by_role(self) -> dict[str, list[WorkerInfo]]:
