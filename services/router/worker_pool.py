@@ -73,7 +73,7 @@ class ReadyWorkers(list):
     ready workers in id order as of one registry update. A policy handed this list itself (not one a
     caller filtered) knows it is sorted and is what the pool ranks, and skips re-checking both."""
 
-    __slots__ = ("pool", "role", "generation")
+    __slots__ = ("generation", "pool", "role")
 
 
 @dataclass(frozen=True)
@@ -294,7 +294,7 @@ class WorkerPool:
         if not self._dirty:
             return
         for worker_id in self._dirty:
-            for (role, _), ranking in self._rankings.items():
+            for ranking in self._rankings.values():
                 if worker_id in ranking.members():
                     ranking.set(worker_id, self.load(worker_id))
         self._dirty.clear()

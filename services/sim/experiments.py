@@ -100,7 +100,7 @@ def bench_routing_requests(seed: int, block_size: int):
     cfg = RoutingBenchConfig(seed=seed)
     try:
         tokenizer, model = load_tokenizer(cfg.model)
-    except Exception as exc:  # no model here: the caller falls back to the synthetic copy
+    except Exception as exc:  # noqa: BLE001 (no model here, whatever the reason: the synthetic copy stands in)
         _log(f"validation: the default model's tokenizer did not load ({exc}); using the synthetic workload")
         return None
     if tokenizer is None:
@@ -120,8 +120,8 @@ def run_validation(profile: WorkerProfile, reference: dict, seed: int = 0, seeds
     main = _validation_run(profile, exact if exact is not None else routing_bench_workload(seed, profile.block_size))
     spread = [_validation_run(profile, routing_bench_workload(s, profile.block_size))["sim"] for s in range(seeds)]
     return {"sim": main["sim"], "real": real, "source": reference["source"],
-            "workload": "bench routing's own requests (seed %d)" % seed if exact is not None
-            else "synthetic copy of bench routing's workload (seed %d)" % seed,
+            "workload": f"bench routing's own requests (seed {seed})" if exact is not None
+            else f"synthetic copy of bench routing's workload (seed {seed})",
             "relative_error": {k: round(main["sim"][k] / real[k] - 1, 3) for k in real},
             "per_policy": main["per_policy"],
             "per_policy_real": reference.get("per_policy", {}),
