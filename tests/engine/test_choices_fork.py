@@ -1,0 +1,143 @@
+"""``Engine.add_choices``: n choices of one prompt computed once and forked (shared full blocks, the partial last
+block copied), with the same outputs as n separate requests, and every block free after every path."""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.sampling_params import SamplingParams
+from tests.engine.checks import assert_no_leaks, run, tokens
+
+BS = 16
+
+
+def _prompt(engine, words: int = 30) -> list[int]:
+    ids = engine.tokenizer.encode("The sailors told stories of the sea " + "and the wind " * words)
+    assert len(ids) % BS, "the test needs a partial last block"
+    return ids
+
+
+def _separately(engine, prompt: list[int], params: list[SamplingParams]) -> dict[str, list[int]]:
+    """Today's n > 1: one request per choice, each alone in an engine with an empty prefix cache."""
+    out = {}
+    for i, p in enumerate(params):
+        assert engine.block_pool.reset_prefix_cache()
+        engine.add_request(f"alone-{i}", prompt, p)
+        out[f"c{i}"] = tokens(run(engine)[f"alone-{i}"])
+    return out
+
+
+def test_greedy_choices_compute_the_prompt_once_and_share_its_full_blocks(default_model):
+    engine = default_model
+    prompt = _prompt(engine)
+    full, n = len(prompt) // BS, 3
+    params = [SamplingParams(max_tokens=10, temperature=0)] * n
+    alone = _separately(engine, prompt, params[:1])["c0"]
+    assert engine.block_pool.reset_prefix_cache()
+    before = engine.stats()["prompt_tokens_computed"]
+
+    engine.add_choices(["c0", "c1", "c2"], prompt, params)
+    first = engine.step()  # choice 0's prompt, then the fork
+    assert engine.stats()["prompt_tokens_computed"] - before == len(prompt)  # once, not n times
+    assert sorted(o.request_id for o in first) == ["c0", "c1", "c2"]
+    blocks = {rid: list(engine.requests[rid].block_ids) for rid in ("c0", "c1", "c2")}
+    shared = blocks["c0"][:full]
+    assert all(b[:full] == shared for b in blocks.values())
+    assert all(engine.block_pool.ref_counts[b] == n for b in shared)
+    partial = [b[full] for b in blocks.values()]
+    assert len(set(partial)) == n  # one own block each
+    assert engine.block_pool.num_used == full + n
+    kv = engine.kv_cache
+    filled = len(prompt) % BS
+    for b in partial[1:]:  # the copy holds choice 0's prompt KV
+        assert torch.equal(kv[b, :, :, :filled], kv[partial[0], :, :, :filled])
+
+    outs = run(engine)
+    got = {rid: [t for o in first if o.request_id == rid for t in o.new_token_ids] + tokens(outs[rid])
+           for rid in ("c0", "c1", "c2")}
+    assert got == {"c0": alone, "c1": alone, "c2": alone}
+    assert engine.stats()["prompt_tokens_computed"] - before == len(prompt)
+    final = {rid: outs[rid][-1] for rid in got}
+    assert final["c0"].num_cached_tokens == 0 and final["c1"].num_cached_tokens == len(prompt)
+    assert_no_leaks(engine)
+
+
+def test_seeded_choice_i_equals_a_request_seeded_seed_plus_i_alone(default_model):
+    engine = default_model
+    prompt = _prompt(engine, 12)
+    params = [SamplingParams(max_tokens=12, temperature=1.0, seed=40 + i, logprobs=0) for i in range(3)]
+    alone = _separately(engine, prompt, params)
+    assert len(set(map(tuple, alone.values()))) > 1  # three seeds, three samples
+    assert engine.block_pool.reset_prefix_cache()
+    engine.add_choices(list(alone), prompt, params)
+    outs = run(engine)
+    assert {rid: tokens(o) for rid, o in outs.items()} == alone
+    assert all(len(o[0].logprobs) == 1 for o in outs.values())  # the forked first token has its logprob too
+    assert_no_leaks(engine)
+
+
+def test_today_a_request_per_choice_recomputes_the_partial_block(default_model):
+    """The contrast the fork removes: separate requests hit the full blocks and compute the rest each."""
+    engine = default_model
+    prompt = _prompt(engine)
+    assert engine.block_pool.reset_prefix_cache()
+    before = engine.stats()["prompt_tokens_computed"]
+    for i in range(3):
+        engine.add_request(f"sep-{i}", prompt, SamplingParams(max_tokens=2, temperature=0))
+    run(engine)
+    assert engine.stats()["prompt_tokens_computed"] - before == len(prompt) + 2 * (len(prompt) % BS)
+    assert_no_leaks(engine)
+
+
+def _tiny_prompt() -> list[int]:
+    return list(range(5, 5 + 2 * BS + 5))
+
+
+def test_a_choice_aborted_before_the_fork_is_dropped_and_the_rest_run(tiny_engine):
+    engine = tiny_engine()
+    engine.add_choices(["a", "b", "c"], _tiny_prompt(), [SamplingParams(max_tokens=4, temperature=0)] * 3)
+    assert engine.abort("b")
+    outs = run(engine)
+    assert outs["b"][-1].finish_reason == "abort" and len(tokens(outs["b"])) == 0
+    assert tokens(outs["a"]) == tokens(outs["c"]) and len(tokens(outs["a"])) == 4
+    assert_no_leaks(engine)
+
+
+def test_choice_0_aborted_before_its_prompt_is_done_leaves_the_others_to_run_alone(tiny_engine):
+    engine = tiny_engine(long_prefill_chunk=BS)  # the prompt takes three steps
+    p = SamplingParams(max_tokens=4, temperature=0)
+    engine.add_choices(["a", "b", "c"], _tiny_prompt(), [p] * 3)
+    engine.step()
+    assert engine.abort("a")
+    outs = run(engine)
+    assert outs["a"][-1].finish_reason == "abort"
+    engine.add_request("ref", _tiny_prompt(), p)
+    ref = tokens(run(engine)["ref"])
+    assert tokens(outs["b"]) == tokens(outs["c"]) == ref
+    assert_no_leaks(engine)
+
+
+def test_choices_ending_at_different_times_and_one_cancelled_mid_decode_free_every_block(tiny_engine):
+    engine = tiny_engine()
+    params = [SamplingParams(max_tokens=1, temperature=0), SamplingParams(max_tokens=30, temperature=0),
+              SamplingParams(max_tokens=6, temperature=0)]
+    engine.add_choices(["a", "b", "c"], _tiny_prompt(), params)
+    first = engine.step()
+    assert [o.finished for o in first if o.request_id == "a"] == [True]  # choice 0 done on its first token
+    used = engine.block_pool.num_used
+    assert used == 2 + 2  # the shared full blocks (still held by b and c) and b's and c's own copies
+    engine.step()
+    assert engine.abort("b")
+    outs = run(engine)
+    assert outs["c"][-1].num_output_tokens == 6 and outs["c"][-1].finish_reason == "length"
+    assert outs["b"][-1].finish_reason == "abort"
+    assert_no_leaks(engine)
+
+
+def test_no_free_block_for_the_copy_runs_the_choice_as_an_ordinary_request(tiny_engine):
+    engine = tiny_engine(num_blocks=5)  # 4 usable: choice 0's 3 and one copy, no room for a second
+    p = SamplingParams(max_tokens=2, temperature=0)
+    engine.add_choices(["a", "b", "c"], _tiny_prompt(), [p] * 3)
+    outs = run(engine)
+    assert tokens(outs["a"]) == tokens(outs["b"]) == tokens(outs["c"])
+    assert_no_leaks(engine)
