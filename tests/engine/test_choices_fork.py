@@ -141,3 +141,36 @@ def test_no_free_block_for_the_copy_runs_the_choice_as_an_ordinary_request(tiny_
     outs = run(engine)
     assert tokens(outs["a"]) == tokens(outs["b"]) == tokens(outs["c"])
     assert_no_leaks(engine)
+
+
+def test_choices_fork_off_the_right_logits_row_while_other_requests_verify_drafts(tiny_engine):
+    """A step where choice 0's prompt ends beside requests verifying drafts (several logits rows each, before
+    choice 0's): the choices still sample from choice 0's row, so they equal a request alone."""
+    from services.config import SpeculativeConfig
+
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    engine = tiny_engine(speculative=SpeculativeConfig(num_speculative_tokens=5, min_acceptance=0))
+    propose = engine.speculator.propose
+    verified = []
+
+    def always_draft(running):  # the n-gram proposer finds little in a random model's output: draft anyway
+        propose(running)
+        verified.append([])
+        for req in running:
+            if req.request_id.startswith("busy") and req.num_tokens - req.num_computed_tokens == 1:
+                req.spec_token_ids = req.spec_token_ids or [7, 8, 9]
+                verified[-1].append(req.request_id)
+
+    engine.speculator.propose = always_draft
+    for i in range(3):
+        engine.add_request(f"busy{i}", [30 + i] * 20, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    engine.step()  # their prompts: they verify drafts from the next step on
+    engine.add_choices(["a", "b", "c"], _tiny_prompt(), [greedy] * 3)
+    verified.clear()
+    outs = run(engine)
+    assert len(verified[0]) == 3  # every busy request verified drafts in the step choice 0's prompt ran
+    reference = tiny_engine()
+    reference.add_request("ref", _tiny_prompt(), greedy)
+    ref = tokens(run(reference)["ref"])
+    assert tokens(outs["a"]) == tokens(outs["b"]) == tokens(outs["c"]) == ref
+    assert_no_leaks(engine)
