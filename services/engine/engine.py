@@ -26,7 +26,7 @@ from kernels.ops import select_ops
 from services.config import EngineConfig
 from services.engine.block_hash import hash_block, request_namespace
 from services.engine.block_pool import BlockPool, KVEvent
-from services.engine.choices import fork_choices, forking_rows, release_forks
+from services.engine.choices import decoded_choices, fork_choices, fork_decoded, forking_rows, release_forks
 from services.engine.cuda_graph import capture_decode_graphs
 from services.engine.grammar import GrammarCompiler
 from services.engine.grammar_masks import StructuredDecoding
@@ -196,11 +196,13 @@ class Engine:
         self.scheduler.add(req)
 
     def add_choices(self, request_ids: list[str], prompt_token_ids: list[int], params: list[SamplingParams],
-                    priority: int = 0) -> None:
+                    priority: int = 0, prefill_only: bool = False) -> None:
         """``n`` choices of one prompt, one request id and sampling params each (choice i seeded seed + i by
         the caller, as the gateway does): the prompt is computed once, by choice 0, and the others fork off
         it (shared full blocks, a copy of the partial one; services/engine/choices.py). Structured output
-        and LoRA choices run as ordinary requests instead (sharing full blocks through the prefix cache)."""
+        and LoRA choices run as ordinary requests instead (sharing full blocks through the prefix cache).
+        ``prefill_only``: choice 0 computes the prompt and holds its blocks as a prefill-only request does;
+        every choice's output is its first token (``prefilled``), for ``start_decode(..., choices=)``."""
         if len(request_ids) != len(params) or not request_ids:
             raise ValueError("add_choices needs one request id per sampling params, at least one")
         for rid in request_ids:
@@ -209,11 +211,14 @@ class Engine:
         for p in params:
             self.validate(prompt_token_ids, p)
         if any(p.structured is not None or p.lora is not None for p in params):
+            if prefill_only:
+                raise InvalidRequestError("n > 1 with structured output or a LoRA adapter runs as one request "
+                                          "per choice", param="n")
             for rid, p in zip(request_ids, params):
                 self.add_request(rid, prompt_token_ids, p, priority)
             return
-        reqs = [Request(rid, list(prompt_token_ids), p, priority=priority, eos_token_ids=self.eos_token_ids)
-                for rid, p in zip(request_ids, params)]
+        reqs = [Request(rid, list(prompt_token_ids), p, priority=priority, eos_token_ids=self.eos_token_ids,
+                        prefill_only=prefill_only) for rid, p in zip(request_ids, params)]
         for req in reqs:
             self._track(req)
         reqs[0].forks = reqs[1:]
@@ -306,17 +311,22 @@ class Engine:
             raise
         return list(req.block_ids)
 
-    def start_decode(self, request_id: str, first_token_id: int, first_logprobs: TokenLogprobs | None = None) -> None:
+    def start_decode(self, request_id: str, first_token_id: int, first_logprobs: TokenLogprobs | None = None,
+                     choices: list[tuple[str, SamplingParams, int, TokenLogprobs | None]] = ()) -> None:
         """Decode side: the reserved blocks now hold the prompt's KV; continue from ``first_token_id``.
 
         ``first_logprobs``: what the prefill side's sampler reported for that token (when the request
         asked for logprobs), so the first token's output carries them like every other token's.
+        ``choices``: the request's other choices (id, params, first token and logprobs from the prefill
+        worker's ``add_choices(prefill_only=True)``), forked off the KV received once (choices.py).
         """
         req = self.requests.get(request_id)
         if req is None or req.status is not Status.RESERVED:
             raise InvalidRequestError(f"request {request_id!r} has no reservation", param="request_id")
+        children = decoded_choices(self, req, choices)  # validated and tracked before anything changes
         req.num_computed_tokens = req.num_tokens
         self.kv.cache_computed_blocks(req)
+        fork_decoded(self, req, children, self._pending)  # before the parent's first token may finish it
         out = self._append_tokens(req, [first_token_id], [first_logprobs])
         if not req.is_finished:
             self.scheduler.add_running(req)

@@ -3,6 +3,7 @@ block copied), with the same outputs as n separate requests, and every block fre
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.engine.sampling_params import SamplingParams
@@ -27,6 +28,7 @@ def _separately(engine, prompt: list[int], params: list[SamplingParams]) -> dict
     return out
 
 
+@pytest.mark.slow
 def test_greedy_choices_compute_the_prompt_once_and_share_its_full_blocks(default_model):
     engine = default_model
     prompt = _prompt(engine)
@@ -62,6 +64,7 @@ def test_greedy_choices_compute_the_prompt_once_and_share_its_full_blocks(defaul
     assert_no_leaks(engine)
 
 
+@pytest.mark.slow
 def test_seeded_choice_i_equals_a_request_seeded_seed_plus_i_alone(default_model):
     engine = default_model
     prompt = _prompt(engine, 12)
@@ -76,6 +79,7 @@ def test_seeded_choice_i_equals_a_request_seeded_seed_plus_i_alone(default_model
     assert_no_leaks(engine)
 
 
+@pytest.mark.slow
 def test_today_a_request_per_choice_recomputes_the_partial_block(default_model):
     """The contrast the fork removes: separate requests hit the full blocks and compute the rest each."""
     engine = default_model
@@ -173,4 +177,68 @@ def test_choices_fork_off_the_right_logits_row_while_other_requests_verify_draft
     reference.add_request("ref", _tiny_prompt(), greedy)
     ref = tokens(run(reference)["ref"])
     assert tokens(outs["a"]) == tokens(outs["b"]) == tokens(outs["c"]) == ref
+    assert_no_leaks(engine)
+
+
+@pytest.mark.slow
+def test_disaggregated_choices_prefill_once_send_the_kv_once_and_fork_on_the_decode_side(default_model):
+    """Prefill engine: the prompt once, every choice's first token from choice 0's row; the KV of choice 0
+    alone moves to the decode engine, which forks the other choices off it. Outputs equal each seeded
+    choice handed off alone, as today's one request per choice is."""
+    from services.config import EngineConfig
+    from services.engine.engine import Engine
+    from tests.engine.conftest import DEFAULT_KV_BYTES
+    from tests.engine.test_disagg_lifecycle import copy_blocks, handoff
+
+    prefill, decode = default_model, Engine(EngineConfig(dtype="fp32", kv_cache_bytes=DEFAULT_KV_BYTES))
+    prompt = _prompt(prefill, 12)
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=70 + i, logprobs=0) for i in range(3)]
+    ids = ["a", "b", "c"]
+    want = {rid: handoff(prefill, decode, rid, prompt, p) for rid, p in zip(ids, params)}
+    assert len(set(map(tuple, want.values()))) > 1
+    assert prefill.block_pool.reset_prefix_cache() and decode.block_pool.reset_prefix_cache()
+    before = prefill.stats()["prompt_tokens_computed"]
+
+    dst = decode.reserve("a", prompt, params[0])  # one reservation: the KV travels once
+    prefill.add_choices(ids, prompt, params, prefill_only=True)
+    first = {o.request_id: o for o in prefill.step() if o.finished}
+    assert sorted(first) == ids and {o.finish_reason for o in first.values()} == {"prefilled"}
+    assert prefill.stats()["prompt_tokens_computed"] - before == len(prompt)
+    assert not first["b"].block_ids and not first["c"].block_ids  # only choice 0 holds KV
+    assert prefill.block_pool.num_used == len(first["a"].block_ids) == len(dst)
+    copy_blocks(prefill, first["a"].block_ids, decode, dst)
+    prefill.release("a")
+    decode.start_decode("a", first["a"].new_token_ids[0], first["a"].logprobs[0], choices=[
+        (rid, p, first[rid].new_token_ids[0], first[rid].logprobs[0]) for rid, p in zip(ids[1:], params[1:])])
+    assert decode.block_pool.num_used == len(prompt) // BS + 3  # shared full blocks + one partial block each
+    outs = run(decode)
+    assert {rid: tokens(outs[rid]) for rid in ids} == want
+    assert decode.stats()["prompt_tokens_computed"] == 0
+    assert_no_leaks(prefill)
+    assert_no_leaks(decode)
+
+
+def test_prefill_only_choices_end_with_an_aborted_choice_0(tiny_engine):
+    engine = tiny_engine(long_prefill_chunk=BS)
+    engine.add_choices(["a", "b"], _tiny_prompt(), [SamplingParams(max_tokens=4)] * 2, prefill_only=True)
+    engine.step()
+    assert engine.abort("a")
+    outs = run(engine)
+    assert outs["b"][-1].finish_reason == "abort"
+    assert_no_leaks(engine)
+
+
+def test_a_bad_decoded_choice_refuses_them_all_and_keeps_the_reservation(tiny_engine):
+    from services.errors import InvalidRequestError
+
+    engine = tiny_engine()
+    p = SamplingParams(max_tokens=4)
+    engine.reserve("a", _tiny_prompt(), p)
+    engine.add_request("busy", [1, 2, 3], p)
+    for bad in ([("b", p, 7, None), ("busy", p, 8, None)], [("b", p, 7, None), ("c", SamplingParams(max_tokens=4, lora="nope"), 7, None)]):
+        with pytest.raises(InvalidRequestError):
+            engine.start_decode("a", 5, choices=bad)
+        assert "b" not in engine.requests and engine.requests["a"].status.value == "reserved"
+    engine.release("a")
+    run(engine)
     assert_no_leaks(engine)
