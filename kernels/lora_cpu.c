@@ -6,9 +6,19 @@
  *
  * over the output segments (q/k/v of a fused qkv, gate/up of gate_up), in fp32, y rounded
  * to bf16 once. Only the slot's own rank r is read (the stacks are padded to R), so a rank-8
- * adapter costs a quarter of a rank-32 one. Shrink: r dot products of length K per segment;
- * expand: 16 output columns at a time in a register, r FMAs each (Bt rows are contiguous in
- * the output dimension, which is why B is stored transposed). Rows go to OpenMP threads.
+ * adapter costs a quarter of a rank-32 one. Rows go to OpenMP threads.
+ *
+ * When every row has its own adapter (the case that matters) each row reads its A and B once
+ * per step and does two flops per weight: the kernel is bound by memory, not arithmetic
+ * (benchmarks/probes/lora_rank.py), so both halves are written to stream their weights in
+ * order at the machine's read bandwidth:
+ * - shrink: four A rows at a time against x, 32 bf16 per 64-byte load widened to fp32 even
+ *   and odd lanes (a shift and an and; the sum does not care about the order), eight
+ *   independent accumulator chains so the FMA latency is hidden;
+ * - expand: the rows of B^T in order (j outer), each read left to right over the segment into
+ *   an fp32 accumulator row in L1, four rank rows per pass over it. The first version walked
+ *   16 columns down all r rows (r strided streams, one FMA chain): 5-6 GB/s against 12-15.
+ *   Per column the sum is y + u[0] B[0] + u[1] B[1] + ... in that order, as before.
  */
 #include <stdint.h>
 #include <string.h>
@@ -16,6 +26,7 @@
 #include "cpu_simd.h"
 
 #define LORA_MAX_U 1024 /* nseg * R per row on the stack: 4 segments of rank 256 */
+#define LORA_COLS 2048  /* expand: columns per pass, a 16 KiB fp32 accumulator row (L1) */
 
 int pdserve_lora_available(void) {
 #if defined(__AVX512F__)
@@ -24,6 +35,108 @@ int pdserve_lora_available(void) {
     return 0;
 #endif
 }
+
+#if defined(__AVX512F__)
+static inline __mmask32 tail_mask32(int left) { return left >= 32 ? 0xffffffffu : (__mmask32)((1u << left) - 1u); }
+
+/* the mask's lanes of 32 bf16 (others 0) as fp32 even and odd elements, as widen32_bf16 */
+static inline void widen32m_bf16(const uint16_t *p, __mmask32 m, __m512 *even, __m512 *odd) {
+    const __m512i v = _mm512_maskz_loadu_epi16(m, p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* u[j] = A[j] . x for the r rows of A [r, K] */
+static void shrink(const uint16_t *x, const uint16_t *A, int r, int K, float *u) {
+    int j = 0;
+    for (; j + 4 <= r; j += 4) {
+        const uint16_t *a0 = A + (int64_t)j * K, *a1 = a0 + K, *a2 = a1 + K, *a3 = a2 + K;
+        __m512 e0 = _mm512_setzero_ps(), o0 = e0, e1 = e0, o1 = e0, e2 = e0, o2 = e0, e3 = e0, o3 = e0;
+        for (int k = 0; k < K; k += 32) {
+            const __mmask32 m = tail_mask32(K - k);
+            __m512 xe, xo, ae, ao;
+            widen32m_bf16(x + k, m, &xe, &xo);
+            widen32m_bf16(a0 + k, m, &ae, &ao);
+            e0 = _mm512_fmadd_ps(ae, xe, e0), o0 = _mm512_fmadd_ps(ao, xo, o0);
+            widen32m_bf16(a1 + k, m, &ae, &ao);
+            e1 = _mm512_fmadd_ps(ae, xe, e1), o1 = _mm512_fmadd_ps(ao, xo, o1);
+            widen32m_bf16(a2 + k, m, &ae, &ao);
+            e2 = _mm512_fmadd_ps(ae, xe, e2), o2 = _mm512_fmadd_ps(ao, xo, o2);
+            widen32m_bf16(a3 + k, m, &ae, &ao);
+            e3 = _mm512_fmadd_ps(ae, xe, e3), o3 = _mm512_fmadd_ps(ao, xo, o3);
+        }
+        u[j] = _mm512_reduce_add_ps(_mm512_add_ps(e0, o0));
+        u[j + 1] = _mm512_reduce_add_ps(_mm512_add_ps(e1, o1));
+        u[j + 2] = _mm512_reduce_add_ps(_mm512_add_ps(e2, o2));
+        u[j + 3] = _mm512_reduce_add_ps(_mm512_add_ps(e3, o3));
+    }
+    for (; j < r; j++) {
+        const uint16_t *a0 = A + (int64_t)j * K;
+        __m512 e0 = _mm512_setzero_ps(), o0 = e0;
+        for (int k = 0; k < K; k += 32) {
+            const __mmask32 m = tail_mask32(K - k);
+            __m512 xe, xo, ae, ao;
+            widen32m_bf16(x + k, m, &xe, &xo);
+            widen32m_bf16(a0 + k, m, &ae, &ao);
+            e0 = _mm512_fmadd_ps(ae, xe, e0), o0 = _mm512_fmadd_ps(ao, xo, o0);
+        }
+        u[j] = _mm512_reduce_add_ps(_mm512_add_ps(e0, o0));
+    }
+}
+
+/* acc[0:w] (even/odd per 32 columns) += u * B[0:w] */
+static inline void expand_row1(float *acc, const uint16_t *B, int w, float u) {
+    const __m512 uv = _mm512_set1_ps(u);
+    for (int n = 0; n < w; n += 32) {
+        __m512 be, bo;
+        widen32m_bf16(B + n, tail_mask32(w - n), &be, &bo);
+        _mm512_store_ps(acc + n, _mm512_fmadd_ps(uv, be, _mm512_load_ps(acc + n)));
+        _mm512_store_ps(acc + n + 16, _mm512_fmadd_ps(uv, bo, _mm512_load_ps(acc + n + 16)));
+    }
+}
+
+/* A run of one segment's columns in an expand pass: columns col..col+w of y and B, at acc + off
+ * (off a multiple of 32, so the even/odd split lines up with the segment's columns) */
+typedef struct {
+    int col, w, off, seg;
+} lora_piece;
+
+#define LORA_MAX_PIECES 16
+
+/* y[row, all segments] += u_s @ B[0:r, segment s's columns], in passes of at most LORA_COLS
+ * columns: each pass walks B's rows in order, each row left to right across every segment in
+ * the pass, so B streams from memory in the order it is laid out (a qkv row is q, k, v) */
+static void expand_row(uint16_t *yr, const uint16_t *Bs, int64_t N, int r, int R, int nseg, const int32_t *bounds,
+                       const float *u, float *acc) {
+    int s = 0, c = bounds[0];
+    while (s < nseg && c == bounds[s + 1]) c = bounds[++s];  /* empty leading segments */
+    while (s < nseg) {
+        lora_piece p[LORA_MAX_PIECES];
+        int np = 0, used = 0;
+        while (s < nseg && np < LORA_MAX_PIECES && used < LORA_COLS) {
+            const int w = bounds[s + 1] - c < LORA_COLS - used ? bounds[s + 1] - c : LORA_COLS - used;
+            p[np++] = (lora_piece){c, w, used, s};
+            used += (w + 31) & ~31;
+            c += w;
+            while (s < nseg && c == bounds[s + 1]) c = ++s < nseg ? bounds[s] : c;
+        }
+        for (int i = 0; i < np; i++)
+            for (int n = 0; n < p[i].w; n += 32) {
+                __m512 e, o;
+                widen32m_bf16(yr + p[i].col + n, tail_mask32(p[i].w - n), &e, &o);
+                _mm512_store_ps(acc + p[i].off + n, e), _mm512_store_ps(acc + p[i].off + n + 16, o);
+            }
+        for (int j = 0; j < r; j++)
+            for (int i = 0; i < np; i++)
+                expand_row1(acc + p[i].off, Bs + j * N + p[i].col, p[i].w, u[p[i].seg * R + j]);
+        for (int i = 0; i < np; i++)
+            for (int n = 0; n < p[i].w; n += 32)
+                _mm512_mask_storeu_epi16(yr + p[i].col + n, tail_mask32(p[i].w - n),
+                                         narrow32_bf16(_mm512_load_ps(acc + p[i].off + n),
+                                                       _mm512_load_ps(acc + p[i].off + n + 16)));
+    }
+}
+#endif
 
 /* x [T, K] (ldx), y [T, N] (ldy), bf16; A [S, nseg*R, K], Bt [S, R, N] bf16 contiguous;
  * bounds [nseg + 1] column offsets; idx [T] slot or -1; ranks [S]. Returns 0, or -1 when
@@ -42,29 +155,11 @@ int pdserve_lora_bf16(const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy, 
         const uint16_t *xr = x + (int64_t)t * ldx;
         const uint16_t *As = A + (int64_t)slot * nseg * R * K;
         const uint16_t *Bs = Bt + (int64_t)slot * R * N;
-        float u[LORA_MAX_U];
-        for (int s = 0; s < nseg; s++) {
-            for (int j = 0; j < r; j++) {
-                const uint16_t *ar = As + (int64_t)(s * R + j) * K;
-                __m512 acc = _mm512_setzero_ps();
-                for (int k = 0; k < K; k += 16) {
-                    const __mmask16 m = tail_mask(K - k);
-                    acc = _mm512_fmadd_ps(load16m_bf16(ar + k, m), load16m_bf16(xr + k, m), acc);
-                }
-                u[s * R + j] = _mm512_reduce_add_ps(acc);
-            }
-        }
         uint16_t *yr = y + (int64_t)t * ldy;
-        for (int s = 0; s < nseg; s++) {
-            const float *us = u + s * R;
-            for (int n = bounds[s]; n < bounds[s + 1]; n += 16) {
-                const __mmask16 m = tail_mask(bounds[s + 1] - n);
-                __m512 acc = load16m_bf16(yr + n, m);
-                for (int j = 0; j < r; j++)
-                    acc = _mm512_fmadd_ps(_mm512_set1_ps(us[j]), load16m_bf16(Bs + (int64_t)j * N + n, m), acc);
-                _mm256_mask_storeu_epi16(yr + n, m, narrow16_bf16(acc));
-            }
-        }
+        float u[LORA_MAX_U];
+        float acc[LORA_COLS] __attribute__((aligned(64)));
+        for (int s = 0; s < nseg; s++) shrink(xr, As + (int64_t)s * R * K, r, K, u + s * R);
+        expand_row(yr, Bs, N, r, R, nseg, bounds, u, acc);
     }
     return 0;
 #else
