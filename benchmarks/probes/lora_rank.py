@@ -2,10 +2,12 @@
 
     PYTHONPATH=. python benchmarks/probes/lora_rank.py [rank=64] [batch=8] [threads=1] [rounds=5]
 
-SmolLM2-135M's shapes (30 layers; hidden 576, q 576, k/v 192, MLP 1536), bf16. ``batch`` rows,
-each with its own adapter slot (the case ``pdserve bench lora`` measures), stacks for every
-layer as the engine holds them (kernels/lora_cpu.c's layout), so a pass over the 30 layers
-reads them from memory as a step does, not from a warm cache. Per projection:
+Part 1, the kernels: SmolLM2-135M's shapes (30 layers; hidden 576, q 576, k/v 192, MLP 1536),
+bf16. ``batch`` rows, each with its own adapter slot (the case ``pdserve bench lora`` measures),
+stacks for every layer as the engine holds them (kernels/lora_cpu.c's layout). Before each timed
+pass a 1 GiB buffer is read, so the pass reads its weights from DRAM as a step does (a step's
+base weights and adapters together exceed the 504 MiB L3 this machine reports), not from a
+cache the previous pass warmed. Per projection:
 
 - ``base``: the base linear (kernels/linear_cpu.c, packed bf16) for the same rows;
 - ``lora``: the gathered LoRA kernel; its ``shrink`` alone (the same call with empty output
@@ -15,6 +17,11 @@ reads them from memory as a step does, not from a warm cache. Per projection:
   the GB/s that makes;
 - ``ceiling``: GB/s of a plain read of an fp32 buffer the size of the adapters (torch sum, one
   pass), roughly what a kernel bound by memory could reach on this machine.
+
+Part 2, the engine (``engine``): the default model with ``batch`` random adapters of this rank,
+CPU milliseconds per generated token of the same batch with every request on its own adapter,
+on none, and on its adapter with every slot's rank set to 0 (the LoRA plumbing without the
+kernel's reads): the kernel's share of a real step.
 
 Prints one JSON object. Timings are medians over ``rounds`` passes over the layers; with one
 thread they are the calling thread's CPU time (every kernel runs on it), which stays
@@ -42,10 +49,21 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
+_FLUSH = None
+
+
+def _flush() -> None:
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.ones(1 << 28)  # 1 GiB of fp32
+    _FLUSH.sum()
+
+
 def _timed(fn, rounds: int, clock) -> float:
     fn()
     times = []
     for _ in range(rounds):
+        _flush()
         t0 = clock()
         fn()
         times.append(clock() - t0)
@@ -111,7 +129,44 @@ def main() -> None:
     out["ceiling_read_gb_s"] = round(buf.numel() * 4 / ceiling_s / 1e9, 2)
     # the step's ratio if the rest of the step (attention, norms, logits) cost nothing: an upper bound
     out["total"]["layers_ratio"] = round(total["base_ms"] / (total["base_ms"] + total["lora_ms"]), 3)
+    out["engine"] = _engine(rank, batch)
     print(json.dumps(out, indent=1))
+
+
+def _engine(rank: int, batch: int) -> dict:
+    import tempfile
+    from pathlib import Path
+
+    from services.config import EngineConfig
+    from services.engine.engine import Engine
+    from services.engine.lora_bench import PROMPT, _batch, write_random_adapter
+
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = Engine(EngineConfig(dtype="bf16", max_num_seqs=batch, kv_cache_bytes=1 << 28, max_loras=batch,
+                                     max_lora_rank=max(8, 1 << (rank - 1).bit_length())))
+        names = [f"a{i}" for i in range(batch)]
+        for i, name in enumerate(names):
+            engine.register_lora(name, str(write_random_adapter(engine.model_config, Path(tmp) / name, rank, i)))
+        prompts = [engine.tokenizer.encode(PROMPT.format(i=i)) for i in range(batch)]
+
+        def cpu_ms(loras) -> float:
+            _, cpu, tokens, _ = _batch(engine, prompts, loras, 32)
+            return cpu / tokens * 1e3
+
+        runs: dict[str, list[float]] = {"adapters": [], "none": [], "ranks_zeroed": []}
+        with torch.inference_mode():
+            cpu_ms(names), cpu_ms([None] * batch)
+            for _ in range(3):
+                runs["adapters"].append(cpu_ms(names))
+                runs["none"].append(cpu_ms([None] * batch))
+                saved = engine.loras.ranks.clone()
+                engine.loras.ranks.zero_()
+                runs["ranks_zeroed"].append(cpu_ms(names))
+                engine.loras.ranks.copy_(saved)
+    out = {f"{arm}_cpu_ms_per_token": round(_median(v), 3) for arm, v in runs.items()}
+    out["lora_kernel_cpu_ms_per_token"] = round(out["adapters_cpu_ms_per_token"] - out["ranks_zeroed_cpu_ms_per_token"], 3)
+    out["cpu_ratio"] = round(out["none_cpu_ms_per_token"] / out["adapters_cpu_ms_per_token"], 3)
+    return out
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def test_cpu_kernel_reads_only_each_slots_rank():
     assert torch.equal(clean, dirty)
 
 
-@pytest.mark.parametrize("k, bounds, rank", [(100, (0, 70, 83, 2200), 13), (1536, (0, 2100, 4200), 64),
+@pytest.mark.parametrize("k, bounds, rank", [(100, (0, 70, 83, 2200), 13), (1536, (0, 4200, 8400), 64),
                                              (40, (0, 0, 33, 33), 6)])
 def test_cpu_kernel_odd_shapes(k, bounds, rank):
     """Sizes that are not multiples of the kernel's 32-column blocks or its 4 rank rows per pass, a
