@@ -70,56 +70,60 @@ def _timed(fn, rounds: int, clock) -> float:
     return _median(times)
 
 
+def _projection(lib, k: int, bounds: tuple[int, ...], rank: int, batch: int, rounds: int, clock, g) -> dict:
+    """One projection over the layers: base linear, LoRA, shrink alone, expand nearly alone."""
+    n, nseg = bounds[-1], len(bounds) - 1
+    idx = torch.arange(batch, dtype=torch.int32)
+    ranks = torch.full((batch,), rank, dtype=torch.int32)
+    a = [torch.randn(batch, nseg * rank, k, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
+    bt = [torch.randn(batch, rank, n, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
+    base = [PackedLinear(torch.randn(n, k, generator=g).to(torch.bfloat16)) for _ in range(LAYERS)]
+    x = torch.randn(batch, k, generator=g).to(torch.bfloat16)
+    y = torch.zeros(batch, n, dtype=torch.bfloat16)
+    empty = torch.zeros(nseg + 1, dtype=torch.int32)
+    full = torch.tensor(bounds, dtype=torch.int32)
+
+    def lora(bounds_t: torch.Tensor, width: int, cols: int = k) -> None:
+        for i in range(LAYERS):
+            lib.pdserve_lora_bf16(x.data_ptr(), k, y.data_ptr(), n, batch, cols, width, a[i].data_ptr(),
+                                  bt[i].data_ptr(), rank, nseg, bounds_t.data_ptr(), idx.data_ptr(), ranks.data_ptr())
+
+    def base_pass() -> None:
+        for lin in base:
+            lin(x)
+
+    base_s = _timed(base_pass, rounds, clock)
+    lora_s = _timed(lambda: lora(full, n), rounds, clock)
+    shrink_s = _timed(lambda: lora(empty, 0), rounds, clock)
+    expand_s = _timed(lambda: lora(full, n, 32), rounds, clock)
+    base_bytes = LAYERS * n * k * 2
+    a_bytes, b_bytes = LAYERS * batch * nseg * rank * k * 2, LAYERS * batch * rank * n * 2
+    return {"base_ms": round(base_s * 1e3, 3), "lora_ms": round(lora_s * 1e3, 3),
+            "shrink_ms": round(shrink_s * 1e3, 3), "expand_ms": round(expand_s * 1e3, 3),
+            "base_mb": round(base_bytes / 1e6, 2), "lora_a_mb": round(a_bytes / 1e6, 2),
+            "lora_b_mb": round(b_bytes / 1e6, 2),
+            "base_gb_s": round(base_bytes / base_s / 1e9, 2), "lora_gb_s": round((a_bytes + b_bytes) / lora_s / 1e9, 2),
+            "shrink_gb_s": round(a_bytes / shrink_s / 1e9, 2), "expand_gb_s": round(b_bytes / expand_s / 1e9, 2),
+            "_bytes": (base_bytes, a_bytes + b_bytes)}
+
+
 def main() -> None:
     rank, batch, threads, rounds = (int(a) for a in (sys.argv[1:] + ["64", "8", "1", "5"][len(sys.argv) - 1:])[:4])
     torch.set_num_threads(threads)
     lib = native.library()
     clock = time.thread_time if threads == 1 else time.perf_counter
     g = torch.Generator().manual_seed(0)
-    idx = torch.arange(batch, dtype=torch.int32)
-    ranks = torch.full((batch,), rank, dtype=torch.int32)
-    out: dict = {"rank": rank, "batch": batch, "threads": threads, "clock": clock.__name__, "layers": LAYERS, "projections": {}}
+    out: dict = {"rank": rank, "batch": batch, "threads": threads, "clock": clock.__name__, "layers": LAYERS,
+                 "projections": {}}
     total = {"base_ms": 0.0, "lora_ms": 0.0, "shrink_ms": 0.0, "base_bytes": 0, "lora_bytes": 0}
     for proj, (k, bounds) in SHAPES.items():
-        n, nseg = bounds[-1], len(bounds) - 1
-        a = [torch.randn(batch, nseg * rank, k, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
-        bt = [torch.randn(batch, rank, n, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
-        base = [PackedLinear(torch.randn(n, k, generator=g).to(torch.bfloat16)) for _ in range(LAYERS)]
-        x = torch.randn(batch, k, generator=g).to(torch.bfloat16)
-        y = torch.zeros(batch, n, dtype=torch.bfloat16)
-        empty = torch.zeros(nseg + 1, dtype=torch.int32)
-        full = torch.tensor(bounds, dtype=torch.int32)
-
-        def lora(bounds_t: torch.Tensor, width: int, cols: int = k) -> None:
-            for i in range(LAYERS):
-                lib.pdserve_lora_bf16(x.data_ptr(), k, y.data_ptr(), n, batch, cols, width, a[i].data_ptr(),
-                                      bt[i].data_ptr(), rank, nseg, bounds_t.data_ptr(), idx.data_ptr(),
-                                      ranks.data_ptr())
-
-        def base_pass() -> None:
-            for lin in base:
-                lin(x)
-
-        base_s = _timed(base_pass, rounds, clock)
-        lora_s = _timed(lambda: lora(full, n), rounds, clock)
-        shrink_s = _timed(lambda: lora(empty, 0), rounds, clock)
-        expand_s = _timed(lambda: lora(full, n, 32), rounds, clock)
-        base_bytes = LAYERS * n * k * 2
-        a_bytes, b_bytes = LAYERS * batch * nseg * rank * k * 2, LAYERS * batch * rank * n * 2
-        out["projections"][proj] = {
-            "base_ms": round(base_s * 1e3, 3), "lora_ms": round(lora_s * 1e3, 3),
-            "shrink_ms": round(shrink_s * 1e3, 3), "expand_ms": round(expand_s * 1e3, 3),
-            "base_mb": round(base_bytes / 1e6, 2), "lora_a_mb": round(a_bytes / 1e6, 2),
-            "lora_b_mb": round(b_bytes / 1e6, 2),
-            "base_gb_s": round(base_bytes / base_s / 1e9, 2), "lora_gb_s": round((a_bytes + b_bytes) / lora_s / 1e9, 2),
-            "shrink_gb_s": round(a_bytes / shrink_s / 1e9, 2),
-            "expand_gb_s": round(b_bytes / expand_s / 1e9, 2)}
-        total["base_ms"] += base_s * 1e3
-        total["lora_ms"] += lora_s * 1e3
-        total["shrink_ms"] += shrink_s * 1e3
+        entry = _projection(lib, k, bounds, rank, batch, rounds, clock, g)
+        base_bytes, lora_bytes = entry.pop("_bytes")
+        out["projections"][proj] = entry
+        for key in ("base_ms", "lora_ms", "shrink_ms"):
+            total[key] += entry[key]
         total["base_bytes"] += base_bytes
-        total["lora_bytes"] += a_bytes + b_bytes
-        del a, bt, base
+        total["lora_bytes"] += lora_bytes
     buf = torch.randn(total["lora_bytes"] // 4, generator=g)
     ceiling_s = _timed(lambda: buf.sum(), rounds, clock)
     out["total"] = {key: round(v, 3) for key, v in total.items() if key.endswith("_ms")}
