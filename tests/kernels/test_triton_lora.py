@@ -112,3 +112,23 @@ def test_cpu_kernel_odd_shapes(k, bounds, rank):
     assert torch.equal(got[1], y[1])
     if n > 33:
         assert not torch.equal(got[0], y[0])
+
+
+def test_cpu_kernel_rows_sharing_an_adapter():
+    """A prefill's rows: runs of one adapter (read once for up to four rows), split across the
+    kernel's chunks, beside rows of others and of none."""
+    from kernels import native
+    from kernels.lora_cpu import lora_apply_cpu
+
+    if native.library() is None or not native.library().pdserve_lora_available():
+        pytest.skip("the C kernels need a compiler and AVX-512")
+    y, x, a, bt, _, ranks = _case("cpu", torch.bfloat16, rank=16)
+    rows = [0, 0, 0, 0, 0, 1, 1, -1, 2, 2, 2, 0, 1, 1, 1, 1, -1, -1, 2, 0, 0]
+    idx = torch.tensor(rows, dtype=torch.int32)
+    x = torch.randn(len(rows), x.shape[1]).to(torch.bfloat16)
+    y = torch.randn(len(rows), y.shape[1]).to(torch.bfloat16)
+    want, got = y.clone(), y.clone()
+    lora_apply_ref(want, x, a, bt, BOUNDS, idx)
+    lora_apply_cpu(got, x, a, bt, BOUNDS, idx, ranks)
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+    assert torch.equal(got[7], y[7]) and torch.equal(got[16:18], y[16:18])
