@@ -54,73 +54,51 @@ static inline void widen32m_bf16(const uint16_t *p, __mmask32 m, __m512 *even, _
     *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
-/* u[j] = A[j] . x for the r rows of A [r, K] */
+/* d[i] = a_i . x_i over K for four pairs (the same row may appear in several), prefetching each
+ * a_i pf elements ahead */
+static inline void dot4(const uint16_t *a0, const uint16_t *a1, const uint16_t *a2, const uint16_t *a3,
+                        const uint16_t *x0, const uint16_t *x1, const uint16_t *x2, const uint16_t *x3, int K,
+                        int64_t pf, float *d) {
+    const uint16_t *a[4] = {a0, a1, a2, a3}, *x[4] = {x0, x1, x2, x3};
+    __m512 e[4], o[4]; /* eight independent FMA chains (the loops over i unroll into registers) */
+    for (int i = 0; i < 4; i++) e[i] = o[i] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 32) {
+        const __mmask32 m = tail_mask32(K - k);
+        for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(a[i] + k + pf), _MM_HINT_T0);
+        for (int i = 0; i < 4; i++) {
+            __m512 xe, xo, ae, ao;
+            widen32m_bf16(x[i] + k, m, &xe, &xo);
+            widen32m_bf16(a[i] + k, m, &ae, &ao);
+            e[i] = _mm512_fmadd_ps(ae, xe, e[i]), o[i] = _mm512_fmadd_ps(ao, xo, o[i]);
+        }
+    }
+    for (int i = 0; i < 4; i++) d[i] = _mm512_reduce_add_ps(_mm512_add_ps(e[i], o[i]));
+}
+
+/* u[j] = A[j] . x for the r rows of A [r, K]: four A rows per pass over x */
 static void shrink(const uint16_t *x, const uint16_t *A, int r, int K, float *u) {
     int j = 0;
     for (; j + 4 <= r; j += 4) {
-        const uint16_t *a0 = A + (int64_t)j * K, *a1 = a0 + K, *a2 = a1 + K, *a3 = a2 + K;
-        __m512 e0 = _mm512_setzero_ps(), o0 = e0, e1 = e0, o1 = e0, e2 = e0, o2 = e0, e3 = e0, o3 = e0;
-        for (int k = 0; k < K; k += 32) {
-            const __mmask32 m = tail_mask32(K - k);
-            __m512 xe, xo, ae, ao;
-            _mm_prefetch((const char *)(a0 + k + 4 * K), _MM_HINT_T0);
-            _mm_prefetch((const char *)(a1 + k + 4 * K), _MM_HINT_T0);
-            _mm_prefetch((const char *)(a2 + k + 4 * K), _MM_HINT_T0);
-            _mm_prefetch((const char *)(a3 + k + 4 * K), _MM_HINT_T0);
-            widen32m_bf16(x + k, m, &xe, &xo);
-            widen32m_bf16(a0 + k, m, &ae, &ao);
-            e0 = _mm512_fmadd_ps(ae, xe, e0), o0 = _mm512_fmadd_ps(ao, xo, o0);
-            widen32m_bf16(a1 + k, m, &ae, &ao);
-            e1 = _mm512_fmadd_ps(ae, xe, e1), o1 = _mm512_fmadd_ps(ao, xo, o1);
-            widen32m_bf16(a2 + k, m, &ae, &ao);
-            e2 = _mm512_fmadd_ps(ae, xe, e2), o2 = _mm512_fmadd_ps(ao, xo, o2);
-            widen32m_bf16(a3 + k, m, &ae, &ao);
-            e3 = _mm512_fmadd_ps(ae, xe, e3), o3 = _mm512_fmadd_ps(ao, xo, o3);
-        }
-        u[j] = _mm512_reduce_add_ps(_mm512_add_ps(e0, o0));
-        u[j + 1] = _mm512_reduce_add_ps(_mm512_add_ps(e1, o1));
-        u[j + 2] = _mm512_reduce_add_ps(_mm512_add_ps(e2, o2));
-        u[j + 3] = _mm512_reduce_add_ps(_mm512_add_ps(e3, o3));
+        const uint16_t *a0 = A + (int64_t)j * K;
+        dot4(a0, a0 + K, a0 + 2 * K, a0 + 3 * K, x, x, x, x, K, 4 * K, u + j);
     }
     for (; j < r; j++) {
-        const uint16_t *a0 = A + (int64_t)j * K;
-        __m512 e0 = _mm512_setzero_ps(), o0 = e0;
-        for (int k = 0; k < K; k += 32) {
-            const __mmask32 m = tail_mask32(K - k);
-            __m512 xe, xo, ae, ao;
-            widen32m_bf16(x + k, m, &xe, &xo);
-            widen32m_bf16(a0 + k, m, &ae, &ao);
-            e0 = _mm512_fmadd_ps(ae, xe, e0), o0 = _mm512_fmadd_ps(ao, xo, o0);
-        }
-        u[j] = _mm512_reduce_add_ps(_mm512_add_ps(e0, o0));
+        const uint16_t *aj = A + (int64_t)j * K;
+        float d[4];
+        dot4(aj, aj, aj, aj, x, x, x, x, K, K, d);
+        u[j] = d[0];
     }
 }
 
 /* u_i[j] = A[j] . x_i for m (2-4) rows x_i (stride ldx) sharing A: each A row read once for all
  * of them (a prefill's rows of one adapter); u_i at u + i * LORA_MAX_U */
 static void shrink_group(const uint16_t *x, int64_t ldx, int m, const uint16_t *A, int r, int K, float *u) {
-    const uint16_t *x0 = x, *x1 = x + ldx, *x2 = x + (m > 2 ? 2 : 1) * ldx, *x3 = x + (m > 3 ? 3 : 1) * ldx;
+    const uint16_t *x2 = x + (m > 2 ? 2 : 1) * ldx, *x3 = x + (m > 3 ? 3 : 1) * ldx;
     for (int j = 0; j < r; j++) {
         const uint16_t *aj = A + (int64_t)j * K;
-        __m512 e0 = _mm512_setzero_ps(), o0 = e0, e1 = e0, o1 = e0, e2 = e0, o2 = e0, e3 = e0, o3 = e0;
-        for (int k = 0; k < K; k += 32) {
-            const __mmask32 mk = tail_mask32(K - k);
-            __m512 ae, ao, xe, xo;
-            _mm_prefetch((const char *)(aj + k + 2 * K), _MM_HINT_T0);
-            widen32m_bf16(aj + k, mk, &ae, &ao);
-            widen32m_bf16(x0 + k, mk, &xe, &xo);
-            e0 = _mm512_fmadd_ps(ae, xe, e0), o0 = _mm512_fmadd_ps(ao, xo, o0);
-            widen32m_bf16(x1 + k, mk, &xe, &xo);
-            e1 = _mm512_fmadd_ps(ae, xe, e1), o1 = _mm512_fmadd_ps(ao, xo, o1);
-            widen32m_bf16(x2 + k, mk, &xe, &xo);
-            e2 = _mm512_fmadd_ps(ae, xe, e2), o2 = _mm512_fmadd_ps(ao, xo, o2);
-            widen32m_bf16(x3 + k, mk, &xe, &xo);
-            e3 = _mm512_fmadd_ps(ae, xe, e3), o3 = _mm512_fmadd_ps(ao, xo, o3);
-        }
-        u[j] = _mm512_reduce_add_ps(_mm512_add_ps(e0, o0));
-        u[LORA_MAX_U + j] = _mm512_reduce_add_ps(_mm512_add_ps(e1, o1));
-        if (m > 2) u[2 * LORA_MAX_U + j] = _mm512_reduce_add_ps(_mm512_add_ps(e2, o2));
-        if (m > 3) u[3 * LORA_MAX_U + j] = _mm512_reduce_add_ps(_mm512_add_ps(e3, o3));
+        float d[4];
+        dot4(aj, aj, aj, aj, x, x + ldx, x2, x3, K, 2 * K, d);
+        for (int i = 0; i < m; i++) u[i * LORA_MAX_U + j] = d[i];
     }
 }
 
