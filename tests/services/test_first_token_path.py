@@ -37,7 +37,7 @@ MAX_TOKENS = 6
 # chunk writes are counted apart (one per chunk event)
 NAMED = {
     "gateway": collections.Counter({
-        "EVALSHA": 3,  # coalescing claim; the enqueue script; coalescing release at the end
+        "EVALSHA": 2,  # the enqueue script (it claims the coalescing key too); coalescing release at the end
         "HSET": 1, "EXPIRE": 3,  # the request record (with the enqueue, one round trip); attach; detach
         "HINCRBY": 2,  # attach, detach (each with its EXPIRE, one transaction)
         "XRANGE": 1,  # the subscription's catch-up
