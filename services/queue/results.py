@@ -43,6 +43,8 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
+from redis.exceptions import NoScriptError
+
 from services.errors import DeadlineExceededError, InvalidRequestError
 from services.errors import NotFoundError
 from services.queue.keys import delivery_tag, inbox_stream, result_stream
@@ -81,29 +83,50 @@ class ResultWriter:
         self.ttl_s = ttl_s
         self._deliver = redis.register_script(_DELIVER)
 
-    async def _queue_event(self, pipe, request_id: str, kind: str, data: str) -> int:
-        """Queue one event's commands on ``pipe``; returns how many replies they give (the first is the id)."""
+    def _queue_event(self, pipe, request_id: str, kind: str, data: str) -> int:
+        """Queue one event's commands on ``pipe``; returns how many replies they give (the first is the id).
+        The script goes as a bare EVALSHA: redis-py's Script object would make every pipeline ask SCRIPT
+        EXISTS first, a second round trip per engine step (``_execute`` handles a server without it)."""
         tag = delivery_tag(request_id)
         if tag is None:
             pipe.xadd(result_stream(request_id), {"type": kind, "data": data})
             pipe.expire(result_stream(request_id), self.ttl_s)
             return 2
-        await self._deliver(keys=[result_stream(request_id), inbox_stream(tag)],
-                            args=[kind, data, self.ttl_s, request_id], client=pipe)
+        pipe.evalsha(self._deliver.sha, 2, result_stream(request_id), inbox_stream(tag),
+                     kind, data, self.ttl_s, request_id)
         return 1
+
+    async def _execute(self, events: list[tuple[str, str, str]]) -> list[str]:
+        """``(request_id, type, data)`` events in one pipelined round trip; their entry ids. A server that lost
+        the script (restarted, flushed) answers NOSCRIPT to each EVALSHA, which wrote nothing: those events go
+        again once it is loaded."""
+        if not events:
+            return []
+        ids: list[str] = [""] * len(events)
+        pending = list(range(len(events)))
+        for attempt in range(2):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                spans = [(i, self._queue_event(pipe, *events[i])) for i in pending]
+                replies = await pipe.execute(raise_on_error=False)
+            again, at = [], 0
+            for i, n in spans:
+                mine, at = replies[at:at + n], at + n
+                if attempt == 0 and isinstance(mine[0], NoScriptError):
+                    again.append(i)
+                    continue
+                for reply in mine:
+                    if isinstance(reply, Exception):
+                        raise reply
+                ids[i] = text(mine[0])
+            if not again:
+                break
+            self._deliver.sha = await self.redis.script_load(_DELIVER)
+            pending = again
+        return ids
 
     async def append_chunks(self, items: Iterable[tuple[str, dict]]) -> list[str]:
         """One engine step's chunks for many requests, in one pipelined round trip; returns their entry ids."""
-        items = list(items)
-        if not items:
-            return []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            firsts, n = [], 0
-            for request_id, chunk in items:
-                firsts.append(n)
-                n += await self._queue_event(pipe, request_id, CHUNK, json.dumps(chunk))
-            replies = await pipe.execute()
-        return [text(replies[i]) for i in firsts]
+        return await self._execute([(request_id, CHUNK, json.dumps(chunk)) for request_id, chunk in items])
 
     async def finish(self, request_id: str, final: dict) -> str:
         return await self._terminal(request_id, FINAL, final)
@@ -112,10 +135,7 @@ class ResultWriter:
         return await self._terminal(request_id, ERROR, {"code": code, "message": message, "status": status})
 
     async def _terminal(self, request_id: str, kind: str, data: dict) -> str:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            await self._queue_event(pipe, request_id, kind, json.dumps(data))
-            replies = await pipe.execute()
-        return text(replies[0])
+        return (await self._execute([(request_id, kind, json.dumps(data))]))[0]
 
 
 class ResultReader:
