@@ -17,6 +17,14 @@ Event data (JSON)::
             "timings": {"ttft_ms", "e2e_ms", "queue_ms", "prefill_ms"}}
     error  {"code": str, "message": str, "status": int}       OpenAI error type and HTTP status
 
+A chunk written with its attempt's worker request id (``<id>.<attempt>``,
+router/dispatch.py) is fenced: before the router retries a request it names the
+new attempt in ``fence_key(request_id)`` and only then reads what the stream
+holds; a chunk of an earlier attempt that reaches Redis after that (its decode
+worker had the write in flight when the attempt failed) is dropped in the same
+script that would have appended it. So what the retry resumes from is exactly
+what the client can ever see: no token twice, none missing.
+
 Entry ids are the SSE ``id:`` the gateway sends: a reader given the last id a
 client saw gets exactly the entries after it (XREAD is exclusive of the id),
 with no duplicate and no gap.
@@ -40,29 +48,39 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from redis.exceptions import NoScriptError
 
 from services.errors import DeadlineExceededError, InvalidRequestError
 from services.errors import NotFoundError
-from services.queue.keys import delivery_tag, inbox_stream, result_stream
+from services.queue.keys import delivery_tag, fence_key, inbox_stream, result_stream
 from services.queue.message import text
 
 CHUNK, FINAL, ERROR = "chunk", "final", "error"
 TERMINAL = (FINAL, ERROR)
 _ENTRY_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
 
-# KEYS: the request's result stream, its gateway's delivery stream
-# ARGV: type, data, ttl_s, request_id -> the entry id in the result stream
-_DELIVER = """
+# An attempt's chunk is dropped (nil) once the fence names another attempt.
+_FENCED = """
+if ARGV[4] ~= '' then
+  local current = redis.call('GET', KEYS[2])
+  if current and current ~= ARGV[4] then return false end
+end
+"""
+# KEYS: the request's result stream, its fence key
+# ARGV: type, data, ttl_s, attempt ('' for unfenced) -> the entry id, or nil when fenced off
+_APPEND = _FENCED + """
 local id = redis.call('XADD', KEYS[1], '*', 'type', ARGV[1], 'data', ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
-redis.call('XADD', KEYS[2], '*', 'rid', ARGV[4], 'id', id, 'type', ARGV[1], 'data', ARGV[2])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
 return id
 """
+# KEYS: as _APPEND, then its gateway's delivery stream; ARGV: as _APPEND, then the request id
+_DELIVER = _APPEND.replace("return id", """
+redis.call('XADD', KEYS[3], '*', 'rid', ARGV[5], 'id', id, 'type', ARGV[1], 'data', ARGV[2])
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+return id""")
 
 
 def decode_event(fields: dict) -> tuple[str, Any]:
@@ -81,52 +99,61 @@ class ResultWriter:
             raise ValueError("ttl_s must be >= 1")
         self.redis = redis
         self.ttl_s = ttl_s
+        self._append = redis.register_script(_APPEND)
         self._deliver = redis.register_script(_DELIVER)
 
-    def _queue_event(self, pipe, request_id: str, kind: str, data: str) -> int:
-        """Queue one event's commands on ``pipe``; returns how many replies they give (the first is the id).
-        The script goes as a bare EVALSHA: redis-py's Script object would make every pipeline ask SCRIPT
-        EXISTS first, a second round trip per engine step (``_execute`` handles a server without it)."""
+    def _queue_event(self, pipe, request_id: str, kind: str, data: str, attempt: str = "") -> None:
+        """Queue one event's script on ``pipe``; its reply is the entry id (nil when fenced off). A bare
+        EVALSHA: redis-py's Script objects make every pipeline ask SCRIPT EXISTS first, a second round trip
+        per engine step (``_execute`` handles a server without the script)."""
+        keys, args = [result_stream(request_id), fence_key(request_id)], [kind, data, self.ttl_s, attempt]
         tag = delivery_tag(request_id)
         if tag is None:
-            pipe.xadd(result_stream(request_id), {"type": kind, "data": data})
-            pipe.expire(result_stream(request_id), self.ttl_s)
-            return 2
-        pipe.evalsha(self._deliver.sha, 2, result_stream(request_id), inbox_stream(tag),
-                     kind, data, self.ttl_s, request_id)
-        return 1
+            pipe.evalsha(self._append.sha, len(keys), *keys, *args)
+        else:
+            pipe.evalsha(self._deliver.sha, len(keys) + 1, *keys, inbox_stream(tag), *args, request_id)
 
-    async def _execute(self, events: list[tuple[str, str, str]]) -> list[str]:
-        """``(request_id, type, data)`` events in one pipelined round trip; their entry ids. A server that lost
-        the script (restarted, flushed) answers NOSCRIPT to each EVALSHA, which wrote nothing: those events go
-        again once it is loaded."""
+    async def _execute(self, events: list[tuple[str, str, str, str]]) -> list[str | None]:
+        """``(request_id, type, data, attempt)`` events in one pipelined round trip; their entry ids (None: fenced
+        off). A server that lost the scripts (restarted, flushed) answers NOSCRIPT to each EVALSHA, which wrote
+        nothing: those events go again once they are loaded."""
         if not events:
             return []
-        ids: list[str] = [""] * len(events)
+        ids: list[str | None] = [None] * len(events)
         pending = list(range(len(events)))
         for attempt in range(2):
             async with self.redis.pipeline(transaction=False) as pipe:
-                spans = [(i, self._queue_event(pipe, *events[i])) for i in pending]
+                for i in pending:
+                    self._queue_event(pipe, *events[i])
                 replies = await pipe.execute(raise_on_error=False)
-            again, at = [], 0
-            for i, n in spans:
-                mine, at = replies[at:at + n], at + n
-                if attempt == 0 and isinstance(mine[0], NoScriptError):
+            again = []
+            for i, reply in zip(pending, replies):
+                if attempt == 0 and isinstance(reply, NoScriptError):
                     again.append(i)
-                    continue
-                for reply in mine:
-                    if isinstance(reply, Exception):
-                        raise reply
-                ids[i] = text(mine[0])
+                elif isinstance(reply, Exception):
+                    raise reply
+                else:
+                    ids[i] = None if reply is None else text(reply)
             if not again:
                 break
-            self._deliver.sha = await self.redis.script_load(_DELIVER)
+            for script in (self._append, self._deliver):
+                script.sha = await self.redis.script_load(script.script)
             pending = again
         return ids
 
-    async def append_chunks(self, items: Iterable[tuple[str, dict]]) -> list[str]:
-        """One engine step's chunks for many requests, in one pipelined round trip; returns their entry ids."""
-        return await self._execute([(request_id, CHUNK, json.dumps(chunk)) for request_id, chunk in items])
+    async def append_chunks(self, items: Iterable[tuple[str, dict]],
+                            attempts: Sequence[str] | None = None) -> list[str | None]:
+        """One engine step's chunks for many requests, in one pipelined round trip; returns their entry ids.
+
+        ``attempts``: each chunk's worker request id, so a fenced-off attempt's chunk is
+        dropped (its id None); without it the chunks are not fenced.
+        """
+        return await self._execute([(request_id, CHUNK, json.dumps(chunk), attempts[i] if attempts else "")
+                                    for i, (request_id, chunk) in enumerate(items)])
+
+    async def fence(self, request_id: str, attempt: str) -> None:
+        """From now on only ``attempt`` may add chunks to the request's stream (call before reading it to retry)."""
+        await self.redis.set(fence_key(request_id), attempt, ex=self.ttl_s)
 
     async def finish(self, request_id: str, final: dict) -> str:
         return await self._terminal(request_id, FINAL, final)
@@ -135,7 +162,7 @@ class ResultWriter:
         return await self._terminal(request_id, ERROR, {"code": code, "message": message, "status": status})
 
     async def _terminal(self, request_id: str, kind: str, data: dict) -> str:
-        return (await self._execute([(request_id, kind, json.dumps(data))]))[0]
+        return (await self._execute([(request_id, kind, json.dumps(data), "")]))[0]
 
 
 class ResultReader:

@@ -48,6 +48,7 @@ async def collect(reader, request_id, **kw):
 def test_one_round_trip_per_step_for_many_requests(with_redis):
     async def go(r):
         writer = ResultWriter(r, ttl_s=120)
+        await writer.append_chunks([("warm-up", {"token_ids": [0], "text": ""})])  # loads the scripts
         trips = RoundTrips(r)
         for step in range(3):
             ids = await writer.append_chunks([(f"r{n}", {"token_ids": [step * 10 + n], "text": f"<{n}.{step}>"})
@@ -171,5 +172,28 @@ def test_a_server_that_lost_the_script_gets_each_event_once(with_redis):
         assert [data.get("text") for _, _, data in events] == ["a", "b", None]
         assert [e[0] for e in events[1:]] == [ids[0], final_id]
         assert len(await r.xrange(result_stream("r3"))) == 1
+
+    with_redis(go)
+
+
+@pytest.mark.parametrize("request_id", ["plain-req", "gw-0123456789abcdef.req"])
+def test_a_failed_attempts_late_chunk_is_dropped_once_the_retry_is_fenced_in(with_redis, request_id):
+    """The race of a prefill worker killed mid-request: the first attempt's decode worker still has a
+    chunk on its way when the router retries; the retry resumes from what the stream held, so that
+    late chunk must never reach the client (it would be a duplicate token)."""
+    async def go(r):
+        writer = ResultWriter(r, ttl_s=120)
+        ids = await writer.append_chunks([(request_id, {"token_ids": [1]})], attempts=[f"{request_id}.1"])
+        assert ids[0] is not None  # no fence yet: the first attempt writes freely
+        await writer.fence(request_id, f"{request_id}.2")
+        late = await writer.append_chunks([(request_id, {"token_ids": [2]}), (request_id, {"token_ids": [7]})],
+                                          attempts=[f"{request_id}.1", f"{request_id}.2"])
+        assert late[0] is None and late[1] is not None
+        await writer.finish(request_id, {"finish_reason": "length"})
+        events = await collect(ResultReader(r), request_id)
+        assert [data["token_ids"] for _, kind, data in events if kind == "chunk"] == [[1], [7]]
+        if request_id.startswith("gw-"):  # the gateway's delivery stream got the same, no more
+            inbox = await r.xrange("pd:res:{gw-0123456789abcdef}:inbox")
+            assert [f[b"type"] for _, f in inbox] == [b"chunk", b"chunk", b"final"]
 
     with_redis(go)
