@@ -55,6 +55,10 @@ class AsyncEngine:
         # Called on the engine thread with each step's outputs, before they are delivered
         # (the decode service batches one Redis write per step from here).
         self.on_step: Callable[[list[RequestOutput]], None] | None = None
+        # Requests whose stream wants only its last output (finished, or an error): on_step takes every
+        # token to its destination (the decode worker's result writer), so the others would only wake the
+        # event loop and pass through a queue and a generator per token for nothing.
+        self.finals_only: set[str] = set()
         if sys.getswitchinterval() > SWITCH_INTERVAL_S:
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
@@ -138,7 +142,10 @@ class AsyncEngine:
         """Hand a step's outputs to their streams: one wake-up of each event loop per step, not one per
         output (each call_soon_threadsafe writes the loop's self-pipe and makes the loop take the GIL)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        finals_only = self.finals_only
         for out in outputs:
+            if finals_only and out.request_id in finals_only and not (out.finished or out.error):
+                continue
             target = self._streams.get(out.request_id)
             if target is not None:
                 by_loop.setdefault(target[0], []).append((target[1], out))
