@@ -266,7 +266,7 @@ def test_a_prefill_whose_reservation_fails_frees_its_blocks_at_once(tiny_engine)
 def test_a_finals_only_stream_gets_its_last_output_while_the_step_hook_sees_every_token(engines):
     # the decode worker's results mode: its step hook writes every token to Redis, so the request's own
     # stream is handed only the finished output (no per-token wake-up of the event loop)
-    async_engine, engine, _ = engines
+    async_engine, _, _ = engines
     hooked: list[int] = []
     async_engine.on_step = lambda outs: hooked.extend(t for o in outs if o.request_id == "f" for t in o.new_token_ids)
     async_engine.finals_only.add("f")
