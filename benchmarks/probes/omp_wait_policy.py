@@ -23,7 +23,8 @@ import subprocess
 import sys
 import time
 
-POLICIES = {"default": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "spin-1k": {"GOMP_SPINCOUNT": "1000"},
+POLICIES = {"default": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "spin-100": {"GOMP_SPINCOUNT": "100"},
+            "spin-1k": {"GOMP_SPINCOUNT": "1000"}, "spin-3k": {"GOMP_SPINCOUNT": "3000"},
             "spin-10k": {"GOMP_SPINCOUNT": "10000"}}
 
 

@@ -1,6 +1,7 @@
 """``pdserve bench hops``: where a cached request's first token waits, hop by hop, alone and under load.
 
-The stack is ``pdserve up``'s (services/launcher.py), started with the hop probe on
+The stack is ``pdserve up``'s (services/launcher.py, with the router flags ``pdserve up`` adds: local
+prefill of short uncached prompts on the decode worker), started with the hop probe on
 (``PDSERVE_HOPS_DIR``, services/hops.py): every process writes a timestamp per hop per
 request. For each ``--concurrency`` level, a fresh set of chat prompts (40-120 words)
 goes through the shared load generator twice: once to put them in the caches, then the
@@ -215,8 +216,18 @@ def run(args) -> int:
 
     from services.launcher import LocalStack, StackSpec
 
+    from services.up_defaults import choose
+
+    # the router flags `pdserve up` adds for 1 prefill + 1 decode (local prefill of short prompts), unless
+    # given: without them every fresh prompt, the batch-1 rounds' included, went through the prefill worker
+    # and its prompt compute was counted as an idle prefill worker's CPU per served token
+    given = any(a.startswith("--local-prefill-max-tokens") for a in args.router_arg + args.baseline_router_arg)
+    up_args = choose(os.cpu_count() or 1, prefill=1, decode=1, threads=0, quantization="none",
+                     local_prefill_given=given).router_args
+    args.router_arg = up_args + list(args.router_arg)
     router_args = {"pdserve": list(args.router_arg)}
     if args.baseline_router_arg:
+        args.baseline_router_arg = up_args + list(args.baseline_router_arg)
         router_args["baseline"] = list(args.baseline_router_arg)
     hops_dirs = {name: tempfile.mkdtemp(prefix=f"pdserve-hops-{name}-") for name in router_args}
     with contextlib.ExitStack() as exit_stack:

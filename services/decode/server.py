@@ -62,7 +62,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         tok = engine.tokenizer
         results_redis = aioredis.Redis.from_url(self.rt.config.redis_url, client_name=f"pdserve-decode-{os.getpid()}")
         self.results = StepResultWriter(results_redis,
-                                        (lambda t: tok.decode([t], skip_special_tokens=False)) if tok else None)
+                                        (lambda t: tok.decode([t], skip_special_tokens=False)) if tok else None,
+                                        worker_id=self.rt.worker_id)
         self.results.start()
         self.rt.aengine.on_step = self._on_step
 
@@ -177,34 +178,38 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     self.rt.aengine.submit(lambda: rid in engine.requests and engine.release(rid))
 
     async def _relay(self, rid: str, outputs, started: float, results_to: str):
-        """Outputs -> chunks on the stream, or (results mode) into Redis with only the Finish here."""
+        """Outputs -> chunks on the stream, or (results mode) into Redis with only the Finish here: then the
+        step hook writes every token (and counts it), and this stream gets only the last output."""
         tok = self.rt.engine.tokenizer
         token_text = (lambda t: tok.decode([t], skip_special_tokens=False)) if tok else None
         first_at = last_at = None
         tokens = telemetry.GENERATION_TOKENS.labels("decode", self.rt.worker_id)
-        if results_to:
-            self.results.track(rid, results_to)  # before the request's first step: see start_decode
+        itl = telemetry.INTER_TOKEN_LATENCY_SECONDS.labels(role="decode")
+        if results_to:  # before the request's first step: see start_decode
+            self.results.track(rid, results_to)
+            self.rt.aengine.finals_only.add(rid)
         try:
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
                     if out.error:
                         raise RuntimeError(out.error)
-                    if out.new_token_ids or out.new_text:
+                    if not results_to and (out.new_token_ids or out.new_text):
                         tokens.inc(len(out.new_token_ids))
                         now = time.perf_counter()
                         if first_at is None:
                             first_at = now
                         elif out.new_token_ids:
-                            telemetry.INTER_TOKEN_LATENCY_SECONDS.labels(role="decode").observe(now - last_at)
+                            itl.observe(now - last_at)
                         last_at = now
-                        if not results_to:
-                            yield worker_pb2.TokenChunkOrFinish(chunk=chunk_from_output(out, token_text))
+                        yield worker_pb2.TokenChunkOrFinish(chunk=chunk_from_output(out, token_text))
                     if out.finished:
                         if results_to:
                             await self.results.flushed(rid)
+                            first_at = self.results.first_at.get(rid)
                         yield self._finish(out, started, first_at)
         finally:
             if results_to:
+                self.rt.aengine.finals_only.discard(rid)
                 self.results.untrack(rid)
 
     def _finish(self, out, started: float, first_at: float | None) -> worker_pb2.TokenChunkOrFinish:

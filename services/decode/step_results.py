@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable
 
-from services import hops
+from services import hops, telemetry
 from services.engine.outputs import RequestOutput
 from services.queue.results import ResultWriter
 
@@ -33,8 +34,14 @@ def chunk_event(out: RequestOutput, token_text: Callable[[int], str] | None) -> 
 
 
 class StepResultWriter:
-    def __init__(self, redis, token_text: Callable[[int], str] | None = None, ttl_s: int = 600):
+    def __init__(self, redis, token_text: Callable[[int], str] | None = None, ttl_s: int = 600, worker_id: str = ""):
         self.writer = ResultWriter(redis, ttl_s)
+        # the token metrics of the requests written here, taken per step on the engine thread (their streams
+        # see only the last output: AsyncEngine.finals_only)
+        self._tokens = telemetry.GENERATION_TOKENS.labels("decode", worker_id)
+        self._itl = telemetry.INTER_TOKEN_LATENCY_SECONDS.labels(role="decode")
+        self._last_token_at: dict[str, float] = {}
+        self.first_at: dict[str, float] = {}  # engine request id -> perf_counter() of its first token's step
         self.token_text = token_text
         self.targets: dict[str, str] = {}  # engine request id -> client request id (result stream)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -67,11 +74,23 @@ class StepResultWriter:
         self._lost.pop(request_id, None)
         self._first_marked.discard(request_id)
         self._written_marked.discard(request_id)
+        self._last_token_at.pop(request_id, None)
+        self.first_at.pop(request_id, None)
 
     # engine thread
     def on_step(self, outputs: list[RequestOutput], step: int | None = None) -> None:
-        items = [(out.request_id, self.targets[out.request_id], chunk_event(out, self.token_text))
-                 for out in outputs if out.request_id in self.targets and (out.new_token_ids or out.new_text)]
+        mine = [out for out in outputs if out.request_id in self.targets and (out.new_token_ids or out.new_text)]
+        items = [(out.request_id, self.targets[out.request_id], chunk_event(out, self.token_text)) for out in mine]
+        if mine:
+            now = time.perf_counter()
+            self._tokens.inc(sum(len(out.new_token_ids) for out in mine))
+            for out in mine:
+                last = self._last_token_at.get(out.request_id)
+                if last is None:
+                    self.first_at[out.request_id] = now
+                elif out.new_token_ids:
+                    self._itl.observe(now - last)
+                self._last_token_at[out.request_id] = now
         if items and hops.enabled():
             for engine_rid, rid, _ in items:
                 if engine_rid not in self._first_marked:

@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 SWITCH_INTERVAL_S = 0.0005
 
 
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, role: str = "engine"):
         self.engine = engine
@@ -50,6 +55,10 @@ class AsyncEngine:
         # Called on the engine thread with each step's outputs, before they are delivered
         # (the decode service batches one Redis write per step from here).
         self.on_step: Callable[[list[RequestOutput]], None] | None = None
+        # Requests whose stream wants only its last output (finished, or an error): on_step takes every
+        # token to its destination (the decode worker's result writer), so the others would only wake the
+        # event loop and pass through a queue and a generator per token for nothing.
+        self.finals_only: set[str] = set()
         if sys.getswitchinterval() > SWITCH_INTERVAL_S:
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
@@ -112,8 +121,7 @@ class AsyncEngine:
                 self.on_step(outputs)
             except Exception:
                 log.exception("step hook failed")
-        for out in outputs:
-            self._deliver(out.request_id, out)
+        self._deliver(outputs)
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         """Fail the requests a step runs (waiting or running). A reservation (its KV transfer may be
@@ -130,12 +138,19 @@ class AsyncEngine:
         self.engine.step_outputs_discard()
         return outputs
 
-    def _deliver(self, request_id: str, item: RequestOutput) -> None:
-        target = self._streams.get(request_id)
-        if target is None:
-            return
-        loop, q = target
-        loop.call_soon_threadsafe(q.put_nowait, item)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up of each event loop per step, not one per
+        output (each call_soon_threadsafe writes the loop's self-pipe and makes the loop take the GIL)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        finals_only = self.finals_only
+        for out in outputs:
+            if finals_only and out.request_id in finals_only and not (out.finished or out.error):
+                continue
+            target = self._streams.get(out.request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def call(self, fn: Callable[[], object]) -> "asyncio.Future":
         """Run ``fn`` on the engine thread between steps; await its result."""

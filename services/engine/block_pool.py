@@ -238,3 +238,8 @@ class BlockPool:
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events
+
+    def has_events(self) -> bool:
+        """Whether ``take_events`` would return any. Safe from another thread (one read of a list under the
+        GIL): a worker asks before it hops onto the engine thread to drain them."""
+        return bool(self._events)

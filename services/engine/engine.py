@@ -553,6 +553,10 @@ class Engine:
     def take_kv_events(self) -> list[KVEvent]:
         return self.block_pool.take_events()
 
+    def has_kv_events(self) -> bool:
+        """Whether there are events to take; callable from any thread (BlockPool.has_events)."""
+        return self.block_pool.has_events()
+
     def cached_block_hashes(self) -> list[int]:
         """Every block hash the prefix cache holds now (a KV-event resync after lost events)."""
         return list(self.block_pool.cached)

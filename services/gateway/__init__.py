@@ -33,9 +33,10 @@ Redis keys the gateway adds (beside the queue's, see services.queue)::
                                What a resumed stream needs to look like the original.
     pd:gw:idem:<tenant>:<h>    string: request id for Idempotency-Key (h = sha256 of the key),
                                SET NX, TTL idempotency_ttl_s
-    pd:gw:co:<h>               string: "<leader request id>|<deadline>" for identical requests in
+    pd:{q}:co:<h>              string: "<leader request id>|<deadline>" for identical requests in
                                flight (h = sha256 of tenant, tier, model, token ids, sampling),
-                               set if absent, deleted at the leader's end; TTL its deadline
+                               set if absent by the enqueue script (in the queue's slot),
+                               deleted at the leader's end; TTL its deadline
     pd:gw:rl:<tenant>          hash: req, tok (token-bucket levels), ts (ms, Redis TIME);
                                the tenant's per-minute request and token budgets, shared by
                                every gateway replica (rate_limit.py); TTL 2 minutes

@@ -4,9 +4,10 @@ A request whose output is fully determined by what it asks for (greedy, or
 sampled with an explicit seed) gets a coalescing key: a hash of the tenant,
 the priority tier, the model, the templated prompt's token ids and every
 sampling parameter (max_tokens, stop, penalties, logprobs, seed, ...). The
-first such request claims ``pd:gw:co:<hash>`` (an atomic set-if-absent whose
+first such request claims ``pd:{q}:co:<hash>`` (an atomic set-if-absent whose
 value names its request id and deadline, with a TTL of its deadline) and is
-queued as usual: it is the *leader*. A later identical request finds the key
+queued as usual, in the same step (the queue's enqueue script claims the key and
+queues the entry together): it is the *leader*. A later identical request finds the key
 and is queued nowhere: it is a *follower*, with its own request id, record,
 ``created`` and usage, whose record names the leader's request id as its
 ``source``; the gateway then reads the leader's result stream for it from the
@@ -18,7 +19,8 @@ start (core.follow), so it sees the same events, however late it joined.
 
 The key lives in Redis rather than in one gateway's memory so that twins that
 a load balancer spread over replicas meet too (retry storms rarely come back
-to the same replica); it costs one round trip per coalescible request. Who may
+to the same replica); claimed inside the enqueue, it costs a leader no round trip of
+its own (a follower: one more, to see that the leader is not being cancelled). Who may
 share: the key includes the tenant (a twin's fast first token would tell one
 tenant what another is asking, the same side channel a shared prefix cache
 has) and the tier (a high-priority twin must not wait in a low tier's queue).
@@ -52,6 +54,7 @@ from typing import Any
 
 from services.engine.sampling_params import SamplingParams
 from services.gateway.request_record import record_key
+from services.queue.admission import Claim
 from services.queue.message import text
 
 _DEADLINE_SLACK = 0.1  # a follower may lose this share of its remaining time to the leader's earlier deadline
@@ -90,7 +93,8 @@ def coalescing_key(tenant: str, tier: str, model: str, token_ids: Sequence[int],
         if f.type == "float":
             params[f.name] = float(params[f.name])
     what = json.dumps([tenant, tier, model, list(token_ids), params], sort_keys=True, separators=(",", ":"))
-    return f"pd:gw:co:{hashlib.sha256(what.encode()).hexdigest()[:40]}"
+    # in the queue's slot ({q}), so the enqueue script can claim it beside the queue's keys on Redis Cluster
+    return f"pd:{{q}}:co:{hashlib.sha256(what.encode()).hexdigest()[:40]}"
 
 
 class Coalescer:
@@ -106,20 +110,36 @@ class Coalescer:
             return None
         return coalescing_key(tenant, tier, model, token_ids, sampling)
 
-    async def claim(self, key: str, request_id: str, deadline: float) -> tuple[Role, str]:
-        """(role, the request id whose results to read): (LEAD, own id), (FOLLOW, leader's) or (ALONE, own id)."""
+    @staticmethod
+    def claim_for(key: str, request_id: str, deadline: float) -> Claim:
+        """The claim a request would make: the key's value names it and its deadline, for its time left + 1 s."""
+        ttl_ms = max(1000, int((deadline - time.time()) * 1000) + 1000)
+        return Claim(key, f"{request_id}|{deadline!r}", ttl_ms)
+
+    async def judge(self, key: str, request_id: str, deadline: float, holder: str) -> tuple[Role, str] | None:
+        """The key holds ``holder`` ("<leader>|<deadline>"): follow that leader, stay alone (its deadline is
+        much earlier), or None when the leader is being cancelled (its key is let go: claim again)."""
+        leader, _, leader_deadline = holder.partition("|")
+        if leader == request_id:
+            return Role.LEAD, request_id
         now = time.time()
-        ttl_ms = max(1000, int((deadline - now) * 1000) + 1000)
+        if float(leader_deadline or 0) < deadline - _DEADLINE_SLACK * max(0.0, deadline - now):
+            return Role.ALONE, request_id
+        if await self.redis.hget(record_key(leader), "cancelled") is None:
+            return Role.FOLLOW, leader
+        await self.release(key, leader)
+        return None
+
+    async def claim(self, key: str, request_id: str, deadline: float) -> tuple[Role, str]:
+        """(role, the request id whose results to read): (LEAD, own id), (FOLLOW, leader's) or (ALONE, own id).
+        The claim alone, before queueing (an Idempotency-Key's request); without one the gateway claims in its
+        enqueue (AdmissionQueue.admit's ``claim``), one round trip for both."""
         for _ in range(2):  # a second time after clearing a key whose leader is being cancelled
-            value = text(await self._claim(keys=[key], args=[f"{request_id}|{deadline!r}", ttl_ms]))
-            leader, _, leader_deadline = value.partition("|")
-            if leader == request_id:
-                return Role.LEAD, request_id
-            if float(leader_deadline or 0) < deadline - _DEADLINE_SLACK * max(0.0, deadline - now):
-                return Role.ALONE, request_id
-            if await self.redis.hget(record_key(leader), "cancelled") is None:
-                return Role.FOLLOW, leader
-            await self.release(key, leader)
+            claim = self.claim_for(key, request_id, deadline)
+            decided = await self.judge(key, request_id, deadline,
+                                       text(await self._claim(keys=[key], args=[claim.value, claim.ttl_ms])))
+            if decided is not None:
+                return decided
         return Role.ALONE, request_id
 
     async def release(self, key: str, leader: str) -> None:

@@ -8,13 +8,14 @@ is refused)::
     decode worker ready?    -> 503 + Retry-After
     queue under the limits? -> 429 + Retry-After          (cached depth)
     tenant's budgets        -> 429 + x-ratelimit-*        (takes them)
-    record, claim the key   -> lost the race: attach to the winner
+    record, claim the key   -> lost the race: attach to the winner         (Idempotency-Key only)
     greedy or seeded twin?  -> follow the identical request in flight (coalescing.py)
     enqueue                 -> 429 if the queue filled meanwhile (atomic check)
 
 Redis is asked on the way only what must be current: the Idempotency-Key and
 the tenant's budgets (when there are any), and the record and the queue entry,
-written side by side (one round trip) when there is no key. The worker list and
+written side by side (one round trip) when there is no key; a greedy or seeded
+request's coalescing claim is made by the enqueue script itself, in that round trip. The worker list and
 the queue depth come from views read in the background (``start``). A plain
 request reaches the queue after its tokenization and that one round trip.
 
@@ -64,6 +65,7 @@ from services.gateway.served_model import ServedModel, check_cascade
 from services.cascade import AUTO, CascadeSpec
 from services.lora_registry import read_loras, split_model
 from services.queue import AdmissionQueue, QueuedRequest, ResultReader, ResultWriter
+from services.queue.admission import Admitted, Claim
 from services.queue.cancel import request_cancel
 from services.errors import NotFoundError
 from services.queue.keys import result_stream
@@ -294,9 +296,10 @@ class GatewayCore:
                                cascade=self.cascade.to_json() if model == AUTO else "")
         key = self.coalescer.key(tenant.name, tier, model, token_ids, req.sampling)
         if idempotency_key is None:
-            if key is not None and await self._coalesce(record, key):
+            if key is not None and await self._claim_and_lead(record, queued, key):
                 return Admission(record, tier, attached=False, rate=rate, coalesced=True)
-            await self._lead(record, queued, save=True)
+            if key is None:
+                await self._lead(record, queued, save=True)
             return Admission(record, tier, attached=False, rate=rate)
         # with a key, the record must exist before the key names it, and the key be ours before we queue
         await self.records.save(record)
@@ -329,13 +332,43 @@ class GatewayCore:
             record.coalesce = key
         return False
 
-    async def _lead(self, record: RequestRecord, queued: QueuedRequest, save: bool) -> None:
+    async def _claim_and_lead(self, record: RequestRecord, queued: QueuedRequest, key: str) -> bool:
+        """Claim the coalescing key and queue the request in one round trip (the enqueue script does both),
+        saving its record beside it: False, it leads (or, its twin's deadline being much earlier, runs alone).
+        True: an identical request holds the key and ``record`` is saved as its follower; nothing was queued."""
+        for _ in range(2):  # a second time after clearing a key whose leader is being cancelled
+            record.coalesce = key
+            claim = self.coalescer.claim_for(key, record.request_id, record.deadline)
+            holder = await self._lead(record, queued, save=True, claim=claim)
+            if holder is None:
+                return False
+            decided = await self.coalescer.judge(key, record.request_id, record.deadline, holder)
+            if decided is None:
+                continue
+            role, leader = decided
+            if role is Role.FOLLOW:
+                record.source = leader
+                await self.records.save(record)
+                metrics.count_coalesced(record.kind)
+                return True
+            break
+        record.coalesce = ""  # alone: computed on its own, holding no key
+        await self._lead(record, queued, save=True)
+        return False
+
+    async def _lead(self, record: RequestRecord, queued: QueuedRequest, save: bool,
+                    claim: Claim | None = None) -> str | None:
         """Queue a request (and save its record, with ``save``); when it leads twins and cannot be queued,
-        they fail with its error (written to its result stream) and the key is let go."""
+        they fail with its error (written to its result stream) and the key is let go. With ``claim``, the
+        key is claimed in the enqueue: when another holds it, nothing is queued and its value is returned."""
         try:
             hops.mark(record.request_id, "gw.enqueue")
-            await (self._save_and_enqueue(record, queued) if save else self.queue.enqueue(queued))
+            admitted = await (self._save_and_enqueue(record, queued, claim) if save
+                              else self.queue.admit(queued))
+            if admitted.claimed_by is not None:
+                return admitted.claimed_by
             hops.mark(record.request_id, "gw.queued")
+            return None
         except Exception as exc:
             if record.coalesce:
                 with contextlib.suppress(Exception):
@@ -345,7 +378,8 @@ class GatewayCore:
                     await self.queue_error(record.request_id, error)
             raise
 
-    async def _save_and_enqueue(self, record: RequestRecord, queued: QueuedRequest) -> None:
+    async def _save_and_enqueue(self, record: RequestRecord, queued: QueuedRequest,
+                                claim: Claim | None = None) -> Admitted:
         """The record and the queue entry in one round trip (side by side).
 
         Nothing reads a record before its request id is known, and without an
@@ -353,7 +387,7 @@ class GatewayCore:
         the two writes need no order. A request queued whose record could not be
         written is cancelled: its client gets the error and could never resume it.
         """
-        saved, queued_or_error = await asyncio.gather(self.records.save(record), self.queue.enqueue(queued),
+        saved, queued_or_error = await asyncio.gather(self.records.save(record), self.queue.admit(queued, claim=claim),
                                                       return_exceptions=True)
         if isinstance(queued_or_error, BaseException):
             raise queued_or_error
@@ -361,6 +395,7 @@ class GatewayCore:
             with contextlib.suppress(Exception):
                 await request_cancel(self.redis, record.request_id)
             raise saved
+        return queued_or_error
 
     async def _attach_by_key(self, tenant: Tenant, key: str, tier: str) -> Admission | None:
         request_id = await self.idempotency.lookup(tenant.name, key)

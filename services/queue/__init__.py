@@ -15,6 +15,8 @@ so the Lua scripts in scripts.py touch them atomically)::
                                tier, tokens, status queued|done|dead|expired, and after a
                                retry attempts, last_error, worker. No TTL while queued;
                                state_ttl_s once final (the idempotency window).
+    pd:{q}:co:<h>              the gateway's coalescing key (services/gateway/coalescing.py),
+                               in this slot so the enqueue script can claim it as it queues
     pd:res:{gw-<hex>}:<request_id>   result stream of a request a gateway queued (its id is
                                gw-<hex>.<hex>, the gateway's tag first): type chunk|final|error
                                + JSON data, TTL result_ttl_s refreshed by every write (results.py);

@@ -4,7 +4,10 @@
 key, counts the queued requests (XLEN of every tier stream: finished entries are
 deleted, unfinished ones never trimmed) and queued prompt tokens (the admission
 hash), and only then XADDs the entry and writes the state key, so two gateways
-racing on one request id enqueue it once, and a full queue admits nothing.
+racing on one request id enqueue it once, and a full queue admits nothing. With a
+``Claim`` it also claims the gateway's coalescing key in the same step (only if the
+key is free, and only if the request is queued): a request that leads its twins
+is claimed and queued in one round trip.
 """
 
 from __future__ import annotations
@@ -20,9 +23,19 @@ from services.queue.scripts import Scripts
 
 
 @dataclass(frozen=True)
+class Claim:
+    """A coalescing key to claim with the enqueue (services/gateway/coalescing.py): set to ``value`` for
+    ``ttl_ms`` if it is free; a ``{q}`` key, so the script may touch it beside the queue's on Cluster."""
+    key: str
+    value: str
+    ttl_ms: int
+
+
+@dataclass(frozen=True)
 class Admitted:
-    entry_id: str  # the entry the request was first queued as
+    entry_id: str  # the entry the request was first queued as ("" when claimed_by is set)
     duplicate: bool  # True: the request id was already known, nothing was queued
+    claimed_by: str | None = None  # the claim's key already held this value: nothing was queued or claimed
 
 
 @dataclass
@@ -65,11 +78,13 @@ class AdmissionQueue:
         """
         return (await self.admit(req)).entry_id
 
-    async def admit(self, req: QueuedRequest, *, redrive_dead_id: str = "") -> Admitted:
+    async def admit(self, req: QueuedRequest, *, redrive_dead_id: str = "", claim: Claim | None = None) -> Admitted:
         """``enqueue``, also saying whether the request id was a duplicate.
 
         With ``redrive_dead_id`` the request replaces that dead letter: its old state is
         dropped, it is queued afresh and the dead letter is deleted, all in one step.
+        With ``claim``, its key is claimed in the same step if free (``claimed_by`` None);
+        if another holds it, nothing is queued and ``claimed_by`` is the holder's value.
         """
         cfg = self.config
         if req.tier not in cfg.tiers:
@@ -80,15 +95,17 @@ class AdmissionQueue:
                                       f"{cfg.max_queued_prompt_tokens} queued prompt tokens")
         flat = [x for kv in req.to_fields().items() for x in kv]
         keys = [state_key(req.request_id), ADMISSION_KEY, tier_stream(req.tier), DEAD_STREAM,
-                *(tier_stream(t) for t in cfg.tiers)]
+                claim.key if claim else ADMISSION_KEY, *(tier_stream(t) for t in cfg.tiers)]
         args = [req.tier, req.prompt_tokens, cfg.max_queued_requests, cfg.max_queued_prompt_tokens,
-                redrive_dead_id, *flat]
+                redrive_dead_id, claim.value if claim else "", claim.ttl_ms if claim else 0, *flat]
         reply = [text(x) for x in await self._scripts.enqueue(keys=keys, args=args)]
         outcome = reply[0]
         if outcome == "ok":
             return Admitted(reply[1], duplicate=False)
         if outcome == "exists":
             return Admitted(reply[1], duplicate=True)
+        if outcome == "claimed":
+            return Admitted("", duplicate=False, claimed_by=reply[1])
         if outcome == "full":
             limit = cfg.max_queued_requests if reply[1] == "requests" else cfg.max_queued_prompt_tokens
             raise capacity_error(f"the queue is full ({reply[2]} queued {reply[1]}, limit {limit}); "

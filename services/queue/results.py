@@ -51,6 +51,8 @@ import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
+from redis.exceptions import NoScriptError
+
 from services.errors import DeadlineExceededError, InvalidRequestError
 from services.errors import NotFoundError
 from services.queue.keys import delivery_tag, fence_key, inbox_stream, result_stream
@@ -100,14 +102,44 @@ class ResultWriter:
         self._append = redis.register_script(_APPEND)
         self._deliver = redis.register_script(_DELIVER)
 
-    async def _queue_event(self, pipe, request_id: str, kind: str, data: str, attempt: str = "") -> None:
-        """Queue one event's script on ``pipe``; its reply is the entry id (nil when fenced off)."""
+    def _queue_event(self, pipe, request_id: str, kind: str, data: str, attempt: str = "") -> None:
+        """Queue one event's script on ``pipe``; its reply is the entry id (nil when fenced off). A bare
+        EVALSHA: redis-py's Script objects make every pipeline ask SCRIPT EXISTS first, a second round trip
+        per engine step (``_execute`` handles a server without the script)."""
         keys, args = [result_stream(request_id), fence_key(request_id)], [kind, data, self.ttl_s, attempt]
         tag = delivery_tag(request_id)
         if tag is None:
-            await self._append(keys=keys, args=args, client=pipe)
+            pipe.evalsha(self._append.sha, len(keys), *keys, *args)
         else:
-            await self._deliver(keys=[*keys, inbox_stream(tag)], args=[*args, request_id], client=pipe)
+            pipe.evalsha(self._deliver.sha, len(keys) + 1, *keys, inbox_stream(tag), *args, request_id)
+
+    async def _execute(self, events: list[tuple[str, str, str, str]]) -> list[str | None]:
+        """``(request_id, type, data, attempt)`` events in one pipelined round trip; their entry ids (None: fenced
+        off). A server that lost the scripts (restarted, flushed) answers NOSCRIPT to each EVALSHA, which wrote
+        nothing: those events go again once they are loaded."""
+        if not events:
+            return []
+        ids: list[str | None] = [None] * len(events)
+        pending = list(range(len(events)))
+        for attempt in range(2):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for i in pending:
+                    self._queue_event(pipe, *events[i])
+                replies = await pipe.execute(raise_on_error=False)
+            again = []
+            for i, reply in zip(pending, replies):
+                if attempt == 0 and isinstance(reply, NoScriptError):
+                    again.append(i)
+                elif isinstance(reply, Exception):
+                    raise reply
+                else:
+                    ids[i] = None if reply is None else text(reply)
+            if not again:
+                break
+            for script in (self._append, self._deliver):
+                script.sha = await self.redis.script_load(script.script)
+            pending = again
+        return ids
 
     async def append_chunks(self, items: Iterable[tuple[str, dict]],
                             attempts: Sequence[str] | None = None) -> list[str | None]:
@@ -116,14 +148,8 @@ class ResultWriter:
         ``attempts``: each chunk's worker request id, so a fenced-off attempt's chunk is
         dropped (its id None); without it the chunks are not fenced.
         """
-        items = list(items)
-        if not items:
-            return []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for i, (request_id, chunk) in enumerate(items):
-                await self._queue_event(pipe, request_id, CHUNK, json.dumps(chunk), attempts[i] if attempts else "")
-            replies = await pipe.execute()
-        return [None if r is None else text(r) for r in replies]
+        return await self._execute([(request_id, CHUNK, json.dumps(chunk), attempts[i] if attempts else "")
+                                    for i, (request_id, chunk) in enumerate(items)])
 
     async def fence(self, request_id: str, attempt: str) -> None:
         """From now on only ``attempt`` may add chunks to the request's stream (call before reading it to retry)."""
@@ -136,10 +162,7 @@ class ResultWriter:
         return await self._terminal(request_id, ERROR, {"code": code, "message": message, "status": status})
 
     async def _terminal(self, request_id: str, kind: str, data: dict) -> str:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            await self._queue_event(pipe, request_id, kind, json.dumps(data))
-            replies = await pipe.execute()
-        return text(replies[0])
+        return (await self._execute([(request_id, kind, json.dumps(data), "")]))[0]
 
 
 class ResultReader:

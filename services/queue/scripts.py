@@ -20,13 +20,22 @@ Invariants the scripts keep together:
 
 from __future__ import annotations
 
-# KEYS: state, admission hash, target tier stream, dead stream, every tier stream...
+# KEYS: state, admission hash, target tier stream, dead stream, coalescing key (or any {q} key when
+#       ARGV[6] is ""), every tier stream...
 # ARGV: tier, prompt tokens, max queued requests, max queued tokens, dead entry id to re-drive or "",
-#       then the entry's field/value pairs
+#       coalescing claim value or "", its TTL in ms, then the entry's field/value pairs
 # -> {"ok", entry id} | {"exists", first entry id} | {"full", "requests"|"tokens", current}
 #    | {"missing"} (no such dead letter) | {"queued", entry id} (re-drive of a request queued again)
+#    | {"claimed", value} (the coalescing key names another request: nothing queued)
+# With a claim value, the coalescing key is claimed in the same step as the entry is queued (gateway
+# coalescing: one round trip for a request that leads), and only when it is: a full queue claims nothing.
 ENQUEUE = """
 local redrive = ARGV[5]
+local claim = ARGV[6]
+if claim ~= '' then
+  local holder = redis.call('GET', KEYS[5])
+  if holder then return {'claimed', holder} end
+end
 if redrive ~= '' then
   if #redis.call('XRANGE', KEYS[4], redrive, redrive) == 0 then return {'missing'} end
   if redis.call('HGET', KEYS[1], 'status') == 'queued' then
@@ -37,14 +46,15 @@ else
   if first then return {'exists', first} end
 end
 local queued = 0
-for i = 5, #KEYS do queued = queued + redis.call('XLEN', KEYS[i]) end
+for i = 6, #KEYS do queued = queued + redis.call('XLEN', KEYS[i]) end
 if queued + 1 > tonumber(ARGV[3]) then return {'full', 'requests', queued} end
 local tokens = 0
 for _, v in ipairs(redis.call('HVALS', KEYS[2])) do tokens = tokens + tonumber(v) end
 if tokens + tonumber(ARGV[2]) > tonumber(ARGV[4]) then return {'full', 'tokens', tokens} end
 local fields = {}
-for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
 local id = redis.call('XADD', KEYS[3], '*', unpack(fields))
+if claim ~= '' then redis.call('SET', KEYS[5], claim, 'PX', ARGV[7]) end
 redis.call('HINCRBY', KEYS[2], 'tokens:' .. ARGV[1], ARGV[2])
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'first', id, 'entry', id, 'tier', ARGV[1], 'tokens', ARGV[2], 'status', 'queued')

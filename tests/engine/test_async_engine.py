@@ -261,3 +261,22 @@ def test_a_prefill_whose_reservation_fails_frees_its_blocks_at_once(tiny_engine)
         gc.enable()
         prefill_async.shutdown()
     assert state == ([], 0)
+
+
+def test_a_finals_only_stream_gets_its_last_output_while_the_step_hook_sees_every_token(engines):
+    # the decode worker's results mode: its step hook writes every token to Redis, so the request's own
+    # stream is handed only the finished output (no per-token wake-up of the event loop)
+    async_engine, _, _ = engines
+    hooked: list[int] = []
+    async_engine.on_step = lambda outs: hooked.extend(t for o in outs if o.request_id == "f" for t in o.new_token_ids)
+    async_engine.finals_only.add("f")
+    params = SamplingParams(max_tokens=9, **GREEDY)
+
+    async def both():
+        return await asyncio.gather(collect(async_engine, PROMPTS["r1"], params, request_id="f"),
+                                    collect(async_engine, PROMPTS["r1"], params, request_id="g"))
+
+    finals, every = run_async(both())
+    assert len(finals) == 1 and finals[0].finished and finals[0].num_output_tokens == 9
+    assert len(every) > 1 and hooked == token_ids(every)  # the other stream is unchanged; the hook saw them all
+    async_engine.finals_only.discard("f")

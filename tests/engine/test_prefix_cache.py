@@ -53,12 +53,13 @@ def test_kv_events_describe_the_cache():
     ids = list(range(10, 10 + 40))  # 2 full blocks of 16 + 8
     engine.add_request("a", ids, SamplingParams(max_tokens=1, temperature=0))
     run_to_completion(engine)
+    assert engine.has_kv_events()  # what a worker asks before draining them (no engine-thread hop when not)
     events = engine.take_kv_events()
     stored = [h for e in events if type(e).__name__ == "BlockStored" for h in e.block_hashes]
     from services.engine.block_hash import hash_prompt_blocks
 
     assert stored == hash_prompt_blocks(ids, 16, engine.namespace)
-    assert engine.take_kv_events() == []  # drained
+    assert engine.take_kv_events() == [] and not engine.has_kv_events()  # drained
     # filling the cache with other prompts evicts them, and says so
     for i in range(12):
         engine.add_request(f"f{i}", list(range(200 + i, 200 + i + 40)), SamplingParams(max_tokens=1))

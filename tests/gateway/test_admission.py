@@ -212,18 +212,18 @@ def test_a_request_refused_at_enqueue_gets_its_rate_budget_back(gateway):
     from services.errors import CapacityError
 
     h = gateway(keys=KEYS)
-    original = h.core.queue.enqueue
+    original = h.core.queue.admit
     failures = [CapacityError("the queue is full (1 queued requests, limit 1)"),
                 RedisConnectionError("Redis went away")]
 
-    async def refusing(_queued):
+    async def refusing(_queued, **_claim):
         raise failures.pop(0)
 
-    h.core.queue.enqueue = refusing
+    h.core.queue.admit = refusing
     with httpx.Client(base_url=h.url, timeout=10) as http:
         assert http.post("/v1/completions", json=BODY, headers=auth(SLOW)).status_code == 429
         assert http.post("/v1/completions", json=BODY, headers=auth(SLOW)).status_code == 503
-        h.core.queue.enqueue = original
+        h.core.queue.admit = original
         r = http.post("/v1/completions", json=BODY, headers=auth(SLOW))  # SLOW has 1 request per minute
         assert r.status_code == 200, r.text
         assert http.post("/v1/completions", json=BODY, headers=auth(SLOW)).status_code == 429  # now spent

@@ -7,6 +7,7 @@ import pytest
 
 from services.errors import CapacityError, InvalidRequestError
 from services.queue import AdmissionQueue, QueueConfig, QueueConsumer
+from services.queue.admission import Claim
 from services.queue.keys import tier_stream
 
 from .conftest import make_request
@@ -134,5 +135,28 @@ def test_overload_never_loses_an_accepted_request(with_redis):
         assert await r.xlen("pd:{q}:dead") == len(dead)
         depth = await queue.depth()
         assert depth.requests == 0 and depth.prompt_tokens == 0 and depth.dead == len(dead)
+
+    with_redis(go)
+
+
+def test_a_coalescing_claim_is_made_with_the_enqueue_and_only_when_it_queues(with_redis):
+    """The gateway's coalescing key is claimed by the enqueue script itself (one round trip for a leader):
+    a free key is claimed and the request queued together; a held key queues nothing and names its
+    holder; a full queue claims nothing, so no twin would follow a request that was never queued."""
+    async def go(r):
+        queue = AdmissionQueue(r, QueueConfig(max_queued_requests=2))
+        key = "pd:{q}:co:test"
+        lead, twin = make_request("interactive"), make_request("interactive")
+        admitted = await queue.admit(lead, claim=Claim(key, f"{lead.request_id}|1", 60_000))
+        assert admitted.claimed_by is None and admitted.entry_id
+        assert (await r.get(key)).decode() == f"{lead.request_id}|1" and 0 < await r.pttl(key) <= 60_000
+        held = await queue.admit(twin, claim=Claim(key, f"{twin.request_id}|1", 60_000))
+        assert held.claimed_by == f"{lead.request_id}|1" and not held.entry_id
+        assert await r.xlen(tier_stream("interactive")) == 1 and await queue.state(twin.request_id) is None
+        await queue.enqueue(make_request("batch"))  # the queue is full now
+        other = make_request("interactive")
+        with pytest.raises(CapacityError):
+            await queue.admit(other, claim=Claim("pd:{q}:co:other", f"{other.request_id}|1", 60_000))
+        assert await r.get("pd:{q}:co:other") is None
 
     with_redis(go)

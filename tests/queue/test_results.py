@@ -10,7 +10,8 @@ from services.queue.keys import result_stream
 
 
 class RoundTrips:
-    """Counts what a client sends: each pipeline execute and each direct command is one round trip."""
+    """Counts what a client sends: each pipeline execute and each direct command is one round trip, and so
+    is a command a pipeline sends on its own before its batch (redis-py's SCRIPT EXISTS for Script objects)."""
 
     def __init__(self, client):
         self.count = 0
@@ -22,7 +23,13 @@ class RoundTrips:
 
         def pipeline(*args, **kw):
             pipe = make_pipeline(*args, **kw)
-            execute = pipe.execute
+            execute, immediate = pipe.execute, pipe.immediate_execute_command
+
+            async def immediate_counted(*a, **k):
+                self.count += 1
+                return await immediate(*a, **k)
+
+            pipe.immediate_execute_command = immediate_counted
 
             async def counted(*a, **k):
                 self.count += 1
@@ -41,6 +48,7 @@ async def collect(reader, request_id, **kw):
 def test_one_round_trip_per_step_for_many_requests(with_redis):
     async def go(r):
         writer = ResultWriter(r, ttl_s=120)
+        await writer.append_chunks([("warm-up", {"token_ids": [0], "text": ""})])  # loads the scripts
         trips = RoundTrips(r)
         for step in range(3):
             ids = await writer.append_chunks([(f"r{n}", {"token_ids": [step * 10 + n], "text": f"<{n}.{step}>"})
@@ -132,6 +140,7 @@ def test_a_gateway_tagged_request_has_its_events_copied_to_that_gateways_deliver
         ours, theirs, plain = "gw-0a1b2c3d.r1", "gw-99999999.r2", "r3"
         assert delivery_tag(ours) == "gw-0a1b2c3d" and delivery_tag(plain) is None
         assert result_stream(ours) == "pd:res:{gw-0a1b2c3d}:gw-0a1b2c3d.r1"
+        await writer.append_chunks([("gw-77777777.r0", {"token_ids": [0], "text": ""})])  # loads the script
         trips = RoundTrips(r)
         ids = await writer.append_chunks([(ours, {"token_ids": [1], "text": "a"}),
                                           (theirs, {"token_ids": [2], "text": "b"}),
@@ -145,6 +154,24 @@ def test_a_gateway_tagged_request_has_its_events_copied_to_that_gateways_deliver
         assert len(await r.xrange(inbox_stream("gw-99999999"))) == 1
         assert [text(e[0]) for e in await r.xrange(result_stream(plain))] == [ids[2]]  # no inbox for it
         assert 0 < await r.ttl(inbox_stream("gw-0a1b2c3d")) <= 120
+
+    with_redis(go)
+
+
+def test_a_server_that_lost_the_script_gets_each_event_once(with_redis):
+    # the writer sends a bare EVALSHA (no SCRIPT EXISTS round trip per step); a Redis that restarted or was
+    # flushed answers NOSCRIPT, which wrote nothing: the writer loads the script and sends those events again
+    async def go(r):
+        writer = ResultWriter(r, ttl_s=120)
+        ours = "gw-0a1b2c3d.r1"
+        await writer.append_chunks([(ours, {"token_ids": [1], "text": "a"})])
+        await r.script_flush()
+        ids = await writer.append_chunks([(ours, {"token_ids": [2], "text": "b"}), ("r3", {"token_ids": [3], "text": "c"})])
+        final_id = await writer.finish(ours, {"finish_reason": "stop"})
+        events = await collect(ResultReader(r), ours)
+        assert [data.get("text") for _, _, data in events] == ["a", "b", None]
+        assert [e[0] for e in events[1:]] == [ids[0], final_id]
+        assert len(await r.xrange(result_stream("r3"))) == 1
 
     with_redis(go)
 

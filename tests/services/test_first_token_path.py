@@ -11,7 +11,8 @@ threshold):
 * engine steps: the first token comes from at most the second step after the Decode call reached the
   decode worker (the step running then, and the next one, which takes the newcomer);
 * Redis: the commands naming the request are exactly the design's list, per process; the decode
-  worker's are one per chunk event (written in its step's pipeline).
+  worker's are one per chunk event (written in its step's pipeline); and no process sends a SCRIPT
+  command (a pipeline's SCRIPT EXISTS would be a round trip that names no request).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ MAX_TOKENS = 6
 # chunk writes are counted apart (one per chunk event)
 NAMED = {
     "gateway": collections.Counter({
-        "EVALSHA": 3,  # coalescing claim; the enqueue script; coalescing release at the end
+        "EVALSHA": 2,  # the enqueue script (it claims the coalescing key too); coalescing release at the end
         "HSET": 1, "EXPIRE": 3,  # the request record (with the enqueue, one round trip); attach; detach
         "HINCRBY": 2,  # attach, detach (each with its EXPIRE, one transaction)
         "XRANGE": 1,  # the subscription's catch-up
@@ -133,6 +134,10 @@ def _check_cached(stack, monitor: Monitor, samples) -> None:
         assert s.ok, s.error
         entries = r.xrange(next(iter(r.scan_iter(f"pd:res:*:{s.request_id}"))))
         chunk_events[s.request_id] = sum(1 for _, f in entries if f[b"type"] == b"chunk")
+    # no hidden round trip beside the named commands: every script is loaded, so a pipelined write is its
+    # EVALSHAs alone (redis-py's Script objects in a pipeline sent SCRIPT EXISTS first, once per engine step)
+    hidden = collections.Counter(monitor.roles.get(a, a) for a, words in monitor.commands if words[0].upper() == "SCRIPT")
+    assert not hidden, hidden
     for s in samples:
         m = marks[s.request_id]
         # one gRPC call: Decode on the worker that holds the prompt
