@@ -28,6 +28,7 @@ from typing import Callable
 from services import env_defaults, front_first
 
 _READY = re.compile(r"\[pdserve\] (?:\w+ worker (\S+) )?.*?ready on (\S+)(?: \(.*metrics ([^)\s]+)\))?")
+_GATEWAY_GRPC = re.compile(r"gateway ready on \S+ \(.*\bgrpc ([^,\s]+)")
 _TROUBLE = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|Traceback")
 
 
@@ -300,6 +301,16 @@ class LocalStack:
     def gateway_address(self) -> str | None:
         p = self.procs.get("gateway")
         return p.address if p else None
+
+    @property
+    def gateway_grpc_address(self) -> str | None:
+        """The gateway's gRPC API (StackSpec.gateway_grpc_port 0: a free port), as its ready line names it."""
+        p = self.procs.get("gateway")
+        for line in p.lines if p else ():
+            m = _GATEWAY_GRPC.search(line)
+            if m:
+                return None if m.group(1) == "off" else m.group(1)
+        return None
 
     def __enter__(self) -> "LocalStack":
         self.start()

@@ -93,7 +93,8 @@ class StepResultWriter:
                 seq, more = self._batches.get_nowait()
                 items += more
             try:
-                await self.writer.append_chunks([(rid, data) for _, rid, data in items])
+                await self.writer.append_chunks([(rid, data) for _, rid, data in items],
+                                                 attempts=[engine_rid for engine_rid, _, _ in items])
                 self.steps_written += 1
                 if hops.enabled():
                     for engine_rid, rid, _ in items:

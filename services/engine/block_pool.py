@@ -133,6 +133,14 @@ class BlockPool:
         if lost:
             self._events.append(BlockRemoved(tuple(lost)))
 
+    def share(self, blocks: Sequence[int]) -> None:
+        """One more reference to each block in use (a forked sequence holds its parent's full blocks
+        too). Mutates: ref counts."""
+        for block in blocks:
+            if self.ref_counts[block] <= 0:
+                raise RuntimeError(f"cannot share free KV block {block}")
+            self.ref_counts[block] += 1
+
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference to each block. Callers pass a sequence's blocks in
         reverse so its tail, the least shareable part, is evicted first."""

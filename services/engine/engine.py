@@ -26,6 +26,7 @@ from kernels.ops import select_ops
 from services.config import EngineConfig
 from services.engine.block_hash import hash_block, request_namespace
 from services.engine.block_pool import BlockPool, KVEvent
+from services.engine.choices import decoded_choices, fork_choices, fork_decoded, forking_rows, release_forks
 from services.engine.cuda_graph import capture_decode_graphs
 from services.engine.grammar import GrammarCompiler
 from services.engine.grammar_masks import StructuredDecoding
@@ -107,6 +108,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # produced outside step() (abort, start_decode)
+        self.prompt_tokens_computed = 0  # prompt positions run through the model, since start
 
     def describe(self) -> str:
         """What runs, in a few words: dtype, device, quantization, KV dtype, CPU kernel level."""
@@ -192,6 +194,35 @@ class Engine:
             self._lora_waiting.append(req)  # every adapter slot is pinned: admitted once one frees
             return
         self.scheduler.add(req)
+
+    def add_choices(self, request_ids: list[str], prompt_token_ids: list[int], params: list[SamplingParams],
+                    priority: int = 0, prefill_only: bool = False) -> None:
+        """``n`` choices of one prompt, one request id and sampling params each (choice i seeded seed + i by
+        the caller, as the gateway does): the prompt is computed once, by choice 0, and the others fork off
+        it (shared full blocks, a copy of the partial one; services/engine/choices.py). Structured output
+        and LoRA choices run as ordinary requests instead (sharing full blocks through the prefix cache).
+        ``prefill_only``: choice 0 computes the prompt and holds its blocks as a prefill-only request does;
+        every choice's output is its first token (``prefilled``), for ``start_decode(..., choices=)``."""
+        if len(request_ids) != len(params) or not request_ids:
+            raise ValueError("add_choices needs one request id per sampling params, at least one")
+        for rid in request_ids:
+            if rid in self.requests or request_ids.count(rid) > 1:
+                raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
+        for p in params:
+            self.validate(prompt_token_ids, p)
+        if any(p.structured is not None or p.lora is not None for p in params):
+            if prefill_only:
+                raise InvalidRequestError("n > 1 with structured output or a LoRA adapter runs as one request "
+                                          "per choice", param="n")
+            for rid, p in zip(request_ids, params):
+                self.add_request(rid, prompt_token_ids, p, priority)
+            return
+        reqs = [Request(rid, list(prompt_token_ids), p, priority=priority, eos_token_ids=self.eos_token_ids,
+                        prefill_only=prefill_only) for rid, p in zip(request_ids, params)]
+        for req in reqs:
+            self._track(req)
+        reqs[0].forks = reqs[1:]
+        self.scheduler.add(reqs[0])
 
     def _acquire_lora(self, req: Request) -> bool:
         """Pin the request's adapter slot (loading it on demand) and set the namespace its blocks
@@ -280,17 +311,22 @@ class Engine:
             raise
         return list(req.block_ids)
 
-    def start_decode(self, request_id: str, first_token_id: int, first_logprobs: TokenLogprobs | None = None) -> None:
+    def start_decode(self, request_id: str, first_token_id: int, first_logprobs: TokenLogprobs | None = None,
+                     choices: list[tuple[str, SamplingParams, int, TokenLogprobs | None]] = ()) -> None:
         """Decode side: the reserved blocks now hold the prompt's KV; continue from ``first_token_id``.
 
         ``first_logprobs``: what the prefill side's sampler reported for that token (when the request
         asked for logprobs), so the first token's output carries them like every other token's.
+        ``choices``: the request's other choices (id, params, first token and logprobs from the prefill
+        worker's ``add_choices(prefill_only=True)``), forked off the KV received once (choices.py).
         """
         req = self.requests.get(request_id)
         if req is None or req.status is not Status.RESERVED:
             raise InvalidRequestError(f"request {request_id!r} has no reservation", param="request_id")
+        children = decoded_choices(self, req, choices)  # validated and tracked before anything changes
         req.num_computed_tokens = req.num_tokens
         self.kv.cache_computed_blocks(req)
+        fork_decoded(self, req, children, self._pending)  # before the parent's first token may finish it
         out = self._append_tokens(req, [first_token_id], [first_logprobs])
         if not req.is_finished:
             self.scheduler.add_running(req)
@@ -377,10 +413,11 @@ class Engine:
             with phase(kind):
                 sampled, logits = self.runner.execute(sched)
             drafts = {s.request.request_id: s.spec_token_ids for s in sched.scheduled if s.spec_token_ids}
+            forking = forking_rows(sampled, logits, drafts) if any(r.forks for r in sampled) else {}
             with phase("sample"):
                 result = self._sample(sampled, logits, drafts, masks_job)
             with phase("postprocess"):
-                self._postprocess(sched, sampled, result, drafts, outputs)
+                self._postprocess(sched, sampled, result, drafts, outputs, forking)
         return outputs
 
     def _sample(self, sampled: list[Request], logits, drafts: dict[str, list[int]],
@@ -402,12 +439,19 @@ class Engine:
         return VerifiedOutput([[t] for t in one.token_ids], [[lp] for lp in one.logprobs])
 
     def _postprocess(self, sched, sampled: list[Request], result: VerifiedOutput | None,
-                     drafts: dict[str, list[int]], outputs: list[RequestOutput]) -> None:
-        """Mark the step's tokens computed, append sampled ones, finish requests, build outputs (detokenizing)."""
+                     drafts: dict[str, list[int]], outputs: list[RequestOutput],
+                     forking: dict | None = None) -> None:
+        """Mark the step's tokens computed, append sampled ones, finish requests, build outputs (detokenizing).
+        ``forking``: logits rows of requests whose waiting choices fork off them now (choices.py)."""
         for s in sched.scheduled:
             if not s.spec_token_ids:  # a verifying request's count grows by its accepted drafts, below
-                s.request.num_computed_tokens += s.num_new_tokens
-                self.kv.cache_computed_blocks(s.request)
+                req = s.request
+                self.prompt_tokens_computed += min(s.num_new_tokens, max(0, req.num_prompt_tokens
+                                                                         - req.num_computed_tokens))
+                req.num_computed_tokens += s.num_new_tokens
+                self.kv.cache_computed_blocks(req)
+        for rid, row in (forking or {}).items():  # before the parent's first token (which may finish it)
+            fork_choices(self, self.requests[rid], row, outputs)
         sampled_ids = {r.request_id for r in sampled}
         for s in sched.scheduled:  # prefill-only progress, for transfers that overlap compute
             req = s.request
@@ -469,6 +513,8 @@ class Engine:
             req.lora_slot = -1
 
     def _finish(self, req: Request, reason: str) -> None:
+        if req.forks:
+            release_forks(self, req)
         self.scheduler.remove(req)
         self.kv.free(req)
         self._release_lora(req)
@@ -524,6 +570,7 @@ class Engine:
             "prefix_cache_queries": pool.prefix_queries,
             "prefix_cache_hits": pool.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens_computed": self.prompt_tokens_computed,  # prefix hits and forked choices not counted
             "queued_prefill_tokens": self.scheduler.queued_prefill_tokens,
             **(self.speculator.stats() if self.speculator else Speculator.no_stats()),
             **self._spill_stats(),

@@ -239,6 +239,31 @@ class KVManager:
         )
         req.num_cached_blocks = num_full
 
+    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
+        """Give ``child`` (holding nothing) the parent's computed KV: the full blocks shared (one more
+        reference each, read-only from now on: both only append past them) and the partial last block
+        copied into a block of its own, which both will write into::
+
+            parent:  [ b3 ][ b8 ][ b5: 7 of 16 ]
+            child:   [ b3 ][ b8 ][ b11 <- copy of b5 ]   (b3, b8: ref 2)
+
+        Returns the (source, destination) block the caller copies the KV of, None when the computed
+        tokens end on a block boundary; raises MemoryError (and changes nothing) without a free block."""
+        assert not child.block_ids, "a fork starts from nothing"
+        computed = parent.num_computed_tokens
+        full, partial = divmod(computed, self.block_size)
+        copy = None
+        if partial:
+            [dst] = self.pool.allocate(1)
+            copy = (parent.block_ids[full], dst)
+        shared = parent.block_ids[:full]
+        self.pool.share(shared)
+        child.block_ids = [*shared, *([copy[1]] if copy else [])]
+        child.block_hashes = list(parent.block_hashes[:full])
+        child.num_cached_blocks = min(parent.num_cached_blocks, full)
+        child.num_computed_tokens = computed
+        return copy
+
     def free(self, req: Request) -> None:
         """Return every block the request holds (tail first, so it is evicted first). A restore in
         flight is waited for first (its copy writes into the blocks), then kept: the blocks are cached."""

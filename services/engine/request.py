@@ -51,6 +51,9 @@ class Request:
     # and the namespace its blocks hash in (services/engine/block_hash.request_namespace)
     lora_slot: int = -1
     namespace: str | None = None
+    # n choices (Engine.add_choices): the other choices of this prompt, waiting outside the scheduler
+    # until this request's prompt is computed, then forked off it (services/engine/choices.py)
+    forks: list["Request"] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -35,6 +35,12 @@ class ModelRunner:
         # Set by the engine when it serves LoRA adapters (services.engine.lora_slots.LoRASlots)
         self.lora_slots = None
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks' KV, every layer (a fork's partial block: services/engine/choices.py)."""
+        if pairs:
+            src, dst = zip(*pairs)
+            self.kv_cache[list(dst)] = self.kv_cache[list(src)]
+
     def _prepare(self, batch: list[ScheduledRequest]):
         bs = self.block_size
         # Single-token rows use the decode path. So does a speculative request's verification:

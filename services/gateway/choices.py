@@ -17,6 +17,7 @@ as a final error event, and the other children are detached (cancelled) too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 from collections.abc import AsyncIterator
@@ -26,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 
 from services.errors import PdserveError
 from services.gateway import metrics, sse
-from services.gateway.core import HEARTBEAT, GatewayCore
+from services.gateway.core import HEARTBEAT, Admission, GatewayCore
 from services.gateway.http_admission import Admitted
 from services.gateway.http_errors import as_pdserve, error_body, error_response, event_error
 from services.gateway.openai_format import ResponseAggregate, StreamFormatter, usage
@@ -42,19 +43,19 @@ def child_request(req, i: int):
     """Choice i's request: the parent's, with seed + i (wrapped into int64)."""
     child = copy.copy(req)
     child.sampling = dict(req.sampling)
-    if "seed" in child.sampling and i:
+    if child.sampling.get("seed") is not None and i:
         child.sampling["seed"] = (child.sampling["seed"] + i + (1 << 63)) % _INT64 - (1 << 63)
     return child
 
 
-async def admit_children(core: GatewayCore, a: Admitted) -> list[RequestRecord]:
-    """The first choice was admitted by http_admission.admit; the others join it here (no idempotency key:
+async def admit_children(core: GatewayCore, tenant, req, first: Admission) -> list[RequestRecord]:
+    """The first choice was admitted already (``first``); the others join it here (no idempotency key:
     a retry of an n > 1 request starts afresh). A refused child detaches those already queued."""
-    records = [a.admission.record]
+    records = [first.record]
     try:
-        for i in range(1, a.req.candidates):
-            admission = await core.submit(a.tenant, child_request(a.req, i), tier=a.admission.tier,
-                                          deadline=a.admission.record.deadline)
+        for i in range(1, req.candidates):
+            admission = await core.submit(tenant, child_request(req, i), tier=first.tier,
+                                          deadline=first.record.deadline)
             records.append(admission.record)
     except Exception:
         for record in records:
@@ -76,13 +77,21 @@ async def attach_all(core: GatewayCore, records: list[RequestRecord]) -> None:
         raise
 
 
-def merge_usage(finals: list[dict], records: list[RequestRecord], seen: list[int]) -> dict:
-    """The prompt once, every choice's completion tokens summed."""
-    parts = [usage(f, r, s) for f, r, s in zip(finals, records, seen)]
-    out = parts[0]
+def sum_usage(parts: list[dict]) -> dict:
+    """The prompt once (as the first choice counted it), every choice's completion tokens summed."""
+    out = dict(parts[0])
     out["completion_tokens"] = sum(p["completion_tokens"] for p in parts)
     out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
     return out
+
+
+def merge_usage(finals: list[dict], records: list[RequestRecord], seen: list[int]) -> dict:
+    return sum_usage([usage(f, r, s) for f, r, s in zip(finals, records, seen)])
+
+
+def best(candidates: list, n: int, cumulative_logprob) -> list:
+    """best_of: the n candidates with the highest cumulative logprob, likeliest first."""
+    return sorted(candidates, key=cumulative_logprob, reverse=True)[:n]
 
 
 def _cumulative_logprob(choice: dict) -> float:
@@ -93,15 +102,12 @@ def merge_bodies(bodies: list[dict], n: int, ranked: bool, keep_logprobs: bool) 
     """One response from the children's: with ``ranked`` (best_of) the n likeliest choices, else all in order."""
     choices = [b["choices"][0] for b in bodies]
     if ranked:
-        choices = sorted(choices, key=_cumulative_logprob, reverse=True)[:n]
+        choices = best(choices, n, _cumulative_logprob)
     for i, choice in enumerate(choices):
         choice["index"] = i
         if not keep_logprobs:
             choice["logprobs"] = None
-    total = bodies[0]["usage"]
-    total["completion_tokens"] = sum(b["usage"]["completion_tokens"] for b in bodies)
-    total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
-    return {**bodies[0], "choices": choices, "usage": total}
+    return {**bodies[0], "choices": choices, "usage": sum_usage([b["usage"] for b in bodies])}
 
 
 async def json_response(core: GatewayCore, request: Request, a: Admitted, records: list[RequestRecord],
@@ -154,6 +160,27 @@ async def _pump(core: GatewayCore, i: int, record: RequestRecord, out: asyncio.Q
         await out.put((i, "raised", exc))
 
 
+async def interleave(core: GatewayCore, records: list[RequestRecord]) -> AsyncIterator[tuple[int, str, object]]:
+    """Every choice's events as they come, as (choice index, kind, data), heartbeats included, until each
+    choice has had its FINAL or one has had an ERROR (the last event then; data None: its result stream ended
+    without a final event). A choice whose stream raised re-raises here. Closing it stops every follower."""
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.ensure_future(_pump(core, i, r, queue)) for i, r in enumerate(records)]
+    left = len(records)
+    try:
+        while left:
+            i, kind, data = await queue.get()
+            if kind == "raised":
+                raise data
+            yield i, kind, data
+            if kind == ERROR:
+                return
+            left -= kind == FINAL
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 def _tag(payloads: list[dict], i: int) -> list[dict]:
     for payload in payloads:
         for choice in payload.get("choices") or []:
@@ -165,8 +192,6 @@ async def stream_events(core: GatewayCore, a: Admitted, records: list[RequestRec
     """The children's chunks interleaved as they come, each tagged with its choice index; one usage chunk
     (include_usage) after the last choice ends. Event ids count the events: an n > 1 stream is not resumable."""
     fmts = [StreamFormatter(r, a.req.include_usage) for r in records]
-    queue: asyncio.Queue = asyncio.Queue()
-    tasks: list[asyncio.Task] = []
     counted = finished = False
     outcome = "aborted"
     count = 0
@@ -179,35 +204,32 @@ async def stream_events(core: GatewayCore, a: Admitted, records: list[RequestRec
     try:
         await attach_all(core, records)
         counted = True
-        tasks = [asyncio.ensure_future(_pump(core, i, r, queue)) for i, r in enumerate(records)]
         for i, fmt in enumerate(fmts):
             for payload in _tag(fmt.opening(), i):
                 yield encode(payload)
         finals: list[dict | None] = [None] * len(records)
-        while any(f is None for f in finals):
-            i, kind, data = await queue.get()
-            if kind == HEARTBEAT:
-                yield sse.HEARTBEAT
-                continue
-            if kind == CHUNK:
-                payloads = fmts[i].chunk(data)
-            elif kind == FINAL:
-                finals[i] = data
-                payloads = [p for p in fmts[i].final(data) if p["choices"]]  # usage: once, merged, at the end
-            elif kind == "raised":
-                raise data
-            elif kind == ERROR:
-                body = error_body(event_error(data)) if data is not None else error_body(
-                    PdserveError(f"the result stream of choice {i} ended without a final event"))
-                outcome = "error"
-                for payload in fmts[i].failure(body):
+        async with contextlib.aclosing(interleave(core, records)) as events:
+            async for i, kind, data in events:
+                if kind == HEARTBEAT:
+                    yield sse.HEARTBEAT
+                    continue
+                if kind == CHUNK:
+                    payloads = fmts[i].chunk(data)
+                elif kind == FINAL:
+                    finals[i] = data
+                    payloads = [p for p in fmts[i].final(data) if p["choices"]]  # usage: once, merged, at the end
+                elif kind == ERROR:
+                    body = error_body(event_error(data)) if data is not None else error_body(
+                        PdserveError(f"the result stream of choice {i} ended without a final event"))
+                    outcome = "error"
+                    for payload in fmts[i].failure(body):
+                        yield encode(payload)
+                    yield sse.done(str(count))
+                    return
+                else:
+                    continue
+                for payload in _tag(payloads, i):
                     yield encode(payload)
-                yield sse.done(str(count))
-                return
-            else:
-                continue
-            for payload in _tag(payloads, i):
-                yield encode(payload)
         outcome = "aborted" if any(f.get("finish_reason") == "abort" for f in finals) else "ok"
         if a.req.include_usage:
             seen = [f.completion_tokens for f in fmts]
@@ -222,8 +244,6 @@ async def stream_events(core: GatewayCore, a: Admitted, records: list[RequestRec
         yield encode(error_body(exc))
         yield sse.done(str(count))
     finally:
-        for task in tasks:
-            task.cancel()
         metrics.count(api, outcome)
         if counted:  # else attach_all let go of them already
             for record in records:

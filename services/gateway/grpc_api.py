@@ -5,7 +5,9 @@ Metadata plays the HTTP headers' part: ``authorization: Bearer <key>``,
 the request that many tiers below the key's (never above). The call's gRPC
 deadline is the request's deadline. ``request_id``, when the caller sets one, is
 its idempotency key: a retried call with the same id attaches to the original
-request instead of running it twice. A cancelled call cancels the request (after
+request instead of running it twice (n = 1 only: with n > 1 a retried call runs afresh). ``n`` > 1
+and ``best_of`` are choices.py's child requests, every message tagged with its choice ``index``,
+then one ``usage`` message with the prompt counted once. A cancelled call cancels the request (after
 the same grace period as an HTTP disconnect, within which a retry may attach).
 
 Errors: refusals before queueing map through ``grpc_codec.status_of``; an
@@ -24,7 +26,7 @@ import grpc
 from proto.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from services import telemetry
 from services.errors import InvalidRequestError
-from services.gateway import metrics, prompts, protocol
+from services.gateway import choices, metrics, prompts, protocol
 from services.gateway.core import HEARTBEAT, GatewayCore
 from services.gateway.http_errors import as_pdserve
 from services.gateway.protocol import GenerationRequest
@@ -83,7 +85,13 @@ class GatewayGenerationServicer(generate_pb2_grpc.GenerationServicer):
         if kind is None:
             raise InvalidRequestError("give a prompt: text, chat or token_ids", param="input")
         params = sampling_from_proto(request.sampling)  # validates; InvalidRequestError names the field
-        common = {"model": request.model or None, "sampling": dataclasses.asdict(params),
+        max_n = self.core.config.max_n
+        n = protocol.check_n(request.n if request.HasField("n") else 1, max_n)
+        stream = not request.HasField("stream") or request.stream
+        best_of = protocol.check_best_of(request.best_of if request.HasField("best_of") else None, n, stream, max_n)
+        sampling = dataclasses.asdict(params)
+        common = {"model": request.model or None, "sampling": sampling, "stream": stream, "n": n,
+                  "best_of": best_of, "hide_logprobs": protocol.ask_logprobs_to_rank(sampling, best_of),
                   "logprobs": params.logprobs, "structured_param": "sampling.structured"}
         if kind == "chat":
             messages = protocol.parse_messages([{"role": m.role, "content": m.content}
@@ -115,6 +123,13 @@ class GatewayGenerationServicer(generate_pb2_grpc.GenerationServicer):
                 remaining = context.time_remaining()
                 deadline = time.time() + remaining if remaining else core.resolve_deadline(md.get("x-pdserve-timeout"))
                 traceparent = telemetry.inject_carrier().get("traceparent", "")
+                if req.candidates > 1:
+                    outcome = None  # counted by _choices
+                    first = await core.submit(tenant, req, tier=tier, deadline=deadline, traceparent=traceparent)
+                    records = await choices.admit_children(core, tenant, req, first)
+                    async for reply in self._choices(context, req, records, request.request_id or first.request_id):
+                        yield reply
+                    return
                 admission = await core.submit(tenant, req, tier=tier, deadline=deadline,
                                               idempotency_key=request.request_id or None, traceparent=traceparent)
                 rid = admission.request_id
@@ -123,7 +138,7 @@ class GatewayGenerationServicer(generate_pb2_grpc.GenerationServicer):
                 reply_id = request.request_id or rid
                 await core.attach(admission.record)
                 counted = True
-                stream = not request.HasField("stream") or request.stream
+                stream = req.stream
                 merged = common_pb2.TokenChunk()
                 first = True
                 events = core.follow(admission.record, "0")
@@ -160,9 +175,67 @@ class GatewayGenerationServicer(generate_pb2_grpc.GenerationServicer):
                 outcome = metrics.outcome_of(exc)
                 await abort_with(context, as_pdserve(exc))  # Redis trouble is UNAVAILABLE, not INTERNAL
             finally:
-                metrics.count("grpc", outcome)
+                if outcome is not None:
+                    metrics.count("grpc", outcome)
                 if rid is not None:
                     core.detach(admission.record, bool(counted), finished)
+
+    async def _choices(self, context, req: GenerationRequest, records: list, reply_id: str):
+        """n > 1 or best_of (choices.py's children): streamed, every choice's chunks as they come and its
+        Finish, each tagged with its index; else per choice in index order (best_of: the n likeliest) one
+        chunk and its Finish. Then the request's usage, the prompt once. One choice failing ends the call
+        with its status, and the call ending early cancels every choice."""
+        core = self.core
+        counted = finished = False
+        outcome = "aborted"
+        try:
+            await choices.attach_all(core, records)
+            counted = True
+            merged = [common_pb2.TokenChunk() for _ in records]
+            finals: list[dict] = [{} for _ in records]
+            async with contextlib.aclosing(choices.interleave(core, records)) as events:
+                async for i, kind, data in events:
+                    if kind == CHUNK and req.stream:
+                        yield generate_pb2.GenerateResponse(chunk=token_chunk(data), request_id=reply_id, index=i)
+                    elif kind == CHUNK:
+                        append_chunk(merged[i], token_chunk(data))
+                    elif kind == FINAL:
+                        finals[i] = data
+                        if req.stream:
+                            yield generate_pb2.GenerateResponse(finish=finish_message(data), request_id=reply_id,
+                                                                index=i)
+                    elif kind == ERROR:
+                        outcome = "error"
+                        code, message = event_status(data) if data is not None else (
+                            grpc.StatusCode.UNAVAILABLE, "its result stream ended without a final event")
+                        await context.abort(code, f"choice {i}: {message}")
+            finished = True
+            outcome = "aborted" if any(f.get("finish_reason") == "abort" for f in finals) else "ok"
+            if not req.stream:
+                order = list(range(len(records)))
+                if req.best_of:
+                    order = choices.best(order, req.n, lambda k: sum(lp.logprob for lp in merged[k].logprobs))
+                for index, k in enumerate(order):
+                    if req.hide_logprobs:
+                        del merged[k].logprobs[:]
+                    yield generate_pb2.GenerateResponse(chunk=merged[k], request_id=reply_id, index=index)
+                    yield generate_pb2.GenerateResponse(finish=finish_message(finals[k]), request_id=reply_id,
+                                                        index=index)
+            total = choices.sum_usage([{"prompt_tokens": 0, "completion_tokens": 0, **(f.get("usage") or {})}
+                                       for f in finals])
+            yield generate_pb2.GenerateResponse(request_id=reply_id, usage=common_pb2.Usage(
+                prompt_tokens=total["prompt_tokens"], completion_tokens=total["completion_tokens"],
+                cached_prompt_tokens=total.get("cached_prompt_tokens", 0)))
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            outcome = metrics.outcome_of(exc)
+            await abort_with(context, as_pdserve(exc))
+        finally:
+            metrics.count("grpc", outcome)
+            if counted:  # else attach_all let go of them already
+                for record in records:
+                    core.detach(record, True, finished)
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context):
         try:

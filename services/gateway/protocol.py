@@ -159,9 +159,7 @@ def _common(body: dict, kind: str, max_n: int) -> tuple[dict, dict]:
     bias = get_typed(body, "logit_bias", (dict,))
     if bias:
         sampling["logit_bias"] = bias  # checked by SamplingParams (ids, range) and the gateway (vocabulary)
-    n = get_typed(body, "n", (int,), 1)
-    if not 1 <= n <= max_n:
-        raise InvalidRequestError(f"n must be an integer in [1, {max_n}] (this server's --max-n), got {n}", param="n")
+    n = check_n(get_typed(body, "n", (int,), 1), max_n)
     stream = get_typed(body, "stream", (bool,), False)
     options = get_typed(body, "stream_options", (dict,))
     include_usage = False
@@ -276,24 +274,42 @@ def parse_completion(body: dict, max_n: int = MAX_N) -> GenerationRequest:
     _structured(body, sampling)
     validate_sampling(sampling)
     best_of = _best_of(body, settings, max_n)
-    hide = best_of is not None and logprobs is None
-    if hide:
-        sampling["logprobs"] = 0  # each candidate's token logprobs: what best_of ranks by
+    hide = ask_logprobs_to_rank(sampling, best_of)
     return GenerationRequest(COMPLETION, sampling=sampling, prompt=prompt, logprobs=sampling.get("logprobs"),
                              best_of=best_of, hide_logprobs=hide, **settings)
 
 
 def _best_of(body: dict, settings: dict, max_n: int) -> int | None:
-    """OpenAI's completions best_of: at least n, at most the cap, never streamed (the ranking needs whole outputs)."""
-    best_of = get_typed(body, "best_of", (int,))
-    if best_of is None or best_of == settings["n"]:
+    return check_best_of(get_typed(body, "best_of", (int,)), settings["n"], settings["stream"], max_n)
+
+
+def ask_logprobs_to_rank(sampling: dict, best_of: int | None) -> bool:
+    """best_of ranks the candidates by their tokens' logprobs: ask for them when the client did not (True:
+    then they are hidden from the response)."""
+    if best_of is None or sampling.get("logprobs") is not None:
+        return False
+    sampling["logprobs"] = 0
+    return True
+
+
+def check_n(n: int, max_n: int) -> int:
+    """Choices per request: 1 to the gateway's --max-n (HTTP's 400, gRPC's INVALID_ARGUMENT, naming n)."""
+    if not 1 <= n <= max_n:
+        raise InvalidRequestError(f"n must be an integer in [1, {max_n}] (this server's --max-n), got {n}", param="n")
+    return n
+
+
+def check_best_of(best_of: int | None, n: int, stream: bool, max_n: int) -> int | None:
+    """OpenAI's completions best_of: at least n, at most the cap, never streamed (the ranking needs whole
+    outputs). None when it asks for no more candidates than choices."""
+    if best_of is None or best_of == n:
         return None
-    if best_of < settings["n"]:
-        raise InvalidRequestError(f"best_of must be >= n ({settings['n']}), got {best_of}", param="best_of")
+    if best_of < n:
+        raise InvalidRequestError(f"best_of must be >= n ({n}), got {best_of}", param="best_of")
     if best_of > max_n:
         raise InvalidRequestError(f"best_of must be an integer in [1, {max_n}] (this server's --max-n), got {best_of}",
                                   param="best_of")
-    if settings["stream"]:
+    if stream:
         raise InvalidRequestError("best_of > n cannot be streamed (the choices are ranked once all are done)",
                                   param="best_of")
     return best_of

@@ -42,6 +42,11 @@ def result_stream(request_id: str) -> str:
     return f"pd:res:{{{request_id}}}" if tag is None else f"pd:res:{{{tag}}}:{request_id}"
 
 
+def fence_key(request_id: str) -> str:
+    """The attempt allowed to write the request's chunks (results.py), in its result stream's slot."""
+    return f"{result_stream(request_id)}:fence"
+
+
 def inbox_stream(tag: str) -> str:
     """A gateway's delivery stream: a copy of every result event of its requests, read by that gateway."""
     return f"pd:res:{{{tag}}}:inbox"

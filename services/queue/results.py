@@ -17,6 +17,14 @@ Event data (JSON)::
             "timings": {"ttft_ms", "e2e_ms", "queue_ms", "prefill_ms"}}
     error  {"code": str, "message": str, "status": int}       OpenAI error type and HTTP status
 
+A chunk written with its attempt's worker request id (``<id>.<attempt>``,
+router/dispatch.py) is fenced: before the router retries a request it names the
+new attempt in ``fence_key(request_id)`` and only then reads what the stream
+holds; a chunk of an earlier attempt that reaches Redis after that (its decode
+worker had the write in flight when the attempt failed) is dropped in the same
+script that would have appended it. So what the retry resumes from is exactly
+what the client can ever see: no token twice, none missing.
+
 Entry ids are the SSE ``id:`` the gateway sends: a reader given the last id a
 client saw gets exactly the entries after it (XREAD is exclusive of the id),
 with no duplicate and no gap.
@@ -40,27 +48,37 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from services.errors import DeadlineExceededError, InvalidRequestError
 from services.errors import NotFoundError
-from services.queue.keys import delivery_tag, inbox_stream, result_stream
+from services.queue.keys import delivery_tag, fence_key, inbox_stream, result_stream
 from services.queue.message import text
 
 CHUNK, FINAL, ERROR = "chunk", "final", "error"
 TERMINAL = (FINAL, ERROR)
 _ENTRY_ID = re.compile(r"\d{1,20}(-\d{1,20})?")
 
-# KEYS: the request's result stream, its gateway's delivery stream
-# ARGV: type, data, ttl_s, request_id -> the entry id in the result stream
-_DELIVER = """
+# An attempt's chunk is dropped (nil) once the fence names another attempt.
+_FENCED = """
+if ARGV[4] ~= '' then
+  local current = redis.call('GET', KEYS[2])
+  if current and current ~= ARGV[4] then return false end
+end
+"""
+# KEYS: the request's result stream, its fence key
+# ARGV: type, data, ttl_s, attempt ('' for unfenced) -> the entry id, or nil when fenced off
+_APPEND = _FENCED + """
 local id = redis.call('XADD', KEYS[1], '*', 'type', ARGV[1], 'data', ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
-redis.call('XADD', KEYS[2], '*', 'rid', ARGV[4], 'id', id, 'type', ARGV[1], 'data', ARGV[2])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
 return id
 """
+# KEYS: as _APPEND, then its gateway's delivery stream; ARGV: as _APPEND, then the request id
+_DELIVER = _APPEND.replace("return id", """
+redis.call('XADD', KEYS[3], '*', 'rid', ARGV[5], 'id', id, 'type', ARGV[1], 'data', ARGV[2])
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+return id""")
 
 
 def decode_event(fields: dict) -> tuple[str, Any]:
@@ -79,31 +97,37 @@ class ResultWriter:
             raise ValueError("ttl_s must be >= 1")
         self.redis = redis
         self.ttl_s = ttl_s
+        self._append = redis.register_script(_APPEND)
         self._deliver = redis.register_script(_DELIVER)
 
-    async def _queue_event(self, pipe, request_id: str, kind: str, data: str) -> int:
-        """Queue one event's commands on ``pipe``; returns how many replies they give (the first is the id)."""
+    async def _queue_event(self, pipe, request_id: str, kind: str, data: str, attempt: str = "") -> None:
+        """Queue one event's script on ``pipe``; its reply is the entry id (nil when fenced off)."""
+        keys, args = [result_stream(request_id), fence_key(request_id)], [kind, data, self.ttl_s, attempt]
         tag = delivery_tag(request_id)
         if tag is None:
-            pipe.xadd(result_stream(request_id), {"type": kind, "data": data})
-            pipe.expire(result_stream(request_id), self.ttl_s)
-            return 2
-        await self._deliver(keys=[result_stream(request_id), inbox_stream(tag)],
-                            args=[kind, data, self.ttl_s, request_id], client=pipe)
-        return 1
+            await self._append(keys=keys, args=args, client=pipe)
+        else:
+            await self._deliver(keys=[*keys, inbox_stream(tag)], args=[*args, request_id], client=pipe)
 
-    async def append_chunks(self, items: Iterable[tuple[str, dict]]) -> list[str]:
-        """One engine step's chunks for many requests, in one pipelined round trip; returns their entry ids."""
+    async def append_chunks(self, items: Iterable[tuple[str, dict]],
+                            attempts: Sequence[str] | None = None) -> list[str | None]:
+        """One engine step's chunks for many requests, in one pipelined round trip; returns their entry ids.
+
+        ``attempts``: each chunk's worker request id, so a fenced-off attempt's chunk is
+        dropped (its id None); without it the chunks are not fenced.
+        """
         items = list(items)
         if not items:
             return []
         async with self.redis.pipeline(transaction=False) as pipe:
-            firsts, n = [], 0
-            for request_id, chunk in items:
-                firsts.append(n)
-                n += await self._queue_event(pipe, request_id, CHUNK, json.dumps(chunk))
+            for i, (request_id, chunk) in enumerate(items):
+                await self._queue_event(pipe, request_id, CHUNK, json.dumps(chunk), attempts[i] if attempts else "")
             replies = await pipe.execute()
-        return [text(replies[i]) for i in firsts]
+        return [None if r is None else text(r) for r in replies]
+
+    async def fence(self, request_id: str, attempt: str) -> None:
+        """From now on only ``attempt`` may add chunks to the request's stream (call before reading it to retry)."""
+        await self.redis.set(fence_key(request_id), attempt, ex=self.ttl_s)
 
     async def finish(self, request_id: str, final: dict) -> str:
         return await self._terminal(request_id, FINAL, final)

@@ -21,8 +21,9 @@ A failed attempt is retried on other workers, up to ``max_attempts``:
   grammar replays the streamed tokens first).
 
 Bad input (INVALID_ARGUMENT) is never retried. Each attempt has its own worker
-request id (``<id>.<attempt>``), so a failed attempt still being torn down on a
-worker never collides with its retry. A caller that goes away cancels the
+request id (``<id>.<attempt>``, numbered on across redeliveries), so a failed attempt
+still being torn down on a worker never collides with its retry, and the result
+stream's fence (queue/results.py) drops any chunk it still had in flight. A caller that goes away cancels the
 calls, which aborts the work and frees its blocks on both workers; an attempt that
 ends without its Finish also Aborts its reservation, which no Decode call may claim.
 """
@@ -69,8 +70,8 @@ class DispatchConfig:
     disaggregation: str = "auto"  # auto (conditional) | always | never
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ValueError("max_attempts must be >= 1")
+        if not 1 <= self.max_attempts <= 99:  # queue_worker numbers each delivery's attempts in a block of 100
+            raise ValueError("max_attempts must be between 1 and 99")
         if self.transfer_timeout_s <= 0:
             raise ValueError("transfer_timeout_s must be > 0")
         if self.disaggregation not in ("auto", "always", "never"):
@@ -131,6 +132,7 @@ class Dispatcher:
     async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0,
                        deadline: float = 0.0, results_to: str = "", emitted: list[int] | None = None,
                        read_emitted: Callable[[], Awaitable[list[int]]] | None = None, session_key: str = "",
+                       fence: Callable[[str], Awaitable[None]] | None = None, attempt_base: int = 0,
                        ) -> AsyncIterator[common_pb2.TokenChunk | common_pb2.Finish]:
         """Stream the request's token chunks, then its Finish; raises a PdserveError on failure.
 
@@ -138,7 +140,10 @@ class Dispatcher:
         only the Finish comes back here; ``read_emitted`` then tells, before a retry, which
         tokens the stream already holds (``emitted``: those it held before the first attempt,
         when a request is redelivered after a router died). ``session_key``: the client's
-        affinity key ("" for none), a routing hint (policy.py).
+        affinity key ("" for none), a routing hint (policy.py). ``fence(wrid)``: called before
+        ``read_emitted`` so that a failed attempt's chunk still on its way can no longer land
+        after what was read (results.py). ``attempt_base``: added to the attempt numbers in worker
+        request ids, so a redelivered request's attempts never reuse an earlier router's ids.
         """
         started = time.perf_counter()
         emitted = list(emitted or [])
@@ -155,7 +160,10 @@ class Dispatcher:
             while attempt < self.config.max_attempts:
                 attempt += 1
                 check_deadline(deadline)
+                wrid = f"{request_id}.{attempt_base + attempt}"
                 if read_emitted is not None and attempt > 1:
+                    if fence is not None:
+                        await fence(wrid)
                     emitted = await read_emitted()
                 resumed_from = len(emitted)
                 attempt_started = time.perf_counter()
@@ -171,7 +179,7 @@ class Dispatcher:
                     remaining = dataclasses.replace(remaining, structured=dataclasses.replace(
                         params.structured, replay=params.structured.replay + tuple(emitted)))
                 try:
-                    async for item in self._attempt(f"{request_id}.{attempt}", token_ids + emitted, remaining,
+                    async for item in self._attempt(wrid, token_ids + emitted, remaining,
                                                     priority, deadline, avoid_prefill, avoid_decode, results_to,
                                                     session_key):
                         if isinstance(item, _Served):

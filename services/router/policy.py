@@ -69,18 +69,22 @@ overlaps from a ``PrefixIndex``; they never mutate either (the caller calls
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import itertools
 import math
 import operator
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 
 from services.errors import CapacityError, NoWorkerError
 from services.registry import WorkerInfo
 from services.router.affinity import SessionAffinity
 from services.router.fetch_cost import FetchPlan, plan_fetch
+from services.router.load_ranking import LoadRanking
 from services.router.prefix_index import PrefixIndex
-from services.router.worker_pool import WorkerLoad, WorkerPool
+from services.router.worker_pool import ReadyWorkers, WorkerLoad, WorkerPool
 
 POLICY_NAMES = ("kv-aware", "least-load", "round-robin")
 
@@ -229,6 +233,17 @@ class RoutingPolicy:
         Raises NoWorkerError when no candidate is left, CapacityError when none has room.
         """
         candidates = _candidates(workers, exclude, "decode")
+        if not session_key and len(candidates) > 1:
+            # The policy's order, read only until two workers fit: the first is the choice, a second
+            # says it was a choice (one alone is "most_room")
+            fits, load_of = [], pool.load
+            for w in self._decode_order(candidates, pool):
+                if load_of(w.worker_id).kv_blocks_free >= num_blocks_needed:
+                    fits.append(w)
+                    if len(fits) == 2:
+                        return self._decided_decode(fits[0], pool)
+            if fits:
+                return Decision(fits[0], "most_room")
         loads, fits, load_of = {}, [], pool.load
         for w in candidates:
             load = loads[w.worker_id] = load_of(w.worker_id)
@@ -247,53 +262,48 @@ class RoutingPolicy:
             return Decision(fits[0], "only_worker")
         if len(fits) == 1:
             return Decision(fits[0], "most_room")
-        if session_key:
-            overlaps = index.overlaps(block_hashes) if index is not None and block_hashes else {}
-            worker, reason, overlap = self.affinity.choose(
-                session_key, "decode", workers, fits, {w.worker_id: loads[w.worker_id].active_requests for w in fits},
-                overlaps, self.config.affinity_override_blocks)
-            return Decision(worker, reason, overlap)
-        return self._pick_decode(fits, loads)
+        overlaps = index.overlaps(block_hashes) if index is not None and block_hashes else {}
+        worker, reason, overlap = self.affinity.choose(
+            session_key, "decode", workers, fits, {w.worker_id: loads[w.worker_id].active_requests for w in fits},
+            overlaps, self.config.affinity_override_blocks)
+        return Decision(worker, reason, overlap)
 
-    def _pick_decode(self, fits: list[WorkerInfo], loads: dict[str, WorkerLoad]) -> Decision:
-        # fits are in id order, so the first of the least loaded is the lowest id
-        ranks = [loads[w.worker_id].decode_rank for w in fits]
-        best = min(ranks)
-        return Decision(fits[ranks.index(best)], "least_load", cost=best[0])
+    def _decode_order(self, candidates: list[WorkerInfo], pool: WorkerPool) -> Iterator[WorkerInfo]:
+        """The decode candidates, preferred first: fewest requests, then most free blocks, then by id
+        (``WorkerLoad.decode_rank``), read from the pool's ranking rather than every worker's load."""
+        yield from _ranked(candidates, pool, "decode", _DECODE_RANK)
+
+    def _decided_decode(self, worker: WorkerInfo, pool: WorkerPool) -> Decision:
+        return Decision(worker, "least_load", cost=pool.load(worker.worker_id).num_requests)
 
 
 class KVAwarePolicy(RoutingPolicy):
     name = "kv-aware"
 
     def cost(self, load: WorkerLoad, uncached_tokens: int) -> float:
+        return uncached_tokens + self.load_cost(load)
+
+    def load_cost(self, load: WorkerLoad) -> float:
+        """The cost's load part, in prompt tokens: the same for every prompt, so the pool keeps the
+        workers ranked by it (a worker without the prefix costs the prompt's length plus this)."""
         # The router's own in-flight counts are exact and current; the heartbeat is up to a second
         # old, counts the same requests again, and counts a waiting request's whole prompt (its
         # prefix hit is only known at admission), so it overstates the worker that holds a hot
         # prefix. The larger of the two keeps other routers' load visible without adding them up.
         c = self.config
-        pending = max(load.queued_prefill_tokens, load.inflight_prefill_tokens)
-        return uncached_tokens + c.load_weight * pending + c.request_tokens * load.active_requests
+        return c.load_weight * max(load.queued_prefill_tokens, load.inflight_prefill_tokens) \
+            + c.request_tokens * load.active_requests
 
     def _pick_prefill(self, candidates, overlaps, num_tokens, block_size, pool, block_hashes, index):
         # The eviction charge only adds to a worker's cost, so it is computed in order of the cost
         # without it, and only while that could still make the worker the best (or a near-tie):
         # with hundreds of workers most are ruled out by their load alone, the same choice at a
         # fraction of the work (the charge walks the worker's cache model).
-        base = []  # (cost without the eviction charge, position by id, worker, overlap)
-        cost, load_of = self.cost, pool.load
-        for i, w in enumerate(candidates):  # candidates are sorted by id
-            overlap = overlaps.get(w.worker_id, 0)
-            uncached = self._uncached(w, overlap, num_tokens, block_size, block_hashes, index)
-            plan = self._fetch_plan(w, candidates, overlaps, num_tokens, block_size, pool, block_hashes, index,
-                                    uncached)
-            if plan is not None:  # fetching the prefix here beats computing it (the third choice)
-                uncached = plan.cost
-            base.append((cost(load_of(w.worker_id), uncached), i, w, overlap))
-        base.sort(key=_FIRST_TWO)  # positions are unique: never compares workers
         margin = self.config.tie_tokens if self.config.temperature > 0 else 0.0
-        scored = []  # (cost, position by id, worker, overlap)
+        scored = []  # (cost, worker id, worker, overlap)
         best = math.inf
-        for cost, i, w, overlap in base:
+        for cost, i, w, overlap in self._base_costs(candidates, overlaps, num_tokens, block_size, pool,
+                                                    block_hashes, index):
             if cost > best + margin:
                 break
             if index is not None and w.kv_blocks_total > 0:  # 0: the worker has not reported its cache yet
@@ -310,16 +320,59 @@ class KVAwarePolicy(RoutingPolicy):
             cost, worker, overlap = self.rng.choices(near, weights=weights)[0]
         return Decision(worker, "prefix_hit" if overlap > 0 else "load", overlap, cost)
 
+    def _base_costs(self, candidates, overlaps, num_tokens, block_size, pool, block_hashes, index):
+        """(cost without the eviction charge, worker id, worker, overlap), cheapest first (then by id),
+        lazily. The workers holding none of the prompt cost its length plus their load cost, so they
+        come from the pool's ranking by load cost, merged with the holders (few), costed here."""
+        view = _pool_view(candidates, pool, "prefill", self.load_cost)
+        if view is not None and not self.config.peer_fetch and not (index is not None and index.has_spilled()):
+            # the common case, inlined (hundreds of holders of a popular prefix at 1,000 workers):
+            # cost = uncached + load cost, the load cost read from the ranking
+            ranking, by_id = view
+            held = []
+            for worker_id, overlap in overlaps.items():
+                w = by_id.get(worker_id)
+                if w is not None and overlap > 0:
+                    held.append((max(0, num_tokens - overlap * block_size) + ranking.key_of(worker_id), worker_id,
+                                 w, overlap))
+            held.sort(key=_FIRST_TWO)  # ids are unique: never compares workers
+            return heapq.merge(held, self._unheld(ranking, by_id, overlaps, num_tokens), key=_FIRST_TWO)
+        cost, load_of = self.cost, pool.load
+        holders = [w for w in candidates if overlaps.get(w.worker_id, 0) > 0]
+        if self.config.peer_fetch:  # a fetch plan can lower any worker's cost: cost every one
+            holders = candidates
+        held = []
+        for w in holders:
+            overlap = overlaps.get(w.worker_id, 0)
+            uncached = self._uncached(w, overlap, num_tokens, block_size, block_hashes, index)
+            plan = self._fetch_plan(w, candidates, overlaps, num_tokens, block_size, pool, block_hashes, index,
+                                    uncached)
+            if plan is not None:  # fetching the prefix here beats computing it (the third choice)
+                uncached = plan.cost
+            held.append((cost(load_of(w.worker_id), uncached), w.worker_id, w, overlap))
+        held.sort(key=_FIRST_TWO)  # ids are unique: never compares workers
+        if len(held) == len(candidates):
+            return held
+        held_ids = {h[1] for h in held}
+        others = ((num_tokens + load_cost, w.worker_id, w, 0)
+                  for load_cost, w in _ranked_keys(candidates, pool, "prefill", self.load_cost)
+                  if w.worker_id not in held_ids)
+        return heapq.merge(held, others, key=_FIRST_TWO)
+
+    @staticmethod
+    def _unheld(ranking: LoadRanking, by_id: dict[str, WorkerInfo], overlaps: dict[str, int], num_tokens: int):
+        for load_cost, worker_id in ranking.ordered():
+            w = by_id.get(worker_id)
+            if w is not None and not overlaps.get(worker_id, 0) > 0:
+                yield num_tokens + load_cost, worker_id, w, 0
+
 
 class LeastLoadPolicy(RoutingPolicy):
     name = "least-load"
 
     def _pick_prefill(self, candidates, overlaps, num_tokens, block_size, pool, block_hashes, index):
-        def key(w):
-            load = pool.load(w.worker_id)
-            return load.pending_prefill_tokens, load.num_requests, w.worker_id
-
-        best = min(candidates, key=key)
+        # the fewest pending prefill tokens, then the fewest requests, then the lowest id
+        best = next(_ranked(candidates, pool, "prefill", _LEAST_PREFILL))
         return Decision(best, "least_load", overlaps.get(best.worker_id, 0),
                         pool.load(best.worker_id).pending_prefill_tokens)
 
@@ -335,7 +388,9 @@ class RoundRobinPolicy(RoutingPolicy):
 
     def _next(self, role: str, workers: list[WorkerInfo]) -> WorkerInfo:
         last = self._last.get(role)
-        chosen = next((w for w in workers if last is None or w.worker_id > last), workers[0])
+        # workers are in id order: the first after the last one chosen (a binary search), else the first
+        i = 0 if last is None else bisect.bisect_right(workers, last, key=_BY_ID)
+        chosen = workers[i] if i < len(workers) else workers[0]
         self._last[role] = chosen.worker_id
         return chosen
 
@@ -343,8 +398,17 @@ class RoundRobinPolicy(RoutingPolicy):
         chosen = self._next("prefill", candidates)
         return Decision(chosen, "round_robin", overlaps.get(chosen.worker_id, 0))
 
-    def _pick_decode(self, fits, loads):
-        return Decision(self._next("decode", fits), "round_robin")
+    def _decode_order(self, candidates, pool):
+        # the rotation: after the last one chosen, then from the start
+        last = self._last.get("decode")
+        if last is None:
+            return iter(candidates)
+        start = bisect.bisect_right(candidates, last, key=_BY_ID)
+        return itertools.chain(candidates[start:], candidates[:start])
+
+    def _decided_decode(self, worker, pool):
+        self._last["decode"] = worker.worker_id
+        return Decision(worker, "round_robin")
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {p.name: p for p in (KVAwarePolicy, LeastLoadPolicy, RoundRobinPolicy)}
@@ -395,10 +459,57 @@ def should_prefill_locally(uncached_tokens: int, prefill_queue_tokens: int, has_
 
 _BY_ID = operator.attrgetter("worker_id")
 _FIRST_TWO = operator.itemgetter(0, 1)
+# the pool keeps a ranking per key object: these are module constants so every call names the same one
+_DECODE_RANK = operator.attrgetter("decode_rank")
+_LEAST_PREFILL = operator.attrgetter("pending_prefill_tokens", "num_requests")
+
+
+def _pool_view(candidates: list[WorkerInfo], pool: WorkerPool, role: str,
+               key: Callable[[WorkerLoad], object]) -> tuple[LoadRanking, dict[str, WorkerInfo]] | None:
+    """The pool's ranking of ``role`` by ``key`` and the candidates by id, when the ranking holds every
+    candidate (the usual case: they are the pool's own ready workers of the role); else None."""
+    ranking = pool.ranked(role, key)
+    ready = pool.ready_by_id(role)
+    if _is_ready_list(candidates, pool, role):
+        return ranking, ready
+    if len(candidates) == len(ready) and all(map(operator.is_, candidates, ready.values())):
+        return ranking, ready  # the same objects in the same order: no dict to build per request
+    by_id = {w.worker_id: w for w in candidates}
+    return (ranking, by_id) if by_id.keys() <= ranking.members() else None
+
+
+def _ranked_keys(candidates: list[WorkerInfo], pool: WorkerPool, role: str,
+                 key: Callable[[WorkerLoad], object]) -> Iterator[tuple[object, WorkerInfo]]:
+    """(key(load), worker) for ``candidates``, lowest key first, then by id: from the pool's ranking,
+    read only as far as the caller goes, or (candidates it does not rank) every load, sorted here."""
+    view = _pool_view(candidates, pool, role, key)
+    if view is not None:
+        ranking, by_id = view
+        for k, worker_id in ranking.ordered():
+            w = by_id.get(worker_id)
+            if w is not None:
+                yield k, w
+        return
+    keyed = [(key(pool.load(w.worker_id)), w.worker_id, w) for w in candidates]
+    keyed.sort(key=_FIRST_TWO)
+    for k, _, w in keyed:
+        yield k, w
+
+
+def _ranked(candidates: list[WorkerInfo], pool: WorkerPool, role: str,
+            key: Callable[[WorkerLoad], object]) -> Iterator[WorkerInfo]:
+    return (w for _, w in _ranked_keys(candidates, pool, role, key))
+
+
+def _is_ready_list(workers: Sequence[WorkerInfo], pool: WorkerPool, role: str) -> bool:
+    return isinstance(workers, ReadyWorkers) and workers.pool is pool and workers.role == role \
+        and workers.generation == pool.generation
 
 
 def _candidates(workers: Sequence[WorkerInfo], exclude: Iterable[str], role: str) -> list[WorkerInfo]:
     excluded = set(exclude)
+    if not excluded and isinstance(workers, ReadyWorkers) and workers:
+        return workers  # the pool's list, in id order already (read only: policies never change it)
     # attrgetter, not a lambda: this runs per request over every worker of the role
     candidates = sorted((w for w in workers if w.worker_id not in excluded) if excluded else workers, key=_BY_ID)
     if not candidates:

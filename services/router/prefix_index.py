@@ -171,6 +171,10 @@ class PrefixIndex:
             return 0
         return sum(1 for h in block_hashes[:overlap] if h in spilled)
 
+    def has_spilled(self) -> bool:
+        """Whether any worker holds blocks in a spill tier (a policy can skip pricing restores if not)."""
+        return any(self._spilled.values())
+
     def num_spilled(self, worker_id: str) -> int:
         return len(self._spilled.get(worker_id, ()))
 

@@ -37,6 +37,7 @@ from services.queue.results import CHUNK, ResultWriter, decode_event
 from services.router.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
+ATTEMPTS_PER_DELIVERY = 100  # attempt numbers reserved per delivery (dispatch caps --max-attempts far below)
 
 
 class QueueWorker:
@@ -161,11 +162,18 @@ class QueueWorker:
                 # task to cancel). The flag is read beside the dispatch, not before it: one Redis round
                 # trip off every request's first token; a set flag cancels this task, as a PUBLISH would.
                 with self._cancelled_by_flag(req.request_id):
-                    emitted = await self._emitted(req.request_id) if d.delivery_count > 1 else []
+                    # a redelivered request's attempts are numbered on from the earlier router's, whose
+                    # decode worker may still be writing: fence it off before reading what the stream holds
+                    base = (d.delivery_count - 1) * ATTEMPTS_PER_DELIVERY
+                    emitted = []
+                    if d.delivery_count > 1:
+                        await self.results.fence(req.request_id, f"{req.request_id}.{base + 1}")
+                        emitted = await self._emitted(req.request_id)
                     async for item in self.dispatcher.generate(
                             req.request_id, req.token_ids, params, self._priority(d.tier), req.deadline,
                             results_to=req.request_id, emitted=emitted,
-                            read_emitted=lambda: self._emitted(req.request_id), session_key=req.session_key):
+                            read_emitted=lambda: self._emitted(req.request_id), session_key=req.session_key,
+                            fence=lambda wrid: self.results.fence(req.request_id, wrid), attempt_base=base):
                         finish = item  # results mode: only the Finish comes back
                 await self._final(d, {
                     "finish_reason": finish.finish_reason,

@@ -97,6 +97,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             try:
                 prompt = self._prompt(request)
                 params = sampling_from_proto(request.sampling)
+                for name in ("n", "best_of"):  # one sequence per call here: the gateway fans choices out
+                    if request.HasField(name) and getattr(request, name) != 1:
+                        raise InvalidRequestError(f"{name} other than 1 is served by the gateway's gRPC API "
+                                                  "(pdserve gateway --grpc-port), not the router's", param=name)
                 lora = self._adapter(request.model)
                 if lora is not None:
                     params.lora = lora

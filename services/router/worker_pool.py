@@ -19,15 +19,15 @@ drops it from the prefix index).
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.loops import Loops
 from services.registry import WorkerInfo, read_workers
+from services.router.load_ranking import LoadRanking
 
 log = logging.getLogger(__name__)
 
@@ -45,29 +45,35 @@ class WorkerLoad:
     inflight_prefill_tokens: int = 0
     ended_since_beat: int = 0  # this router's requests that ended after the heartbeat counted them
 
-    # cached_property: a policy reads these for every worker on every request, and a pool's
-    # WorkerLoad lives until that worker's heartbeat or in-flight counts change (WorkerPool.load)
-    @functools.cached_property
-    def pending_prefill_tokens(self) -> int:
-        """Prompt tokens ahead of a new request: reported queue plus what this router sent since."""
-        return self.queued_prefill_tokens + self.inflight_prefill_tokens
+    # Derived counts, computed once when the load is built: policies and the pool's rankings read them
+    # for many workers per request, and a pool's WorkerLoad lives until that worker's heartbeat or
+    # in-flight counts change (WorkerPool.load). (functools.cached_property takes a lock per first read.)
+    # pending_prefill_tokens: prompt tokens ahead of a new request, reported queue plus what this router sent since.
+    pending_prefill_tokens: int = field(init=False, compare=False)
+    num_requests: int = field(init=False, compare=False)
+    # decode_rank: the shared decode choice's order, fewest requests, then most free blocks.
+    decode_rank: tuple[int, int] = field(init=False, compare=False)
+    # active_requests: requests on the worker, none counted twice: the larger of its heartbeat's count
+    # (other routers' requests too, up to a second old), less this router's requests that ended since
+    # that heartbeat, and this router's exact in-flight count. Without the discount a conversation's
+    # next turn, sent as its last one ends, would find that one still counted.
+    active_requests: int = field(init=False, compare=False)
 
-    @functools.cached_property
-    def num_requests(self) -> int:
-        return self.num_running + self.num_waiting + self.inflight_requests
+    def __post_init__(self) -> None:
+        derive = object.__setattr__  # frozen
+        derive(self, "pending_prefill_tokens", self.queued_prefill_tokens + self.inflight_prefill_tokens)
+        requests = self.num_running + self.num_waiting
+        derive(self, "num_requests", requests + self.inflight_requests)
+        derive(self, "decode_rank", (requests + self.inflight_requests, -self.kv_blocks_free))
+        derive(self, "active_requests", max(requests - self.ended_since_beat, self.inflight_requests))
 
-    @functools.cached_property
-    def decode_rank(self) -> tuple[int, int]:
-        """The shared decode choice's order: fewest requests, then most free blocks."""
-        return self.num_requests, -self.kv_blocks_free
 
-    @functools.cached_property
-    def active_requests(self) -> int:
-        """Requests on the worker, none counted twice: the larger of its heartbeat's count (other
-        routers' requests too, up to a second old), less this router's requests that ended since
-        that heartbeat, and this router's exact in-flight count. Without the discount a
-        conversation's next turn, sent as its last one ends, would find that one still counted."""
-        return max(self.num_running + self.num_waiting - self.ended_since_beat, self.inflight_requests)
+class ReadyWorkers(list):
+    """What ``decode_workers()`` / ``prefill_workers()`` return while no worker is held out: the role's
+    ready workers in id order as of one registry update. A policy handed this list itself (not one a
+    caller filtered) knows it is sorted and is what the pool ranks, and skips re-checking both."""
+
+    __slots__ = ("generation", "pool", "role")
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,12 @@ class WorkerPool:
         # role -> its ready, not draining workers by id, until the next update: what every dispatch
         # asks for; rebuilding it per request was most of the router's time at 1,000 workers
         self._by_role: dict[str, list[WorkerInfo]] | None = None
+        self._by_role_ids: dict[str, dict[str, WorkerInfo]] = {}
+        self.generation = 0  # registry updates seen (a ReadyWorkers list is of one)
+        # (role, key) -> that role's usable workers in order of key(load), for policies that want the
+        # least loaded first (load_ranking.py); rebuilt after an update, re-keyed as loads change
+        self._rankings: dict[tuple[str, Callable], LoadRanking] = {}
+        self._dirty: set[str] = set()  # workers whose load changed since the rankings last caught up
         self._loops = Loops()
 
     # ---- registry -------------------------------------------------------
@@ -136,6 +148,9 @@ class WorkerPool:
         now = self._clock()
         self._loads.clear()
         self._by_role = None
+        self._rankings.clear()
+        self._dirty.clear()
+        self.generation += 1
         fresh = {w.worker_id: w for w in workers if self.model is None or w.model == self.model}
         for worker_id in [w for w in self._workers if w not in fresh]:
             del self._workers[worker_id]
@@ -186,16 +201,29 @@ class WorkerPool:
         return self._usable("decode")
 
     def _usable(self, role: str) -> list[WorkerInfo]:
+        ready = self._usable_by_role().get(role, [])
+        if not self._failed_until:  # the common case: nobody is held out, no clock to check
+            out = ReadyWorkers(ready)
+            out.pool, out.role, out.generation = self, role, self.generation
+            return out
+        return [info for info in ready if self.is_usable(info.worker_id)]
+
+    def _usable_by_role(self) -> dict[str, list[WorkerInfo]]:
         if self._by_role is None:
-            self._by_role = {}
+            self._by_role, self._by_role_ids = {}, {}
             for w in sorted(self._workers):
                 info = self._workers[w].info
                 if info.ready and not info.draining:
                     self._by_role.setdefault(info.role, []).append(info)
-        ready = self._by_role.get(role, [])
-        if not self._failed_until:  # the common case: nobody is held out, no clock to check
-            return list(ready)
-        return [info for info in ready if self.is_usable(info.worker_id)]
+                    self._by_role_ids.setdefault(info.role, {})[w] = info
+        return self._by_role
+
+    def ready_by_id(self, role: str) -> dict[str, WorkerInfo]:
+        """The ready, not draining workers of ``role`` by id, in id order (failed ones too), until the
+        next update: what ``decode_workers()`` / ``prefill_workers()`` return while none is held out.
+        Read only."""
+        self._usable_by_role()
+        return self._by_role_ids.get(role, {})
 
     def mark_failed(self, worker_id: str, for_s: float = 5.0) -> None:
         """Hold ``worker_id`` out of routing now, for ``for_s`` and until it heartbeats after that."""
@@ -212,7 +240,7 @@ class WorkerPool:
         self._tokens[token.id] = (worker_id, prefill_tokens)
         tracked = self._workers.get(worker_id)
         self._begun_at_beat[token.id] = tracked.beats if tracked is not None else -1
-        self._loads.pop(worker_id, None)
+        self._changed(worker_id)
         counts = self._inflight.setdefault(worker_id, [0, 0])
         counts[0] += 1
         counts[1] += prefill_tokens
@@ -222,7 +250,7 @@ class WorkerPool:
         """The request's prefill finished; it stays in flight (e.g. decoding after a local prefill)."""
         entry = self._tokens.get(token.id)
         if entry is not None and entry[1]:
-            self._loads.pop(entry[0], None)
+            self._changed(entry[0])
             self._inflight[entry[0]][1] -= entry[1]
             self._tokens[token.id] = (entry[0], 0)
 
@@ -232,7 +260,7 @@ class WorkerPool:
         if entry is None:
             return
         worker_id, prefill_tokens = entry
-        self._loads.pop(worker_id, None)
+        self._changed(worker_id)
         tracked = self._workers.get(worker_id)
         # a heartbeat observed after it began may count it as running until the next one arrives
         if tracked is not None and self._begun_at_beat.pop(token.id, tracked.beats) < tracked.beats:
@@ -242,6 +270,34 @@ class WorkerPool:
         counts[1] -= prefill_tokens
         if counts[0] == 0:
             del self._inflight[worker_id]
+
+    def _changed(self, worker_id: str) -> None:
+        self._loads.pop(worker_id, None)
+        if self._rankings:
+            self._dirty.add(worker_id)
+
+    def ranked(self, role: str, key: Callable[[WorkerLoad], object]) -> LoadRanking:
+        """The ready, not draining workers of ``role`` in order of ``key(load)``, lowest first (then by
+        id), current as of now. ``key`` must be the same object (or an equal one: a bound method) on
+        every call for the ranking to be kept between calls. Workers marked failed are still in it."""
+        ranking = self._rankings.get((role, key))
+        if ranking is None:
+            self._catch_up()
+            ranking = self._rankings[(role, key)] = LoadRanking(key)
+            for info in self._usable_by_role().get(role, ()):
+                ranking.set(info.worker_id, self.load(info.worker_id))
+            return ranking
+        self._catch_up()
+        return ranking
+
+    def _catch_up(self) -> None:
+        if not self._dirty:
+            return
+        for worker_id in self._dirty:
+            for ranking in self._rankings.values():
+                if worker_id in ranking.members():
+                    ranking.set(worker_id, self.load(worker_id))
+        self._dirty.clear()
 
     def load(self, worker_id: str) -> WorkerLoad:
         """Heartbeat fields plus this router's in-flight counts. KeyError for an unknown worker."""

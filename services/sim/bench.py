@@ -132,8 +132,15 @@ def print_table(result: dict) -> None:
               f"{row['local_prefill_share']:.2f}")
     v = result.get("validation")
     if v:
+        print(f"validation on {v['workload']}:")
         for key, real in v["real"].items():
-            print(f"validation {key}: simulated {v['sim'][key]} vs real {real} ({v['relative_error'][key]:+.1%})")
+            spread = v["seed_spread"].get(key)
+            seeds = f"; synthetic seeds {spread['min']} .. {spread['max']}" if spread else ""
+            print(f"  {key}: simulated {v['sim'][key]} vs real {real} ({v['relative_error'][key]:+.1%}){seeds}")
+        for policy, real in v.get("per_policy_real", {}).items():
+            s = v["per_policy"][policy]
+            print(f"  {policy}: hit rate {s['hit_rate']} vs {real['hit_rate']}, mean TTFT {s['ttft_s']['mean']} vs "
+                  f"{real['ttft_mean_s']} s, p99 TTFT {s['ttft_s']['p99']} vs {real['ttft_p99_s']} s")
     a = result.get("autoscale")
     if a:
         print(f"autoscale ({a['requests']} requests): static peak {a['static_peak']['workers']} workers = "

@@ -29,6 +29,8 @@ from services.router.prefix_index import PrefixIndex
 from services.router.worker_pool import WorkerPool
 from services.sim.admission import SimAdmission
 from services.sim.events import EventLoop
+from services.sim.host import SharedHost
+from services.sim.prefill_steps import SteppedPrefillWorker
 from services.sim.profiles import WorkerProfile
 from services.sim.workers import DecodeWorker, Job, PrefillWorker, SimWorker
 from services.sim.workloads import SimRequest
@@ -45,6 +47,7 @@ class ClusterConfig:
     heartbeat_s: float = 1.0
     max_inflight: int = 0  # the router's --max-inflight over all routers; 0: no limit
     closed_loop: int = 0  # >0: requests in flight at once (arrival times ignored), as bench routing sends them
+    host_cores: int = 0  # >0: every worker shares one host of this many cores (host.py); 0: each has its own
     sample_s: float = 10.0  # time series resolution
     max_model_len: int = 131_072
     model: str = "model"
@@ -55,6 +58,8 @@ class ClusterConfig:
             raise ValueError("worker counts must be >= 0")
         if self.disaggregation not in ("auto", "always", "never"):
             raise ValueError(f"disaggregation must be auto, always or never; got {self.disaggregation!r}")
+        if self.host_cores < 0:
+            raise ValueError("host_cores must be >= 0 (0: every worker has its own hardware)")
         if not self.heartbeat_s > 0 or not self.sample_s > 0:
             raise ValueError("heartbeat_s and sample_s must be > 0")
 
@@ -84,6 +89,7 @@ class ClusterSim:
         self.series: list[dict] = []
         self._last_sample = -math.inf
         self.controller = controller  # an autoscaler with .tick(sim), called every heartbeat
+        self.host = SharedHost(config.host_cores) if config.host_cores else None
         self.on_finished: Callable[[Job], None] | None = None
         for _ in range(config.prefill_workers):
             self.add_worker("prefill", announce=False)
@@ -96,7 +102,10 @@ class ClusterSim:
         """Start a worker; it registers after ``ready_in`` seconds (a cold or warm start). ``announce``:
         a ready worker's heartbeat reaches the router at once (False: at the caller's next update)."""
         self._ids[role] += 1
-        cls = PrefillWorker if role == "prefill" else DecodeWorker
+        if role == "prefill":
+            cls = SteppedPrefillWorker if self.config.profile.prefill_step_tokens else PrefillWorker
+        else:
+            cls = DecodeWorker
         worker = cls(self, f"{role}-{self._ids[role]:04d}", self.config.profile, self.config.model,
                      self.config.max_model_len)
         worker.started_at = self.loop.now

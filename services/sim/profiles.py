@@ -48,6 +48,11 @@ class WorkerProfile:
     max_num_seqs: int
     cold_start_s: float  # process start to registered and ready (model load included)
     warm_start_s: float  # a standby worker (model loaded, not registered) to ready
+    # >0: prefill workers run the engine's steps (prefill_steps.py): this many prompt tokens per step,
+    # at most prefill_chunk_tokens from one request; 0: one whole prompt at a time (workers.py)
+    prefill_step_tokens: int = 0
+    prefill_chunk_tokens: int = 0
+    host_cores: int = 0  # cores of the machine the profile's real runs shared (the validation's host, host.py)
     source: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -89,7 +94,9 @@ def load_profiles(path: str | Path | None = None) -> dict[str, WorkerProfile]:
             kv_blocks=p["kv_blocks"], block_size=p["block_size"], kv_bytes_per_token=p["kv_bytes_per_token"],
             transfer_latency_s=p["transfer"]["latency_s"], transfer_bytes_per_s=p["transfer"]["bytes_per_s"],
             transfer_chunk_tokens=p["transfer"]["chunk_tokens"], max_num_seqs=p["max_num_seqs"],
-            cold_start_s=p["cold_start_s"], warm_start_s=p["warm_start_s"], source=p.get("source", {}))
+            cold_start_s=p["cold_start_s"], warm_start_s=p["warm_start_s"],
+            prefill_step_tokens=p.get("prefill_step_tokens", 0), prefill_chunk_tokens=p.get("prefill_chunk_tokens", 0),
+            host_cores=p.get("host_cores", 0), source=p.get("source", {}))
     return out
 
 

@@ -68,6 +68,14 @@ class SimWorker:
                                ready=True, kv_blocks_total=profile.kv_blocks)
         self.busy_s = 0.0  # compute time spent (utilisation)
         self.draining = False
+        self.host = getattr(sim, "host", None)  # a SharedHost (host.py) when workers share cores
+        self.speed = 1.0  # of the calibrated speed: below 1 while the host's cores are oversubscribed
+
+    def settle(self, now: float) -> None:
+        """Account the work done until ``now`` at the current speed (the host's speed is changing)."""
+
+    def retime(self, now: float) -> None:
+        """Schedule the next event at the new speed."""
 
     @property
     def worker_id(self) -> str:
@@ -97,6 +105,9 @@ class PrefillWorker(SimWorker):
         self.queue: deque[Job] = deque()
         self.queued_tokens = 0
         self.running: Job | None = None
+        self._work = 0.0  # the running prefill's compute left, in seconds at full speed
+        self._since = 0.0
+        self._version = 0  # a re-timed prefill's earlier finish event is stale
 
     def report(self, info: WorkerInfo) -> None:
         info.num_running = 1 if self.running else 0
@@ -116,7 +127,37 @@ class PrefillWorker(SimWorker):
     def _start(self) -> None:
         job = self.queue.popleft()
         self.running = job
-        req, bs, cache = job.req, self.profile.block_size, self.cache
+        req = job.req
+        new = req.num_tokens - self._lookup(job) * self.profile.block_size
+        duration = self.profile.prefill_s(new, req.num_tokens)
+        self.busy_s += duration
+        self._work, self._since = duration, self.sim.loop.now
+        if self.host is not None:
+            self.host.set_computing(self, True, self.sim.loop.now)
+        self.retime(self.sim.loop.now)
+
+    def settle(self, now: float) -> None:
+        self._work -= (now - self._since) * self.speed
+        self._since = now
+
+    def retime(self, now: float) -> None:
+        self._version += 1
+        self.sim.loop.after(self._work / self.speed, self._finish, self.running, self._version)
+
+    def _finish(self, job: Job, version: int) -> None:
+        if version != self._version:
+            return
+        self._store(job)
+        self.running = None
+        if self.host is not None and not self.queue:
+            self.host.set_computing(self, False, self.sim.loop.now)
+        self.sim.prefilled(job, self)
+        if self.queue:
+            self._start()
+
+    def _lookup(self, job: Job) -> int:
+        """The request's leading run of cached blocks (refreshed in the LRU): its prefix hit."""
+        req, cache = job.req, self.cache
         hit = 0
         for h in req.hashes:
             if h not in cache:
@@ -124,14 +165,12 @@ class PrefillWorker(SimWorker):
             hit += 1
         for h in reversed(req.hashes[:hit]):  # the prompt's first block ends most recently used
             cache.move_to_end(h)
-        job.cached_tokens = hit * bs
+        job.cached_tokens = hit * self.profile.block_size
         job.extra["hit_blocks"] = hit
-        new = req.num_tokens - hit * bs
-        duration = self.profile.prefill_s(new, req.num_tokens)
-        self.busy_s += duration
-        self.sim.loop.after(duration, self._finish, job)
+        return hit
 
-    def _finish(self, job: Job) -> None:
+    def _store(self, job: Job) -> None:
+        """The prompt is computed: its blocks are cached (the LRU evicts beyond capacity), KV events out."""
         req, cache = job.req, self.cache
         stored = [h for h in req.hashes[job.extra["hit_blocks"]:] if h not in cache]
         for h in reversed(req.hashes):
@@ -142,10 +181,6 @@ class PrefillWorker(SimWorker):
             removed.append(cache.popitem(last=False)[0])
         self.sim.kv_events(self.worker_id, [(STORED, stored), (REMOVED, removed)])
         self.queued_tokens -= req.num_tokens
-        self.running = None
-        self.sim.prefilled(job, self)
-        if self.queue:
-            self._start()
 
 
 class DecodeWorker(SimWorker):
@@ -191,7 +226,7 @@ class DecodeWorker(SimWorker):
             dt -= min(now, self.stall_until) - self.last
         if self.batch and dt > 0:
             step = self.step_s()
-            k = dt / step
+            k = dt * self.speed / step
             self.steps += k
             self.sum_ctx += len(self.batch) * k
             self.busy_s += dt
@@ -232,9 +267,17 @@ class DecodeWorker(SimWorker):
         self.sum_ctx += job.req.num_tokens + 1
 
     def _reschedule(self, now: float) -> None:
+        if self.host is not None:
+            self.host.set_computing(self, bool(self.batch), now)
+        self.retime(now)
+
+    def settle(self, now: float) -> None:
+        self._advance(now)
+
+    def retime(self, now: float) -> None:
         self.version += 1
-        if self.batch:
-            ahead = max(0.0, self.batch[0][0] - self.steps) * self.step_s()
+        if self.batch:  # (a local prefill's stall is not slowed by a shared host: the validation has none)
+            ahead = max(0.0, self.batch[0][0] - self.steps) * self.step_s() / self.speed
             self.sim.loop.at(max(now, self.stall_until) + ahead, self._on_finish, self.version)
 
     def _on_finish(self, version: int) -> None:

@@ -242,13 +242,15 @@ class WorkloadGenerator:
 def routing_bench_workload(seed: int, block_size: int, requests: int = 200, prompts: int = 8,
                            prompt_tokens: int = 1024) -> list[SimRequest]:
     """``pdserve bench routing``'s workload: ``prompts`` system prompts of ``prompt_tokens`` tokens and
-    ``requests`` requests, each one of them (uniformly) plus its own 16-32-token suffix, 8 output
-    tokens; sent closed-loop (arrival times are filled in by the simulator)."""
+    ``requests`` requests, each one of them plus its own 16-32-token suffix, 8 output tokens; sent
+    closed-loop (arrival times are filled in by the simulator). As the bench (``router/bench.py``
+    ``make_workload``), every prompt is used equally often, in a seeded shuffled order."""
     rng = random.Random(seed)
     space = BlockSpace(block_size, seed)
+    order = [i % prompts for i in range(requests)]
+    rng.shuffle(order)
     out = []
-    for i in range(requests):
-        system = rng.randrange(prompts)
+    for i, system in enumerate(order):
         suffix = rng.randint(16, 32)
         shared = space.shared(0, ("system", system), prompt_tokens // block_size)
         tokens = prompt_tokens + suffix

@@ -83,3 +83,52 @@ def test_cpu_kernel_reads_only_each_slots_rank():
     dirty = y.clone()
     lora_apply_cpu(dirty, x, a, bt, BOUNDS, idx, ranks)
     assert torch.equal(clean, dirty)
+
+
+@pytest.mark.parametrize("k, bounds, rank", [(100, (0, 70, 83, 2200), 13), (1536, (0, 4200, 8400), 64),
+                                             (40, (0, 0, 33, 33), 6)])
+def test_cpu_kernel_odd_shapes(k, bounds, rank):
+    """Sizes that are not multiples of the kernel's 32-column blocks or its 4 rank rows per pass, a
+    segment wider than one expand pass (2048 columns) and empty segments."""
+    from kernels import native
+    from kernels.lora_cpu import lora_apply_cpu
+
+    if native.library() is None or not native.library().pdserve_lora_available():
+        pytest.skip("the C kernels need a compiler and AVX-512")
+    nseg, n, R = len(bounds) - 1, bounds[-1], 64
+    a = (torch.randn(3, nseg * R, k) * 0.1).to(torch.bfloat16)
+    bt = (torch.randn(3, R, n) * 0.1).to(torch.bfloat16)
+    for seg in range(nseg):  # the padding past the rank is zero in the engine's stacks
+        a[:, seg * R + rank:(seg + 1) * R] = 0
+    bt[:, rank:] = 0
+    ranks = torch.tensor([rank] * 3, dtype=torch.int32)
+    x = torch.randn(5, k).to(torch.bfloat16)
+    y = torch.randn(5, n).to(torch.bfloat16)
+    idx = torch.tensor([2, -1, 0, 1, 2], dtype=torch.int32)
+    want, got = y.clone(), y.clone()
+    lora_apply_ref(want, x, a, bt, bounds, idx)
+    lora_apply_cpu(got, x, a, bt, bounds, idx, ranks)
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+    assert torch.equal(got[1], y[1])
+    if n > 33:
+        assert not torch.equal(got[0], y[0])
+
+
+def test_cpu_kernel_rows_sharing_an_adapter():
+    """A prefill's rows: runs of one adapter (read once for up to four rows), split across the
+    kernel's chunks, beside rows of others and of none."""
+    from kernels import native
+    from kernels.lora_cpu import lora_apply_cpu
+
+    if native.library() is None or not native.library().pdserve_lora_available():
+        pytest.skip("the C kernels need a compiler and AVX-512")
+    y, x, a, bt, _, ranks = _case("cpu", torch.bfloat16, rank=16)
+    rows = [0, 0, 0, 0, 0, 1, 1, -1, 2, 2, 2, 0, 1, 1, 1, 1, -1, -1, 2, 0, 0]
+    idx = torch.tensor(rows, dtype=torch.int32)
+    x = torch.randn(len(rows), x.shape[1]).to(torch.bfloat16)
+    y = torch.randn(len(rows), y.shape[1]).to(torch.bfloat16)
+    want, got = y.clone(), y.clone()
+    lora_apply_ref(want, x, a, bt, BOUNDS, idx)
+    lora_apply_cpu(got, x, a, bt, BOUNDS, idx, ranks)
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+    assert torch.equal(got[7], y[7]) and torch.equal(got[16:18], y[16:18])

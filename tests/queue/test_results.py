@@ -147,3 +147,26 @@ def test_a_gateway_tagged_request_has_its_events_copied_to_that_gateways_deliver
         assert 0 < await r.ttl(inbox_stream("gw-0a1b2c3d")) <= 120
 
     with_redis(go)
+
+
+@pytest.mark.parametrize("request_id", ["plain-req", "gw-0123456789abcdef.req"])
+def test_a_failed_attempts_late_chunk_is_dropped_once_the_retry_is_fenced_in(with_redis, request_id):
+    """The race of a prefill worker killed mid-request: the first attempt's decode worker still has a
+    chunk on its way when the router retries; the retry resumes from what the stream held, so that
+    late chunk must never reach the client (it would be a duplicate token)."""
+    async def go(r):
+        writer = ResultWriter(r, ttl_s=120)
+        ids = await writer.append_chunks([(request_id, {"token_ids": [1]})], attempts=[f"{request_id}.1"])
+        assert ids[0] is not None  # no fence yet: the first attempt writes freely
+        await writer.fence(request_id, f"{request_id}.2")
+        late = await writer.append_chunks([(request_id, {"token_ids": [2]}), (request_id, {"token_ids": [7]})],
+                                          attempts=[f"{request_id}.1", f"{request_id}.2"])
+        assert late[0] is None and late[1] is not None
+        await writer.finish(request_id, {"finish_reason": "length"})
+        events = await collect(ResultReader(r), request_id)
+        assert [data["token_ids"] for _, kind, data in events if kind == "chunk"] == [[1], [7]]
+        if request_id.startswith("gw-"):  # the gateway's delivery stream got the same, no more
+            inbox = await r.xrange("pd:res:{gw-0123456789abcdef}:inbox")
+            assert [f[b"type"] for _, f in inbox] == [b"chunk", b"chunk", b"final"]
+
+    with_redis(go)

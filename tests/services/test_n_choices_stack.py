@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import pytest
 import redis
 
+from proto.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from services.launcher import LocalStack, StackSpec
 
 pytestmark = pytest.mark.slow
@@ -17,13 +19,20 @@ MSG = [{"role": "user", "content": "Write one sentence about the sea."}]
 
 
 @pytest.fixture(scope="module")
-def client(redis_url):
+def stack(redis_url):
+    redis.Redis.from_url(redis_url).flushdb()  # test_children_share_the_full_prompt_blocks reads every result stream
+    spec = StackSpec(prefill=1, decode=1, dtype="fp32", threads=1, kv_cache_gb=0.25, redis_url=redis_url,
+                     gateway_grpc_port=0)
+    with LocalStack(spec) as s:
+        s.grpc_address = s.gateway_grpc_address
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack):
     from openai import OpenAI
 
-    redis.Redis.from_url(redis_url).flushdb()  # test_children_share_the_full_prompt_blocks reads every result stream
-    spec = StackSpec(prefill=1, decode=1, dtype="fp32", threads=1, kv_cache_gb=0.25, redis_url=redis_url)
-    with LocalStack(spec) as s:
-        yield OpenAI(base_url=f"http://{s.gateway_address}/v1", api_key="none", max_retries=0)
+    return OpenAI(base_url=f"http://{stack.gateway_address}/v1", api_key="none", max_retries=0)
 
 
 def test_greedy_n3_gives_three_identical_choices_and_usage_counts_the_prompt_once(client):
@@ -84,3 +93,42 @@ def test_children_share_the_full_prompt_blocks_through_the_prefix_cache(client, 
     cached = sorted(cached)
     assert len(cached) == 4 and cached[0] == 0 and len(set(cached[1:])) == 1
     assert 0 < cached[1] < r.usage.prompt_tokens
+
+
+def _grpc(address: str, **fields) -> list[generate_pb2.GenerateResponse]:
+    with grpc.insecure_channel(address) as channel:
+        return list(generate_pb2_grpc.GenerationStub(channel).Generate(generate_pb2.GenerateRequest(**fields),
+                                                                       timeout=120))
+
+
+def test_grpc_n3_gives_the_same_choices_and_usage_as_http(stack, client):
+    sampling = common_pb2.SamplingParams(seed=11, temperature=1.0, max_tokens=12)
+    replies = _grpc(stack.grpc_address, text="The sea is", n=3, stream=False, sampling=sampling)
+    http = client.completions.create(model=MODEL, prompt="The sea is", temperature=1.0, max_tokens=12, n=3, seed=11)
+    texts = {r.index: r.chunk.text for r in replies if r.HasField("chunk")}
+    assert texts == {c.index: c.text for c in http.choices}  # choice i: seed + i, on both APIs
+    usage = replies[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (http.usage.prompt_tokens, http.usage.completion_tokens)
+    streamed = _grpc(stack.grpc_address, text="The sea is", n=3, sampling=sampling)
+    chunks: dict[int, str] = {}
+    for r in streamed:
+        if r.HasField("chunk"):
+            chunks[r.index] = chunks.get(r.index, "") + r.chunk.text
+    assert chunks == texts and streamed[-1].usage.completion_tokens == usage.completion_tokens
+
+
+def test_grpc_best_of_returns_the_likeliest_candidate(stack):
+    sampling = common_pb2.SamplingParams(seed=21, temperature=1.0, max_tokens=8, logprobs=0)
+    every = _grpc(stack.grpc_address, text="The sea is", n=3, stream=False, sampling=sampling)
+    chunks = [r.chunk for r in every if r.HasField("chunk")]
+    likeliest = max(chunks, key=lambda c: sum(lp.logprob for lp in c.logprobs))
+    best = _grpc(stack.grpc_address, text="The sea is", best_of=3, stream=False, sampling=common_pb2.SamplingParams(
+        seed=21, temperature=1.0, max_tokens=8))
+    [chunk] = [r.chunk for r in best if r.HasField("chunk")]
+    assert chunk.text == likeliest.text and not chunk.logprobs
+
+
+def test_the_routers_own_grpc_api_refuses_n_above_one(stack):
+    with pytest.raises(grpc.RpcError) as info:
+        _grpc(stack.router_address, text="The sea is", n=2)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "gateway" in info.value.details()

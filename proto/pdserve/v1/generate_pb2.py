@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x97\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x13\n\x06stream\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12\x13\n\x0bsession_key\x18\t \x01(\tB\x07\n\x05inputB\t\n\x07_stream\"}\n\x10GenerateResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x12$\n\x06\x66inish\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.FinishH\x00\x12\x12\n\nrequest_id\x18\x03 \x01(\tB\x06\n\x04kind\"c\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x13\n\x11ListModelsRequest\":\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x0e\n\x06parent\x18\x03 \x01(\t\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Model2\xe9\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xcf\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x13\n\x06stream\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12\x13\n\x0bsession_key\x18\t \x01(\t\x12\x0e\n\x01n\x18\n \x01(\x05H\x02\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x0b \x01(\x05H\x03\x88\x01\x01\x42\x07\n\x05inputB\t\n\x07_streamB\x04\n\x02_nB\n\n\x08_best_of\"\xb0\x01\n\x10GenerateResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x12$\n\x06\x66inish\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.FinishH\x00\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.UsageH\x00\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\rB\x06\n\x04kind\"c\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x13\n\x11ListModelsRequest\":\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x0e\n\x06parent\x18\x03 \x01(\t\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Model2\xe9\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,19 +39,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=171
   _globals['_TOKENIDS']._serialized_end=194
   _globals['_GENERATEREQUEST']._serialized_start=197
-  _globals['_GENERATEREQUEST']._serialized_end=476
-  _globals['_GENERATERESPONSE']._serialized_start=478
-  _globals['_GENERATERESPONSE']._serialized_end=603
-  _globals['_TOKENIZEREQUEST']._serialized_start=605
-  _globals['_TOKENIZEREQUEST']._serialized_end=704
-  _globals['_TOKENIZERESPONSE']._serialized_start=706
-  _globals['_TOKENIZERESPONSE']._serialized_end=766
-  _globals['_LISTMODELSREQUEST']._serialized_start=768
-  _globals['_LISTMODELSREQUEST']._serialized_end=787
-  _globals['_MODEL']._serialized_start=789
-  _globals['_MODEL']._serialized_end=847
-  _globals['_LISTMODELSRESPONSE']._serialized_start=849
-  _globals['_LISTMODELSRESPONSE']._serialized_end=904
-  _globals['_GENERATION']._serialized_start=907
-  _globals['_GENERATION']._serialized_end=1140
+  _globals['_GENERATEREQUEST']._serialized_end=532
+  _globals['_GENERATERESPONSE']._serialized_start=535
+  _globals['_GENERATERESPONSE']._serialized_end=711
+  _globals['_TOKENIZEREQUEST']._serialized_start=713
+  _globals['_TOKENIZEREQUEST']._serialized_end=812
+  _globals['_TOKENIZERESPONSE']._serialized_start=814
+  _globals['_TOKENIZERESPONSE']._serialized_end=874
+  _globals['_LISTMODELSREQUEST']._serialized_start=876
+  _globals['_LISTMODELSREQUEST']._serialized_end=895
+  _globals['_MODEL']._serialized_start=897
+  _globals['_MODEL']._serialized_end=955
+  _globals['_LISTMODELSRESPONSE']._serialized_start=957
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1012
+  _globals['_GENERATION']._serialized_start=1015
+  _globals['_GENERATION']._serialized_end=1248
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,66 @@
+"""The CPU validation's worker model: shared cores and the engine's prefill steps, against the arithmetic."""
+
+import dataclasses
+
+import pytest
+
+from services.sim.cluster import ClusterConfig, ClusterSim
+from services.sim.profiles import load_profile
+from services.sim.workloads import SimRequest, routing_bench_workload
+
+BS = 16
+
+
+def cpu(steps: int = 0, chunk: int = 0):
+    return dataclasses.replace(load_profile("cpu"), prefill_step_tokens=steps, prefill_chunk_tokens=chunk)
+
+
+def request(i: int, tokens: int, first_hash: int) -> SimRequest:
+    return SimRequest(i, 0.0, "standard", list(range(first_hash, first_hash + tokens // BS)), tokens, 2)
+
+
+def run(profile, requests, prefill=1, host_cores=0):
+    sim = ClusterSim(ClusterConfig(profile, prefill, 1, policy="round-robin", disaggregation="always",
+                                   closed_loop=len(requests), host_cores=host_cores), requests)
+    return {j.req.id: j for j in sim.run().jobs}
+
+
+def test_two_prefills_on_one_core_take_twice_as_long_as_on_two():
+    profile = cpu()
+    reqs = [request(0, 512, 0), request(1, 512, 1000)]
+    alone = profile.prefill_s(512, 512) + profile.transfer_s(512)
+    own = run(profile, [dataclasses.replace(r) for r in reqs], prefill=2)
+    assert [own[i].first_token_at for i in (0, 1)] == pytest.approx([alone, alone])
+    shared = run(profile, [dataclasses.replace(r) for r in reqs], prefill=2, host_cores=1)
+    both = 2 * profile.prefill_s(512, 512) + profile.transfer_s(512)  # two computing on one core: half speed
+    assert [shared[i].first_token_at for i in (0, 1)] == pytest.approx([both, both])
+
+
+def test_a_short_prompt_shares_the_long_ones_first_step_instead_of_waiting_for_all_of_it():
+    long, short = request(0, 2048, 0), request(1, 32, 5000)
+    fifo = run(cpu(), [dataclasses.replace(long), dataclasses.replace(short)])
+    assert fifo[1].first_token_at > fifo[0].first_token_at  # one prompt at a time: behind the whole long one
+    p = cpu(1024, 512)
+    stepped = run(p, [dataclasses.replace(long), dataclasses.replace(short)])
+    # the long prompt's first chunk is under way when the short one arrives: it joins the next step
+    step1 = p.prefill_base_s + p.prefill_per_token_s * 512 + p.prefill_per_token_context_s * 512 * 512
+    step2 = p.prefill_base_s + p.prefill_per_token_s * (512 + 32) \
+        + p.prefill_per_token_context_s * (512 * 1024 + 32 * 32)
+    assert stepped[1].first_token_at == pytest.approx(step1 + step2 + p.transfer_s(32))
+    assert stepped[0].first_token_at > step1 + step2 + 2 * p.prefill_base_s  # four 512-token chunks
+
+
+def test_a_prompt_whose_prefix_another_is_computing_waits_for_it_and_hits():
+    p = cpu(1024, 512)
+    first, second = request(0, 1024, 0), request(1, 1024, 0)  # the same blocks
+    jobs = run(p, [first, second])
+    assert jobs[0].cached_tokens == 0 and jobs[1].cached_tokens == 1024
+    assert jobs[1].first_token_at > jobs[0].first_token_at
+
+
+def test_the_synthetic_routing_workload_uses_every_prompt_equally_often_as_the_bench():
+    reqs = routing_bench_workload(3, BS)
+    counts = {}
+    for r in reqs:
+        counts[r.hashes[0]] = counts.get(r.hashes[0], 0) + 1
+    assert sorted(counts.values()) == [25] * 8
