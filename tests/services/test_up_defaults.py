@@ -65,8 +65,8 @@ def test_flags_reach_the_stack_spec_unchanged():
 
 
 def test_front_first_scheduling_is_on_unless_turned_off():
-    assert up.spec_from_args(_args()).front_first
-    args = _args("--no-front-first")
+    assert up.spec_from_args(_args("--quantization", "none")).front_first  # none: no model file to read
+    args = _args("--no-front-first", "--quantization", "none")
     assert not up.spec_from_args(args).front_first
     assert "CPU slices" not in up.choice_from_args(args).summary()
 
