@@ -43,6 +43,7 @@ BENCHES = {
     "chaos": "services.bench.chaos",
     "soak": "services.bench.soak",
     "sim": "services.sim.bench",
+    "cascade": "services.sim.cascade",
     "breakdown": "services.bench.breakdown",
     "kvtier": "services.bench.kvtier",
     "profiling": "services.profiling.bench",

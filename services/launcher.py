@@ -117,6 +117,9 @@ class StackSpec:
     prefill: int = 1
     decode: int = 1
     model: str | None = None
+    # more served models, one decode worker each (it prefills its own prompts), unquantized; the
+    # gateway serves them all (--model repeated) and the router routes each request to its model's pool
+    more_models: list[str] = field(default_factory=list)
     dtype: str = "bf16"
     quantization: str | None = None  # workers' --quantization (None: unquantized)
     kv_cache_dtype: str = "auto"  # workers' --kv-cache-dtype
@@ -145,6 +148,11 @@ class StackSpec:
             raise ValueError("need at least one decode worker and zero or more prefill workers")
 
 
+def _slug(model: str) -> str:
+    """A process name for a model's worker: its name without path or punctuation."""
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in model.rsplit("/", 1)[-1])
+
+
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
@@ -170,14 +178,16 @@ class LocalStack:
             self._schedule_redis()
         common = ["--redis-url", self.redis_url, "--host", spec.host, "--dtype", spec.dtype,
                   "--transport", spec.transport]
+        if spec.threads:
+            common += ["--threads", str(spec.threads)]
+        tiers = [Process(f"decode-{_slug(m)}", _cli("decode", *common, "--model", m, *(
+            ["--kv-cache-gb", str(spec.kv_cache_gb)] if spec.kv_cache_gb else [])), self.echo) for m in spec.more_models]
         if spec.model:
             common += ["--model", spec.model]
         if spec.quantization:
             common += ["--quantization", spec.quantization]
         if spec.kv_cache_dtype != "auto":
             common += ["--kv-cache-dtype", spec.kv_cache_dtype]
-        if spec.threads:
-            common += ["--threads", str(spec.threads)]
         profiling = ["--enable-profiling"] if spec.profiling else []
         common += profiling
         def kv(gb: float | None) -> list[str]:
@@ -188,6 +198,7 @@ class LocalStack:
                    for i in range(spec.prefill)]
         workers += [Process(f"decode-{i}", _cli("decode", *common, *kv(spec.kv_cache_gb), *spec.worker_args),
                             self.echo, spec.worker_env.get(f"decode-{i}")) for i in range(spec.decode)]
+        workers += tiers
         model = ["--model", spec.model] if spec.model else []
         front = [Process("router", _cli("router", "--redis-url", self.redis_url, "--host", spec.host, "--port",
                                         str(spec.router_port), "--policy", spec.policy, *model, *profiling,
@@ -211,7 +222,8 @@ class LocalStack:
 
     def _gateway_argv(self, port: int, grpc_port: int, extra: list[str]) -> list[str]:
         spec = self.spec
-        model = ["--model", spec.model] if spec.model else []
+        model = ["--model", spec.model or "default"] if spec.model or spec.more_models else []
+        model += [a for m in spec.more_models for a in ("--model", m)]
         keys = ["--api-keys", spec.api_keys] if spec.api_keys else []
         profiling = ["--enable-profiling"] if spec.profiling else []
         return _cli("gateway", "--redis-url", self.redis_url, "--host", spec.host, "--port", str(port),

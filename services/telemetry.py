@@ -68,6 +68,9 @@ REQUESTS = Counter("pdserve_requests_total", "Finished requests by outcome (ok|e
 ROUTING_DECISIONS = Counter("pdserve_routing_decisions_total", "Worker choices by policy and reason.",
                             ["policy", "role", "worker", "reason"])
 RETRIES = Counter("pdserve_retries_total", "Requests re-sent to another worker after a failure.", ["role"])
+CASCADE_ESCALATIONS = Counter("pdserve_cascade_escalations_total", "model=auto requests passed from a tier to "
+                              "the next (its confidence was under the threshold).", ["from_model", "to_model"])
+CASCADE_ANSWERS = Counter("pdserve_cascade_answers_total", "model=auto requests by the tier that answered.", ["model"])
 DEAD_LETTERS = Counter("pdserve_dead_letters_total", "Queued requests given up on and dead-lettered.")
 QUEUE_DEPTH = Gauge("pdserve_queue_depth", "Requests waiting in the admission queue.", ["tier"])
 QUEUE_LAG = Gauge("pdserve_queue_lag", "Queued requests no router has taken yet (the consumer group's lag).",

@@ -25,6 +25,7 @@ from pathlib import Path
 from services import openmp_env, up_defaults
 from services.engine.model_source import default_model_path, model_name
 from services.errors import ModelNotFoundError
+from services.gateway.server import add_cascade_arguments
 from services.launcher import LocalStack, StackError, StackSpec
 from services.supervisor import Supervisor
 from services.up_defaults import Choice, gguf_servable
@@ -35,7 +36,7 @@ def choice_from_args(args) -> Choice:
     gguf = (False, "")
     if args.quantization is None:
         try:
-            path = default_model_path() if args.model is None else Path(args.model).expanduser()
+            path = default_model_path() if not args.model else Path(args.model[0]).expanduser()
         except ModelNotFoundError:
             path = None  # the workers say so, with how to install it
         gguf = gguf_servable(path)
@@ -45,9 +46,18 @@ def choice_from_args(args) -> Choice:
                               front_first=not args.no_front_first)
 
 
+def _cascade_args(args) -> list[str]:
+    """The gateway's ``model: "auto"`` options (services/cascade.py), when --cascade is given."""
+    if not args.cascade:
+        return []
+    return ["--cascade", args.cascade, "--cascade-signal", args.cascade_signal, "--cascade-tokens",
+            str(args.cascade_tokens), f"--cascade-threshold={args.cascade_threshold!r}"]  # "=": -1 is no flag
+
+
 def spec_from_args(args, choice: Choice | None = None) -> StackSpec:
     choice = choice or choice_from_args(args)
-    return StackSpec(prefill=choice.prefill, decode=choice.decode, model=args.model, dtype=args.dtype,
+    return StackSpec(prefill=choice.prefill, decode=choice.decode, model=(args.model or [None])[0],
+                     more_models=(args.model or [])[1:], dtype=args.dtype,
                      quantization=choice.quantization,
                      kv_cache_dtype=args.kv_cache_dtype,
                      transport=args.transport, threads=choice.threads, kv_cache_gb=args.kv_cache_gb, host=args.host,
@@ -55,7 +65,8 @@ def spec_from_args(args, choice: Choice | None = None) -> StackSpec:
                      gateway=not args.no_gateway, gateway_port=args.port, gateway_grpc_port=args.grpc_port,
                      api_keys=args.api_keys, profiling=args.enable_profiling, front_first=choice.front_first,
                      router_args=[*choice.router_args, *args.router_arg],
-                     gateway_args=args.gateway_arg + (["--enable-lora-admin"] if args.enable_lora_admin else []),
+                     gateway_args=args.gateway_arg + (["--enable-lora-admin"] if args.enable_lora_admin else [])
+                     + _cascade_args(args),
                      worker_args=_speculative_args(args) + _spill_args(args) + _lora_args(args))
 
 
@@ -146,7 +157,7 @@ def _examples(args, stack: LocalStack) -> str:
     if stack.gateway_address:
         base = f"http://{stack.gateway_address}/v1"
         key = "YOUR_API_KEY" if args.api_keys else "none"
-        model = model_name(getattr(args, "model", None))
+        model = model_name((getattr(args, "model", None) or [None])[0])
         auth = f" -H 'Authorization: Bearer {key}'" if args.api_keys else ""
         lines += [
             "  curl:",
@@ -176,7 +187,10 @@ def add_parser(sub) -> None:
                    help="prefill workers (0: decode workers prefill themselves; default: chosen from the cores, "
                         f"0 on {up_defaults.AGGREGATED_CPUS} core, else 1)")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
-    p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", action="append", default=None,
+                   help="HF directory, .gguf or dummy:<preset> (default: SmolLM2-135M-Instruct); repeat to serve "
+                        "more models (tiers): each one after the first gets one decode worker of its own")
+    add_cascade_arguments(p)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"])
     p.add_argument("--quantization", default=None, choices=["none", "int8", "gguf"],
                    help="the workers' weights: int8 = weight-only int8, per-output-channel scales; gguf = "

@@ -77,14 +77,14 @@ def create_app(core: GatewayCore, profiler=None) -> FastAPI:
     async def tokenize(request: Request):
         core.authenticate(request.headers.get("authorization"))
         body = protocol.parse_json_body(await request.body())
-        core.check_model(body.get("model") if isinstance(body.get("model"), str) else None)
+        served = core.check_model(body.get("model") if isinstance(body.get("model"), str) else None)
         if ("prompt" in body) == ("messages" in body):
             raise InvalidRequestError("send exactly one of prompt or messages", param="prompt")
         if "messages" in body:
-            ids = await prompts.encode(core.model, messages=protocol.parse_messages(body["messages"]))
+            ids = await prompts.encode(served, messages=protocol.parse_messages(body["messages"]))
         else:
-            ids = await prompts.encode(core.model, prompt=protocol.parse_prompt(body["prompt"]))
-        return {"tokens": ids, "count": len(ids), "max_model_len": await core.max_model_len()}
+            ids = await prompts.encode(served, prompt=protocol.parse_prompt(body["prompt"]))
+        return {"tokens": ids, "count": len(ids), "max_model_len": await core.max_model_len(served)}
 
     @app.get("/metrics")
     async def prometheus_metrics():

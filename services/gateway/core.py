@@ -60,7 +60,8 @@ from services.engine.structured_output import StructuredOutput
 from services.gateway.response_format import GrammarCheck
 from services.gateway.cached_read import CachedRead
 from services.gateway.responses_format import RESPONSE
-from services.gateway.served_model import ServedModel
+from services.gateway.served_model import ServedModel, check_cascade
+from services.cascade import AUTO, CascadeSpec
 from services.lora_registry import read_loras, split_model
 from services.queue import AdmissionQueue, QueuedRequest, ResultReader, ResultWriter
 from services.queue.cancel import request_cancel
@@ -95,10 +96,15 @@ class Admission:
 
 
 class GatewayCore:
-    def __init__(self, redis, config: GatewayConfig, model: ServedModel, keys: ApiKeys | None = None):
+    def __init__(self, redis, config: GatewayConfig, model: ServedModel, keys: ApiKeys | None = None,
+                 more_models: tuple[ServedModel, ...] = (), cascade: CascadeSpec | None = None):
         self.redis = redis
         self.config = config
-        self.model = model
+        self.model = model  # the first served model: LoRA adapters are its
+        self.models = {m.name: m for m in (model, *more_models)}  # every served model by name (its pool)
+        self.cascade = cascade  # model "auto" (services/cascade.py); None: not configured
+        if cascade is not None:
+            check_cascade(cascade, self.models)
         self.keys = keys or ApiKeys.disabled(config.default_tier)
         self.queue = AdmissionQueue(redis, config.queue_config())
         self.load = QueueLoad(self.queue, config.max_queued_requests, config.max_queued_tokens,
@@ -153,13 +159,29 @@ class GatewayCore:
                                           param="x-pdserve-timeout")
         return time.time() + seconds
 
-    def check_model(self, name: str | None) -> str:
-        """The base model only (tokenize): adapters share its tokenizer, so their names pass too
-        once ``resolve_model`` has checked them."""
-        if name and name != self.model.name and split_model(name, self.model.name)[0] not in self._known_loras:
-            raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {self.model.name!r}",
+    def check_model(self, name: str | None) -> ServedModel:
+        """The served model whose tokenizer ``name`` uses (tokenize): adapters share their base model's,
+        so their names pass too once ``resolve_model`` has checked them; ``auto`` the first tier's."""
+        if not name:
+            return self.model
+        if name in self.models:
+            return self.models[name]
+        if name == AUTO:
+            return self.models[self._cascade().tiers[0]]
+        if split_model(name, self.model.name)[0] not in self._known_loras:
+            raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {self._served()}",
                                      param="model")
-        return self.model.name
+        return self.model
+
+    def _served(self) -> str:
+        return ", ".join(repr(name) for name in self.models) + (f" and {AUTO!r}" if self.cascade else "")
+
+    def _cascade(self) -> CascadeSpec:
+        if self.cascade is None:
+            raise InvalidRequestError(f"model {AUTO!r} picks a tier by cascade, but this server has no tiers "
+                                      "configured (start it with --cascade SMALL,LARGE; pdserve up --cascade); "
+                                      f"name a model instead: {self._served()}", param="model")
+        return self.cascade
 
     def forget_loras(self) -> None:
         """Read the adapters again at the next request (the admin endpoint changed them)."""
@@ -173,9 +195,15 @@ class GatewayCore:
     async def resolve_model(self, name: str | None) -> tuple[str, str | None]:
         """A request's ``model`` -> (the name its responses carry, the LoRA adapter or None).
         An adapter is named as itself or as ``<base model>:<adapter>``; an unknown adapter in that
-        second form is a 400 naming the ones served, any other unknown name a 404 (OpenAI's)."""
-        if not name or name == self.model.name:
+        second form is a 400 naming the ones served, any other unknown name a 404 (OpenAI's);
+        ``auto`` without a cascade configured a 400."""
+        if not name:
             return self.model.name, None
+        if name in self.models:
+            return name, None
+        if name == AUTO:
+            self._cascade()
+            return name, None
         adapter, explicit = split_model(name, self.model.name)
         known = await self.loras()
         if adapter in known:
@@ -184,13 +212,35 @@ class GatewayCore:
         if explicit:
             raise InvalidRequestError(f"unknown LoRA adapter {adapter!r}; this server serves the adapters: {served}",
                                       param="model")
-        raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {self.model.name!r} "
+        raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {self._served()} "
                                  f"and the LoRA adapters: {served}", param="model")
 
-    async def max_model_len(self) -> int:
-        """The context length: the decode workers' (smallest), capped by --max-model-len, else the model's."""
-        lengths = [n for n in (await self.workers.max_model_len(), self.config.max_model_len) if n]
-        return min(lengths) if lengths else self.model.max_model_len
+    async def listed_models(self) -> list[dict]:
+        """Every served model, then ``auto`` when a cascade is configured, then the LoRA adapters (their
+        ``parent`` the first model, as vLLM lists them): id, root, parent, max_model_len."""
+        out = [{"id": m.name, "root": m.name, "parent": None, "max_model_len": await self.max_model_len(m)}
+               for m in self.models.values()]
+        if self.cascade is not None:
+            lengths = {m["id"]: m["max_model_len"] for m in out}
+            out.append({"id": AUTO, "root": ",".join(self.cascade.tiers), "parent": None,
+                        "max_model_len": min(lengths[t] for t in self.cascade.tiers)})
+        base = out[0]
+        out += [{**base, "id": name, "root": path, "parent": self.model.name}
+                for name, path in sorted((await self.loras()).items())]
+        return out
+
+    def _base(self, model: str, lora: str | None) -> ServedModel:
+        """The served model whose pool runs a request named ``model`` (``auto``: the first tier)."""
+        if model == AUTO:
+            return self.models[self._cascade().tiers[0]]
+        return self.model if lora is not None else self.models[model]
+
+    async def max_model_len(self, model: ServedModel | None = None) -> int:
+        """The context length of ``model`` (the first served): its decode workers' (smallest), capped by
+        --max-model-len, else the model's."""
+        model = model or self.model
+        lengths = [n for n in (await self.workers.max_model_len(model.name), self.config.max_model_len) if n]
+        return min(lengths) if lengths else model.max_model_len
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -205,14 +255,17 @@ class GatewayCore:
             if earlier is not None:
                 return earlier
 
-        token_ids = await prompts.encode(self.model, req.messages, req.prompt, req.tools)
-        prompts.check_logit_bias(self.model, req.sampling)
+        served = self._base(model, lora)
+        token_ids = await prompts.encode(served, req.messages, req.prompt, req.tools)
+        prompts.check_logit_bias(served, req.sampling)
         nested = "" if req.kind == RESPONSE else "function."  # the Responses API's tools are flat
         for i, tool in enumerate(req.tools):
             await self.grammar.check(StructuredOutput.json_schema(tool.parameters), f"tools[{i}].{nested}parameters")
         forced = tools.structured_output(req.tools, req.tool_choice) is not None
         await self.grammar.check(req.sampling.get("structured"), "tools" if forced else req.structured_param)
-        max_len = await self.max_model_len()
+        max_len = await self.max_model_len(served)
+        if model == AUTO:  # every tier must hold it: the smallest context of them
+            max_len = min([max_len, *[await self.max_model_len(self.models[t]) for t in self.cascade.tiers[1:]]])
         prompts.check_context(len(token_ids), req.max_tokens, max_len)
         if self.config.require_ready_worker:
             await self.workers.check()
@@ -221,8 +274,8 @@ class GatewayCore:
         cost = len(token_ids) + output_budget
         rate = await self.limiter.take(tenant, cost)
         try:
-            admission = await self._admit(tenant, req, token_ids, model, tier, deadline, idempotency_key,
-                                          traceparent, rate)
+            admission = await self._admit(tenant, req, token_ids, model, served.name, tier, deadline,
+                                          idempotency_key, traceparent, rate)
         except Exception:
             await self.limiter.give_back(tenant, cost)  # refused after all: nothing spent
             raise
@@ -230,13 +283,15 @@ class GatewayCore:
             await self.limiter.give_back(tenant, cost)
         return admission
 
-    async def _admit(self, tenant: Tenant, req: GenerationRequest, token_ids: list[int], model: str, tier: str,
-                     deadline: float, idempotency_key: str | None, traceparent: str, rate: RateStatus | None) -> Admission:
+    async def _admit(self, tenant: Tenant, req: GenerationRequest, token_ids: list[int], model: str, base: str,
+                     tier: str, deadline: float, idempotency_key: str | None, traceparent: str,
+                     rate: RateStatus | None) -> Admission:
         record = RequestRecord(self.delivery.new_request_id(), req.kind, model, int(time.time()), tenant.name, req.include_usage,
                                req.logprobs, deadline, len(token_ids),
                                tools=req.tool_choice.dumps() if req.tool_choice is not None else "")
-        queued = QueuedRequest(record.request_id, tenant.name, tier, model, token_ids, req.sampling, deadline,
-                               traceparent, session_key=req.session_key)
+        queued = QueuedRequest(record.request_id, tenant.name, tier, base, token_ids, req.sampling, deadline,
+                               traceparent, session_key=req.session_key,
+                               cascade=self.cascade.to_json() if model == AUTO else "")
         key = self.coalescer.key(tenant.name, tier, model, token_ids, req.sampling)
         if idempotency_key is None:
             if key is not None and await self._coalesce(record, key):

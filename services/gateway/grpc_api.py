@@ -240,17 +240,17 @@ class GatewayGenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context):
         try:
             self.core.authenticate(_metadata(context).get("authorization"))
-            self.core.check_model(request.model or None)
+            served = self.core.check_model(request.model or None)
             kind = request.WhichOneof("input")
             if kind == "chat":
                 messages = protocol.parse_messages([{"role": m.role, "content": m.content}
                                                     for m in request.chat.messages])
-                ids = await prompts.encode(self.core.model, messages=messages)
+                ids = await prompts.encode(served, messages=messages)
             elif kind == "text":
-                ids = await prompts.encode(self.core.model, prompt=protocol.parse_prompt(request.text))
+                ids = await prompts.encode(served, prompt=protocol.parse_prompt(request.text))
             else:
                 raise InvalidRequestError("give a prompt: text or chat", param="input")
-            max_len = await self.core.max_model_len()
+            max_len = await self.core.max_model_len(served)
         except Exception as exc:
             await abort_with(context, exc)
         return generate_pb2.TokenizeResponse(token_ids=ids, max_model_len=max_len)
@@ -258,14 +258,11 @@ class GatewayGenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def ListModels(self, request, context):
         try:
             self.core.authenticate(_metadata(context).get("authorization"))
-            max_len = await self.core.max_model_len()
-            loras = await self.core.loras()
+            listed = await self.core.listed_models()
         except Exception as exc:
             await abort_with(context, exc)
-        base = self.core.model.name
         return generate_pb2.ListModelsResponse(models=[
-            generate_pb2.Model(id=base, max_model_len=max_len),
-            *(generate_pb2.Model(id=name, max_model_len=max_len, parent=base) for name in sorted(loras))])
+            generate_pb2.Model(id=m["id"], max_model_len=m["max_model_len"], parent=m["parent"] or "") for m in listed])
 
 
 async def start_grpc(core: GatewayCore, host: str, port: int) -> tuple[grpc.aio.Server, int]:

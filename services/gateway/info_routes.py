@@ -1,8 +1,8 @@
 """The endpoints that say what this server is: models, health, version (as the OpenAI API and vLLM have them).
 
-    GET  /v1/models, /v1/models/{model}   the served model and its LoRA adapters (OpenAI's Model object;
-                                           an adapter's ``parent`` is the base model, as vLLM lists
-                                           them; 404 for another)
+    GET  /v1/models, /v1/models/{model}   every served model, ``auto`` when a cascade is configured, and
+                                           the LoRA adapters (OpenAI's Model object; an adapter's
+                                           ``parent`` is the base model, as vLLM lists them; 404 for another)
     GET  /health, GET|POST /ping           200 (empty body) while Redis answers and a decode worker
                                            is ready, else 503 with an OpenAI error and Retry-After:
                                            what vLLM's /health and /ping answer, and what load
@@ -27,19 +27,13 @@ from services.gateway.openai_format import server_version
 from services.gateway.openapi_doc import openapi_document
 
 
-def model_object(core, created: int) -> dict:
-    return {"id": core.model.name, "object": "model", "created": created, "owned_by": "pdserve"}
-
-
 def info_router(core) -> APIRouter:
     router = APIRouter()
     started_at = int(time.time())
 
     async def listed() -> list[dict]:
-        max_len = await core.max_model_len()
-        base = {**model_object(core, started_at), "root": core.model.name, "parent": None, "max_model_len": max_len}
-        return [base, *({**base, "id": name, "root": path, "parent": core.model.name}
-                        for name, path in sorted((await core.loras()).items()))]
+        return [{"id": m["id"], "object": "model", "created": started_at, "owned_by": "pdserve", **m}
+                for m in await core.listed_models()]
 
     @router.get("/v1/models")
     async def models(request: Request):
@@ -52,7 +46,7 @@ def info_router(core) -> APIRouter:
         found = next((m for m in await listed() if m["id"] == model), None)
         if found is None:
             raise ModelNotFoundError(f"the model {model[:200]!r} does not exist; this server serves "
-                                     f"{core.model.name!r}", param="model")
+                                     f"{', '.join(repr(m['id']) for m in await core.listed_models())}", param="model")
         return found
 
     async def health() -> Response:

@@ -90,6 +90,14 @@ class LogprobsFormat:
                 for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
+def answered_by(record: RequestRecord, data: dict) -> None:
+    """A ``model: "auto"`` request's events name the tier that answers (services/router/cascade.py): the
+    response says that model from then on."""
+    model = data.get("model")
+    if model:
+        record.model = model
+
+
 class StreamFormatter:
     """One request's result events as OpenAI stream chunks (dicts), in order."""
 
@@ -130,6 +138,7 @@ class StreamFormatter:
 
     def chunk(self, data: dict) -> list[dict]:
         """A chunk event's chunk; none when it carries nothing to show (text held back, no logprobs)."""
+        answered_by(self.record, data)
         self.completion_tokens += len(data.get("token_ids") or [])
         text = data.get("text") or ""
         entries = data.get("logprobs") or []
@@ -181,6 +190,7 @@ class StreamFormatter:
         return out, "tool_calls" if calls and reason == "stop" else reason
 
     def final(self, data: dict) -> list[dict]:
+        answered_by(self.record, data)
         reason = data.get("finish_reason") or "stop"
         out = []
         if self.tools is not None:
@@ -211,12 +221,14 @@ class ResponseAggregate:
         self.completion_tokens = 0
 
     def add(self, data: dict) -> None:
+        answered_by(self.record, data)
         self.completion_tokens += len(data.get("token_ids") or [])
         self.text.append(data.get("text") or "")
         if self.logprobs is not None and data.get("logprobs"):
             self.logprobs_parts.append(self.logprobs.convert(data["logprobs"]))
 
     def body(self, final: dict) -> dict:
+        answered_by(self.record, final)
         rec, text = self.record, "".join(self.text)
         logprobs = LogprobsFormat.merge(rec.kind, self.logprobs_parts) if self.logprobs is not None else None
         reason = final.get("finish_reason") or "stop"

@@ -36,7 +36,8 @@ class DecodeWorkers:
             exc.retry_after_s = self.retry_after_s
             raise exc
 
-    async def max_model_len(self) -> int | None:
-        """The smallest context length the ready decode workers serve (None when none says)."""
-        lengths = [w.max_model_len for w in await self.ready() if w.max_model_len > 0]
+    async def max_model_len(self, model: str = "") -> int | None:
+        """The smallest context length the ready decode workers of ``model`` ("": any) serve (None when none
+        says)."""
+        lengths = [w.max_model_len for w in await self.ready() if w.max_model_len > 0 and model in ("", w.model)]
         return min(lengths) if lengths else None

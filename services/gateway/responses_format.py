@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.gateway import responses_tools, tools
+from services.gateway.openai_format import answered_by
 from services.gateway.request_record import RequestRecord
 
 RESPONSE = "response"  # the request record's kind for this API
@@ -91,6 +92,7 @@ class ResponseBuilder:
         self.response = self.snapshot("in_progress")
 
     def add(self, data: dict) -> str:
+        answered_by(self.ctx.record, data)
         text = data.get("text") or ""
         self.text.append(text)
         self.last_logprobs = _logprobs(data.get("logprobs"))
@@ -242,4 +244,5 @@ class ResponseAggregate(ResponseBuilder):
     """The whole Response for a client that does not stream (responses.json_response)."""
 
     def body(self, final: dict) -> dict:
+        answered_by(self.ctx.record, final)
         return self.finish(final)

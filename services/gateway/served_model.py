@@ -23,3 +23,20 @@ def load_served_model(model: str | None) -> ServedModel:
     card = model_card(model)
     tokenizer = Tokenizer(card.tokenizer_dir) if card.tokenizer_dir else None
     return ServedModel(card.name, tokenizer, card.max_position_embeddings, card.vocab_size)
+
+
+def check_cascade(spec, models: dict[str, ServedModel]) -> None:
+    """A cascade's tiers (services/cascade.py) must be served here and read one tokenizer's ids: the prompt is
+    tokenized once, with the first tier's tokenizer, and runs on every tier. ValueError says why not."""
+    missing = [t for t in spec.tiers if t not in models]
+    if missing:
+        raise ValueError(f"the cascade's tiers {missing} are not served here (served: {list(models)}); give each "
+                         "with --model")
+    first = models[spec.tiers[0]]
+    if first.tokenizer is None:
+        raise ValueError(f"the cascade's first tier {first.name!r} has no tokenizer; it tokenizes every tier's prompt")
+    other = [t for t in spec.tiers[1:] if models[t].vocab_size != first.vocab_size]
+    if other:
+        raise ValueError(f"the cascade's tiers {other} have another vocabulary than {first.name!r} "
+                         f"({[models[t].vocab_size for t in other]} vs {first.vocab_size} tokens): one prompt "
+                         "cannot run on both")

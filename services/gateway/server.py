@@ -39,17 +39,21 @@ async def serve(args) -> None:
     from services.gateway.app import create_app
     from services.gateway.core import GatewayCore
     from services.gateway.grpc_api import start_grpc
-    from services.gateway.served_model import load_served_model
+    from services.gateway.served_model import check_cascade, load_served_model
 
     config = build_config(args)
     raise_open_file_limit()  # a socket per open stream
     keys = ApiKeys.load(args.api_keys, config.tiers, config.default_tier) if args.api_keys \
         else ApiKeys.disabled(config.default_tier)
     telemetry.setup_tracing("pdserve-gateway")
-    model = load_served_model(args.model)
+    models = [load_served_model(spec) for spec in (args.model or [None])]
+    model = models[0]
+    cascade = cascade_spec(args)
+    if cascade is not None:  # before Redis: a configuration error is said first
+        check_cascade(cascade, {m.name: m for m in models})
     redis = await connect_redis(args.redis_url, max_connections=config.redis_max_connections,
                                 pool_timeout_s=config.redis_pool_timeout_s, name="pdserve-gateway")
-    core = GatewayCore(redis, config, model, keys)
+    core = GatewayCore(redis, config, model, keys, tuple(models[1:]), cascade)
     profiler, admin_server, advert = await _start_admin(redis, args) if args.enable_profiling else (None,) * 3
     server = uvicorn.Server(uvicorn.Config(create_app(core, profiler), host=args.host, port=args.port, lifespan="off",
                                            log_level="warning", access_log=False, backlog=args.backlog,
@@ -73,7 +77,7 @@ async def serve(args) -> None:
             await asyncio.sleep(0.02)
         port = server.servers[0].sockets[0].getsockname()[1]
         event_loop.settle_gc()  # started: later collections walk only what requests make
-        print(f"{READY_PREFIX}{args.host}:{port} (model {model.name}, grpc {grpc_address}, "
+        print(f"{READY_PREFIX}{args.host}:{port} (model {', '.join(core.models)}, grpc {grpc_address}, "
               f"auth {'on' if keys.enabled else 'off'})", flush=True)
         await http
     finally:
@@ -84,6 +88,29 @@ async def serve(args) -> None:
             await grpc_server.stop(grace=args.drain_timeout)
         await core.close()
         await redis.aclose()
+
+
+def cascade_spec(args):
+    """``--cascade`` and its options as a CascadeSpec (None without it); ValueError says what is wrong."""
+    from services.cascade import CascadeSpec, parse_tiers
+
+    if not args.cascade:
+        return None
+    return CascadeSpec(parse_tiers(args.cascade), args.cascade_signal, args.cascade_tokens, args.cascade_threshold)
+
+
+def add_cascade_arguments(p) -> None:
+    """``model: "auto"``'s options (services/cascade.py); pdserve up passes them on to its gateway."""
+    p.add_argument("--cascade", default=None, metavar="SMALL,LARGE",
+                   help='serve model "auto": a cascade over these served models (each given with --model), '
+                        "smallest first; a tier whose confidence is under --cascade-threshold passes the request on")
+    p.add_argument("--cascade-signal", default="mean", choices=["mean", "min"],
+                   help="the confidence: the mean or the minimum log-probability of a tier's first tokens")
+    p.add_argument("--cascade-tokens", type=int, default=8,
+                   help="how many first tokens a tier is judged on (held back from streaming clients until then)")
+    p.add_argument("--cascade-threshold", type=float, default=-1.0,
+                   help="escalate when the confidence (a log-probability, <= 0) is under this; 1 always "
+                        "escalates, -inf never")
 
 
 async def _start_admin(redis, args):
@@ -116,7 +143,10 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: a free one)")
     p.add_argument("--grpc-port", type=int, default=50052, help="gRPC port (0: a free one; -1: off)")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    p.add_argument("--model", default=None, help="the served model (its name and tokenizer); default SmolLM2-135M")
+    p.add_argument("--model", action="append", default=None,
+                   help="a served model (its name and tokenizer); repeat for more, each with its own workers; "
+                        "default SmolLM2-135M. LoRA adapters belong to the first")
+    add_cascade_arguments(p)
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help='JSON {"sk-...": {"tenant", "tier", "rpm", "tpm"}}; without it auth is off')
     p.add_argument("--max-model-len", type=int, default=None,

@@ -71,9 +71,10 @@ def _r(note: str, *accepts: Any) -> SpecField:
 
 
 _SAMPLING = {
-    "model": _h("the served model's name (or absent), or a LoRA adapter's (`NAME` or `<base>:NAME`, served "
-                "with `--lora`); an unknown `<base>:NAME` is a 400 naming the adapters served, any other unknown "
-                "name a 404", _STR),
+    "model": _h("a served model's name (`--model`, repeatable; absent: the first), `auto` (the cascade over "
+                "`--cascade` tiers; the response's `model` names the tier that answered; without `--cascade` a "
+                "400), or a LoRA adapter's (`NAME` or `<base>:NAME`, served with `--lora`); an unknown "
+                "`<base>:NAME` is a 400 naming the adapters served, any other unknown name a 404", _STR),
     "temperature": _h("0 is greedy; OpenAI's default 1", {**_NUM, "minimum": 0, "maximum": 2}),
     "top_p": _h("", {**_NUM, "exclusiveMinimum": 0, "maximum": 1}),
     "stream": _h("server-sent events, each with an id: (resume with Last-Event-ID)", _BOOL),

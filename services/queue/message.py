@@ -12,13 +12,14 @@ Fields (schema ``v`` = 1)::
     request_id   [A-Za-z0-9._:-]{1,128}; also names the result stream and state key
     tenant       who pays; may be ""
     tier         priority tier (one of QueueConfig.tiers, checked at enqueue)
-    model        the served model name
+    model        the base model whose workers serve it ("auto": the cascade's first tier; "": any)
     token_ids    JSON list of ints >= 0, not empty (the templated, tokenized prompt)
     sampling     JSON object of sampling parameters; the router builds SamplingParams from it
     deadline     unix seconds as a float; 0 = none
     traceparent  W3C trace context, may be ""
     enqueued_at  unix seconds as a float (queue-wait metric, deadline bookkeeping)
     session_key  optional: the client's session-affinity key (services/session_key.py); absent = none
+    cascade      optional: ``model: "auto"``'s tiers and signal, JSON (services/cascade.py); absent = none
 
 Unknown fields are ignored, so the queue can add delivery metadata
 (``attempts``, ``last_error``, ``last_worker``) beside them.
@@ -66,13 +67,14 @@ class QueuedRequest:
     traceparent: str = ""
     enqueued_at: float = field(default_factory=time.time)
     session_key: str = ""  # "" for none; a routing hint (services/router/affinity.py)
+    cascade: str = ""  # "" for none; else CascadeSpec.to_json() (services/cascade.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not _REQUEST_ID.fullmatch(self.request_id):
             raise InvalidRequestError(
                 f"request_id must be 1-128 characters of [A-Za-z0-9._:-]; got {self.request_id!r}",
                 param="request_id")
-        for name in ("tenant", "tier", "model", "traceparent"):
+        for name in ("tenant", "tier", "model", "traceparent", "cascade"):
             if not isinstance(getattr(self, name), str):
                 raise InvalidRequestError(f"{name} must be a string", param=name)
         if not self.tier:
@@ -110,6 +112,7 @@ class QueuedRequest:
             "enqueued_at": repr(self.enqueued_at),
             # written only when set: entries without a key stay as they were, and read back the same
             **({"session_key": self.session_key} if self.session_key else {}),
+            **({"cascade": self.cascade} if self.cascade else {}),
         }
 
     @classmethod
@@ -133,4 +136,4 @@ class QueuedRequest:
             raise InvalidRequestError("queue entry has a non-numeric deadline or enqueued_at") from None
         return cls(request_id=f["request_id"], tenant=f["tenant"], tier=f["tier"], model=f["model"],
                    token_ids=token_ids, sampling=sampling, deadline=deadline, traceparent=f["traceparent"],
-                   enqueued_at=enqueued_at, session_key=f.get("session_key", ""))
+                   enqueued_at=enqueued_at, session_key=f.get("session_key", ""), cascade=f.get("cascade", ""))

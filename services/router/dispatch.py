@@ -133,7 +133,7 @@ class Dispatcher:
                        deadline: float = 0.0, results_to: str = "", emitted: list[int] | None = None,
                        read_emitted: Callable[[], Awaitable[list[int]]] | None = None, session_key: str = "",
                        fence: Callable[[str], Awaitable[None]] | None = None, attempt_base: int = 0,
-                       ) -> AsyncIterator[common_pb2.TokenChunk | common_pb2.Finish]:
+                       model: str = "") -> AsyncIterator[common_pb2.TokenChunk | common_pb2.Finish]:
         """Stream the request's token chunks, then its Finish; raises a PdserveError on failure.
 
         ``results_to``: the decode workers write the chunks to that Redis result stream and
@@ -144,6 +144,8 @@ class Dispatcher:
         ``read_emitted`` so that a failed attempt's chunk still on its way can no longer land
         after what was read (results.py). ``attempt_base``: added to the attempt numbers in worker
         request ids, so a redelivered request's attempts never reuse an earlier router's ids.
+        ``model``: the base model whose workers (its pool) may serve it ("": any worker, one model
+        served).
         """
         started = time.perf_counter()
         emitted = list(emitted or [])
@@ -181,7 +183,7 @@ class Dispatcher:
                 try:
                     async for item in self._attempt(wrid, token_ids + emitted, remaining,
                                                     priority, deadline, avoid_prefill, avoid_decode, results_to,
-                                                    session_key):
+                                                    session_key, model):
                         if isinstance(item, _Served):
                             served = dataclasses.replace(item, cached_tokens=max(item.cached_tokens,
                                                                                   served.cached_tokens))
@@ -235,17 +237,24 @@ class Dispatcher:
             telemetry.REQUESTS.labels(role="router", outcome=outcome).inc()
 
     async def _attempt(self, wrid: str, prompt: list[int], params: SamplingParams, priority: int, deadline: float,
-                       avoid_prefill: set[str], avoid_decode: set[str], results_to: str = "", session_key: str = ""):
-        decode_workers = self.pool.decode_workers()
+                       avoid_prefill: set[str], avoid_decode: set[str], results_to: str = "", session_key: str = "",
+                       model: str = ""):
+        decode_workers = self.pool.decode_workers(model)
+        if not decode_workers and model and len(self.pool.models()) <= 1 and model not in self.pool.models():
+            # one model served under another name than the request's (a gateway given the model's path,
+            # workers its file name): its workers are the only pool there is
+            model = ""
+            decode_workers = self.pool.decode_workers()
         if not decode_workers:
-            raise _AttemptFailed(NoWorkerError("no decode worker is ready"), None, wait=True)
+            of = f" of the model {model!r}" if model else ""
+            raise _AttemptFailed(NoWorkerError(f"no decode worker{of} is ready"), None, wait=True)
         sample = decode_workers[0]
         block_size, namespace = sample.block_size, sample.namespace
         if len(prompt) >= sample.max_model_len:
             raise _AttemptFailed(InvalidRequestError(
                 f"prompt has {len(prompt)} tokens, but the model's context is {sample.max_model_len} tokens "
                 "(including at least one generated token); shorten the prompt", param="prompt"), None, False)
-        prefill_workers = [w for w in self.pool.prefill_workers()
+        prefill_workers = [w for w in self.pool.prefill_workers(model)
                            if w.namespace == namespace and w.worker_id not in avoid_prefill]
         if params.lora is not None:
             decode_workers = with_adapter(decode_workers, params.lora)

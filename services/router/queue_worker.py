@@ -8,6 +8,7 @@
           tokens already in its result stream (a redelivery) -> resume after them
           Dispatcher.generate(results_to=request id): decode workers write the chunks
           -> final event (usage, timings with queue wait) -> ack
+          model "auto" (a cascade spec): router/cascade.py runs the tiers and writes the chunks
           failure -> consumer.fail: retried (re-queued) or, after max_deliveries,
           dead-lettered with an error event for the client
     cancel: PUBLISH on the cancel channel (the gateway's client left) cancels the
@@ -34,6 +35,8 @@ from services.queue.cancel import CANCEL_CHANNEL, is_cancelled
 from services.queue.consumer import Delivery
 from services.queue.keys import result_stream, tier_stream
 from services.queue.results import CHUNK, ResultWriter, decode_event
+from services.cascade import CascadeSpec
+from services.router.cascade import run_cascade
 from services.router.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
@@ -161,21 +164,29 @@ class QueueWorker:
                 # A client that left while its request queued set the cancel flag (its PUBLISH found no
                 # task to cancel). The flag is read beside the dispatch, not before it: one Redis round
                 # trip off every request's first token; a set flag cancels this task, as a PUBLISH would.
+                extra = {}
                 with self._cancelled_by_flag(req.request_id):
-                    # a redelivered request's attempts are numbered on from the earlier router's, whose
-                    # decode worker may still be writing: fence it off before reading what the stream holds
-                    base = (d.delivery_count - 1) * ATTEMPTS_PER_DELIVERY
-                    emitted = []
-                    if d.delivery_count > 1:
-                        await self.results.fence(req.request_id, f"{req.request_id}.{base + 1}")
-                        emitted = await self._emitted(req.request_id)
-                    async for item in self.dispatcher.generate(
-                            req.request_id, req.token_ids, params, self._priority(d.tier), req.deadline,
-                            results_to=req.request_id, emitted=emitted,
-                            read_emitted=lambda: self._emitted(req.request_id), session_key=req.session_key,
-                            fence=lambda wrid: self.results.fence(req.request_id, wrid), attempt_base=base):
-                        finish = item  # results mode: only the Finish comes back
-                await self._final(d, {
+                    if req.cascade:
+                        outcome = await run_cascade(self.dispatcher, self.results, CascadeSpec.from_json(req.cascade),
+                                                    req.request_id, req.token_ids, params, self._priority(d.tier),
+                                                    req.deadline, req.session_key)
+                        finish, extra = outcome.finish, {"model": outcome.model, "cascade": outcome.summary()}
+                    else:
+                        # a redelivered request's attempts are numbered on from the earlier router's, whose
+                        # decode worker may still be writing: fence it off before reading what the stream holds
+                        base = (d.delivery_count - 1) * ATTEMPTS_PER_DELIVERY
+                        emitted = []
+                        if d.delivery_count > 1:
+                            await self.results.fence(req.request_id, f"{req.request_id}.{base + 1}")
+                            emitted = await self._emitted(req.request_id)
+                        async for item in self.dispatcher.generate(
+                                req.request_id, req.token_ids, params, self._priority(d.tier), req.deadline,
+                                results_to=req.request_id, emitted=emitted,
+                                read_emitted=lambda: self._emitted(req.request_id), session_key=req.session_key,
+                                fence=lambda wrid: self.results.fence(req.request_id, wrid), attempt_base=base,
+                                model=req.model):
+                            finish = item  # results mode: only the Finish comes back
+                await self._final(d, {**extra,
                     "finish_reason": finish.finish_reason,
                     "usage": {"prompt_tokens": finish.usage.prompt_tokens,
                               "completion_tokens": finish.usage.completion_tokens,

@@ -71,9 +71,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         return sorted({name for w in self.pool.decode_workers() for name in w.loras})
 
     def _adapter(self, model: str) -> str | None:
-        """``model`` -> the LoRA adapter it names (itself or ``<base>:<adapter>``), None for the base model;
+        """``model`` -> the LoRA adapter it names (itself or ``<base>:<adapter>``), None for a served model;
         an unknown adapter in the explicit form is INVALID_ARGUMENT, any other unknown name NOT_FOUND."""
-        if not model or model == self.model_name:
+        if not model or model == self.model_name or model in self.pool.models():
             return None
         adapter, explicit = split_model(model, self.model_name)
         served = self._adapters()
@@ -87,8 +87,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         raise ModelNotFoundError(f"model {model!r} is not served here; this deployment serves {self.model_name!r}"
                                  + (f" and the LoRA adapters {served}" if served else ""))
 
-    def _max_model_len(self) -> int:
-        workers = self.pool.decode_workers()
+    def _max_model_len(self, model: str = "") -> int:
+        workers = self.pool.decode_workers(model)
         return workers[0].max_model_len if workers else 0
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -109,8 +109,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 merged = common_pb2.TokenChunk()
                 metadata = {k.lower(): v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
                 key = session_key_of(request.session_key, metadata.get(HEADER), "session_key")
+                pool = request.model if request.model in self.pool.models() else self.model_name
                 async for item in self.dispatcher.generate(rid, prompt, params, request.priority, deadline,
-                                                           session_key=key):
+                                                           session_key=key, model=pool):
                     if isinstance(item, common_pb2.TokenChunk):
                         if stream:
                             yield generate_pb2.GenerateResponse(chunk=item, request_id=rid)
@@ -132,8 +133,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     async def ListModels(self, request, context):
         max_len = self._max_model_len()
+        others = [m for m in self.pool.models() if m != self.model_name]
         return generate_pb2.ListModelsResponse(
             models=[generate_pb2.Model(id=self.model_name, max_model_len=max_len),
+                    *(generate_pb2.Model(id=m, max_model_len=self._max_model_len(m)) for m in others),
                     *(generate_pb2.Model(id=n, max_model_len=max_len, parent=self.model_name) for n in self._adapters())])
 
 

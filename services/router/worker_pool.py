@@ -116,6 +116,9 @@ class WorkerPool:
         # asks for; rebuilding it per request was most of the router's time at 1,000 workers
         self._by_role: dict[str, list[WorkerInfo]] | None = None
         self._by_role_ids: dict[str, dict[str, WorkerInfo]] = {}
+        # (role, model) -> that model's part of _by_role (its pool), and the models announced, until the next update
+        self._by_model: dict[tuple[str, str], list[WorkerInfo]] = {}
+        self._models: list[str] | None = None
         self.generation = 0  # registry updates seen (a ReadyWorkers list is of one)
         # (role, key) -> that role's usable workers in order of key(load), for policies that want the
         # least loaded first (load_ranking.py); rebuilt after an update, re-keyed as loads change
@@ -147,7 +150,7 @@ class WorkerPool:
         """Replace the known set with ``workers`` (what the registry holds now)."""
         now = self._clock()
         self._loads.clear()
-        self._by_role = None
+        self._by_role = self._models = None
         self._rankings.clear()
         self._dirty.clear()
         self.generation += 1
@@ -194,14 +197,29 @@ class WorkerPool:
             del self._failed_until[worker_id]
         return True
 
-    def prefill_workers(self) -> list[WorkerInfo]:
-        return self._usable("prefill")
+    def prefill_workers(self, model: str = "") -> list[WorkerInfo]:
+        """Usable prefill workers of ``model`` (its pool; "": every model's)."""
+        return self._usable("prefill", model)
 
-    def decode_workers(self) -> list[WorkerInfo]:
-        return self._usable("decode")
+    def decode_workers(self, model: str = "") -> list[WorkerInfo]:
+        """Usable decode workers of ``model`` (its pool; "": every model's)."""
+        return self._usable("decode", model)
 
-    def _usable(self, role: str) -> list[WorkerInfo]:
+    def models(self) -> list[str]:
+        """The models the known workers announce, sorted (kept until the next update)."""
+        if self._models is None:
+            self._models = sorted({t.info.model for t in self._workers.values()})
+        return self._models
+
+    def _usable(self, role: str, model: str = "") -> list[WorkerInfo]:
         ready = self._usable_by_role().get(role, [])
+        if model:
+            mine = self._by_model.get((role, model), [])
+            if len(mine) != len(ready):
+                # other models' workers share the role: a plain list, so that policies rank only these
+                # (a ReadyWorkers list stands for the whole role: policy._pool_view)
+                return [info for info in mine if not self._failed_until or self.is_usable(info.worker_id)]
+            # one model served (the usual case): its pool is the role's list, tagged as such below
         if not self._failed_until:  # the common case: nobody is held out, no clock to check
             out = ReadyWorkers(ready)
             out.pool, out.role, out.generation = self, role, self.generation
@@ -210,12 +228,13 @@ class WorkerPool:
 
     def _usable_by_role(self) -> dict[str, list[WorkerInfo]]:
         if self._by_role is None:
-            self._by_role, self._by_role_ids = {}, {}
+            self._by_role, self._by_role_ids, self._by_model = {}, {}, {}
             for w in sorted(self._workers):
                 info = self._workers[w].info
                 if info.ready and not info.draining:
                     self._by_role.setdefault(info.role, []).append(info)
                     self._by_role_ids.setdefault(info.role, {})[w] = info
+                    self._by_model.setdefault((info.role, info.model), []).append(info)
         return self._by_role
 
     def ready_by_id(self, role: str) -> dict[str, WorkerInfo]:

@@ -48,8 +48,11 @@ class _EmptyPool:
     def __init__(self):
         self.looked = 0
 
-    def decode_workers(self):
+    def decode_workers(self, model: str = ""):
         self.looked += 1
+        return []
+
+    def models(self):
         return []
 
 

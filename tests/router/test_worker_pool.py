@@ -101,6 +101,18 @@ def test_model_filter():
     assert ids(pool.workers()) == ["a"]
 
 
+def test_one_pool_per_model():
+    pool = WorkerPool(None)
+    pool.update([info("a", "decode"), info("b", "decode", model="big"), info("c", model="big"),
+                 info("d", "decode", model="big", ready=False)])
+    assert pool.models() == ["big", "m"]
+    assert ids(pool.decode_workers("m")) == ["a"] and ids(pool.decode_workers("big")) == ["b"]
+    assert ids(pool.prefill_workers("big")) == ["c"] and pool.prefill_workers("m") == []
+    assert ids(pool.decode_workers()) == ["a", "b"] and pool.decode_workers("unknown") == []
+    pool.update([info("a", "decode")])  # the big model's workers left
+    assert pool.models() == ["m"] and pool.decode_workers("big") == []
+
+
 def test_mark_failed_excludes_until_a_heartbeat_after_the_window():
     clock = FakeClock()
     pool = WorkerPool(None, clock=clock)
