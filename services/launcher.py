@@ -141,7 +141,7 @@ class StackSpec:
     router_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     profiling: bool = False  # every process serves Admin.Profile (pdserve profile)
-    front_first: bool = True  # the gateway, router and Redis get a core ahead of the workers (front_first.py)
+    front_first: bool = False  # the gateway, router and Redis on short slices (front_first.py; opt-in, see there)
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:

@@ -43,7 +43,7 @@ def choice_from_args(args) -> Choice:
     given = any(a.split("=", 1)[0] == "--local-prefill-max-tokens" for a in args.router_arg)
     return up_defaults.choose(os.cpu_count() or 1, prefill=args.prefill, decode=args.decode, threads=args.threads,
                               quantization=args.quantization, gguf=gguf, local_prefill_given=given,
-                              front_first=not args.no_front_first)
+                              front_first=args.front_first)
 
 
 def _cascade_args(args) -> list[str]:
@@ -223,10 +223,10 @@ def add_parser(sub) -> None:
     add_lora_args(p)
     p.add_argument("--enable-lora-admin", action="store_true",
                    help="the gateway answers POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
-    p.add_argument("--no-front-first", action="store_true",
-                   help="leave every process at the kernel's default scheduling (default: the gateway, router and "
-                        "embedded Redis ask for 0.1 ms CPU slices, so they get a core sooner when they wake while the "
-                        "workers compute; no CPU is taken from the workers; Linux 6.12+)")
+    p.add_argument("--front-first", action="store_true",
+                   help="the gateway, router and embedded Redis ask for 0.1 ms CPU slices (Linux 6.12+, no "
+                        "privilege, no CPU taken from the workers) so they get a core sooner while the workers "
+                        "compute; off by default: not yet shown to help (BENCHMARKS.md, bench frontdoor)")
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for the router (repeatable), e.g. --router-arg=--temperature=0.5")
     p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",

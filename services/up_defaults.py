@@ -23,10 +23,9 @@ peer --only pdserve --variant ...`` on the project's 2-core machine
   has nothing waiting (``--local-prefill-max-tokens``; the router's own default
   stays 0 for deployments that configure it): at 16 and 32 streams this served
   more tokens per second and cut a lone cached prompt's TTFT.
-- **Scheduling**: the gateway, router and embedded Redis ask the kernel for
-  short CPU slices so they get a core as soon as they wake while the workers
-  compute (services/front_first.py; ``pdserve bench frontdoor``'s added
-  latency per chunk at 1,000 open streams, BENCHMARKS.md).
+- **Scheduling**: the kernel's defaults. ``--front-first`` (services/front_first.py)
+  is opt-in: in ``pdserve bench frontdoor`` it has not yet been shown to help
+  (BENCHMARKS.md).
 - **Weights**: a GGUF model whose projections are all Q4_0/Q4_1/Q8_0 blocks is
   served from those blocks (``--quantization gguf``): the same weights the file
   holds (bf16 holds the same values, widened), decoded at 2-3 times the speed on
@@ -54,7 +53,7 @@ class Choice:
     threads: int
     quantization: str | None  # None: unquantized (--dtype)
     router_args: list[str] = field(default_factory=list)  # the router flags chosen here
-    front_first: bool = True  # the gateway, router and Redis scheduled ahead of the workers (front_first.py)
+    front_first: bool = False  # the gateway, router and Redis on short slices (front_first.py; --front-first)
     reasons: list[str] = field(default_factory=list)  # one "chose X because Y" per value chosen here
 
     def summary(self) -> str:
@@ -86,11 +85,11 @@ def gguf_servable(path: Path | None) -> tuple[bool, str]:
 
 def choose(cpus: int, *, prefill: int | None = None, decode: int | None = None, threads: int | None = None,
            quantization: str | None = None, gguf: tuple[bool, str] = (False, ""),
-           local_prefill_given: bool = False, front_first: bool = True) -> Choice:
+           local_prefill_given: bool = False, front_first: bool = False) -> Choice:
     """Fill in what was not given (None) for a machine of ``cpus`` cores; ``gguf``: ``gguf_servable``'s answer.
     ``quantization`` "none" is an explicit choice of unquantized weights. ``local_prefill_given``: the router's
-    ``--local-prefill-max-tokens`` was passed (``--router-arg``); ``front_first``: not turned off
-    (``--no-front-first``)."""
+    ``--local-prefill-max-tokens`` was passed (``--router-arg``); ``front_first``: ``--front-first`` given
+    (said with the choices)."""
     cpus = max(1, cpus)
     reasons = []
     if prefill is None:

@@ -203,7 +203,7 @@ async def _bench(args, stack) -> dict:
                      "latency_streams": args.latency_streams, "latency_requests": args.latency_requests,
                      "latency_max_tokens": args.latency_max_tokens,
                      "model": args.model, "dtype": args.dtype, "threads_per_worker": args.threads,
-                     "seed": args.seed, "front_first": not args.no_front_first, "worker_nice": args.worker_nice, "front_nice": args.front_nice, "front_realtime": args.front_realtime, "worker_policy": args.worker_policy,
+                     "seed": args.seed, "front_first": args.front_first, "worker_nice": args.worker_nice, "front_nice": args.front_nice, "front_realtime": args.front_realtime, "worker_policy": args.worker_policy,
                      "worker_autogroup_nice": args.worker_autogroup_nice, "front_slice_us": args.front_slice_us,
                      "gateway_args": args.gateway_arg, "stack": "pdserve up defaults: 1 prefill, 1 decode, router, gateway"}
     return out
@@ -218,7 +218,7 @@ def run(args) -> int:
         raise ValueError("latency-requests must be at least latency-streams (every client sends one)")
     spec = StackSpec(prefill=1, decode=1, model=args.model, dtype=args.dtype, threads=args.threads,
                      transport=args.transport, gateway=True, gateway_args=list(args.gateway_arg),
-                     front_first=not args.no_front_first)
+                     front_first=args.front_first)
     _log("starting the stack (pdserve up defaults: embedded Redis, 1 prefill, 1 decode, router, gateway)")
     started = time.perf_counter()
     args.probe_dir = None if args.no_probe else tempfile.mkdtemp(prefix="pdserve-fanout-probe-")
@@ -244,7 +244,7 @@ def run(args) -> int:
 def _schedule(args, stack) -> None:
     """The scheduling knobs on top of the stack's own (``--scheduling``): the workers', then the light
     processes' (gateway, router, embedded Redis, and this process: the clients and, spawned later, the tap)."""
-    if not args.no_front_first:  # the clients stand in for other machines': they get what the gateway gets
+    if args.front_first:  # the clients stand in for other machines': they get what the gateway gets
         for line in front_first.apply("load generator", os.getpid()):
             _log(f"  {line}")
     workers = [p.proc.pid for name, p in stack.procs.items() if name.startswith(("prefill", "decode"))]
@@ -333,10 +333,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gateway-arg", action="append", default=[], metavar="FLAG",
                    help="a flag for the gateway, e.g. --gateway-arg=--loop=asyncio (repeatable)")
-    p.add_argument("--no-front-first", action="store_true",
-                   help="the kernel's default scheduling for every process, as `pdserve up --no-front-first` "
-                        "(default: pdserve up's front-first scheduling, services/front_first.py, which this "
-                        "process, the clients, also gets)")
+    p.add_argument("--front-first", action="store_true",
+                   help="as `pdserve up --front-first` (services/front_first.py): the gateway, router, Redis and "
+                        "this process, the clients, on 0.1 ms CPU slices")
     p.add_argument("--worker-nice", type=int, default=0,
                    help="niceness of the prefill and decode workers' threads (0: as started; 10: the gateway, "
                         "router, Redis and clients get a larger share of the cores when they need one)")

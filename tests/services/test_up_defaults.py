@@ -28,8 +28,8 @@ def test_two_cores_run_disaggregated_with_every_core_and_the_files_blocks():
     choice = up_defaults.choose(2, gguf=SERVABLE)
     assert (choice.prefill, choice.decode, choice.threads, choice.quantization) == (1, 1, 2, "gguf")
     assert choice.router_args == ["--local-prefill-max-tokens=256"]
-    assert len(choice.reasons) == 5 and all(" because " in r for r in choice.reasons)
-    assert choice.front_first and "0.1 ms CPU slices" in choice.summary()
+    assert len(choice.reasons) == 4 and all(" because " in r for r in choice.reasons)
+    assert not choice.front_first
 
 
 def test_one_core_prefills_on_the_decode_worker():
@@ -64,11 +64,11 @@ def test_flags_reach_the_stack_spec_unchanged():
         assert up.spec_from_args(_args("--prefill", "1", *given)).router_args == [g.split("=", 1)[1] for g in given]
 
 
-def test_front_first_scheduling_is_on_unless_turned_off():
-    assert up.spec_from_args(_args("--quantization", "none")).front_first  # none: no model file to read
-    args = _args("--no-front-first", "--quantization", "none")
-    assert not up.spec_from_args(args).front_first
-    assert "CPU slices" not in up.choice_from_args(args).summary()
+def test_front_first_scheduling_is_off_unless_asked():
+    args = _args("--quantization", "none")  # none: no model file to read
+    assert not up.spec_from_args(args).front_first and "CPU slices" not in up.choice_from_args(args).summary()
+    args = _args("--front-first", "--quantization", "none")
+    assert up.spec_from_args(args).front_first and "0.1 ms CPU slices" in up.choice_from_args(args).summary()
 
 
 def test_a_pdserve_variable_counts_as_given(monkeypatch):
