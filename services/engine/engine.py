@@ -324,6 +324,8 @@ class Engine:
         if req is None or req.status is not Status.RESERVED:
             raise InvalidRequestError(f"request {request_id!r} has no reservation", param="request_id")
         children = decoded_choices(self, req, choices)  # validated and tracked before anything changes
+        for r in (req, *(c for c, _, _ in children)):  # their first tokens were drawn on the prefill worker
+            self.sampler.skip_draw(r, self.model_config.vocab_size, self.runner.device)
         req.num_computed_tokens = req.num_tokens
         self.kv.cache_computed_blocks(req)
         fork_decoded(self, req, children, self._pending)  # before the parent's first token may finish it

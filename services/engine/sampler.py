@@ -101,6 +101,13 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
+    def skip_draw(self, req: Request, vocab_size: int, device: torch.device) -> None:
+        """``req``'s first token was sampled by another engine (the prefill worker, from the same seed):
+        advance its random stream past that draw, so this engine's draws go on where that one's stopped
+        and a seeded request gives the tokens it would give in one engine."""
+        if req.params.seed is not None and not req.params.greedy:
+            torch.empty(1, vocab_size, device=device).exponential_(generator=self._generator(req, device))
+
     def _generator(self, req: Request, device: torch.device) -> torch.Generator:
         gen = self._generators.get(req.request_id)
         if gen is None:

@@ -28,7 +28,9 @@ async def _main(args) -> int:
                            lag_target_s=args.lag_target_s, slo_target=args.slo_target,
                            slo_min_requests=args.slo_min_requests,
                            down_after_s=args.down_after_s, warm_fraction=args.warm_fraction,
-                           idle_to_zero_s=args.idle_to_zero_s, min_prefill=args.min_prefill,
+                           idle_to_zero_s=args.idle_to_zero_s, lookahead_s=args.lookahead_s,
+                           trend_window_s=args.trend_window_s, boost=args.boost, boost_every_s=args.boost_every_s,
+                           min_prefill=args.min_prefill,
                            min_decode=args.min_decode, max_workers=args.max_workers)
     planner = Planner(config, _capacity(args))
     redis = await connect_redis(args.redis_url)
@@ -97,6 +99,11 @@ def add_parser(sub) -> None:
     p.add_argument("--slo-target", type=float, default=0.99)
     p.add_argument("--slo-min-requests", type=int, default=20,
                    help="judge a window's SLO attainment only with at least this many requests in it")
+    p.add_argument("--boost", type=float, default=1.25, help="workers x this when a window misses the SLO target")
+    p.add_argument("--boost-every-s", type=float, default=30.0, help="at most one SLO boost per role this often")
+    p.add_argument("--lookahead-s", type=float, default=0.0,
+                   help="read rising demand this far ahead (set it to a worker's cold start; 0: react to now)")
+    p.add_argument("--trend-window-s", type=float, default=120.0, help="the window the demand's slope is fitted over")
     p.add_argument("--down-after-s", type=float, default=300.0, help="hysteresis before scaling down")
     p.add_argument("--warm-fraction", type=float, default=0.1)
     p.add_argument("--idle-to-zero-s", type=float, default=900.0)

@@ -13,6 +13,9 @@ Rule, per role::
     need = ceil(demand / (per-worker capacity * target_utilisation))
     prefill: + ceil(lag_s / lag_target_s) workers while the queue lags (clears the backlog)
     attainment under slo_target: need *= boost (the estimate is missing something: add headroom)
+    lookahead_s > 0: demand is read ahead by its rising trend (the slope over the last
+    trend_window_s) times lookahead_s, so workers ordered now are ready when the demand is
+    (set it to the cold start: a worker started now serves lookahead_s from now)
 
 Scale up at once; scale down only after ``need`` stayed below the current count for
 ``down_after_s`` (hysteresis), by at most ``down_step`` of it per tick. A warm pool of
@@ -74,11 +77,14 @@ class PlannerConfig:
     slo_target: float = 0.99
     slo_min_requests: int = 20  # fewer in a window: its attainment is noise (one slow request of 5 is 80%)
     boost: float = 1.25
+    boost_every_s: float = 30.0  # at most one boost per role this often
     down_after_s: float = 300.0
     down_step: float = 0.1
     warm_fraction: float = 0.1
     warm_min: int = 1
     idle_to_zero_s: float = 900.0
+    lookahead_s: float = 0.0  # 0: react to the demand now; else read it this far ahead on its rising trend
+    trend_window_s: float = 120.0
     min_prefill: int = 1
     min_decode: int = 1
     max_workers: int = 10_000
@@ -89,6 +95,8 @@ class PlannerConfig:
                 raise ValueError(f"{name} must be in (0, 1]")
         if self.boost < 1 or self.lag_target_s <= 0 or self.down_after_s < 0 or self.idle_to_zero_s <= 0:
             raise ValueError("boost >= 1, lag_target_s > 0, down_after_s >= 0 and idle_to_zero_s > 0 needed")
+        if self.lookahead_s < 0 or not self.trend_window_s > 0:
+            raise ValueError("lookahead_s >= 0 and trend_window_s > 0 needed")
         if min(self.warm_min, self.min_prefill, self.min_decode) < 0 or self.warm_fraction < 0:
             raise ValueError("minimums and warm_fraction must be >= 0")
 
@@ -99,6 +107,33 @@ class Planner:
     capacity: Capacity
     _below_since: dict = field(default_factory=dict)
     _last_traffic: float | None = None  # idle is counted from the first decision
+    _history: list = field(default_factory=list)
+    _boosted_at: dict = field(default_factory=dict)  # (now, prefill tokens/s, KV blocks, sequences) for the trend
+
+    def _ahead(self, s: Signals) -> tuple[float, float, float]:
+        """The demand ``lookahead_s`` ahead: now plus its rising slope over the trend window (never below now)."""
+        now = (s.prefill_tokens_per_s, float(s.kv_blocks_used), float(s.running_seqs))
+        c = self.config
+        if c.lookahead_s <= 0:
+            return now
+        self._history.append((s.now, *now))
+        while self._history[0][0] < s.now - c.trend_window_s:
+            self._history.pop(0)
+        span = s.now - self._history[0][0]
+        if span < c.trend_window_s / 2:  # too short a history: one window's noise is not a trend
+            return now
+        # least-squares slope over the window: a window's demand is noisy (+-30% at 10 s ticks), and the
+        # slope of two points times a cold start would turn that noise into workers
+        ts = [h[0] for h in self._history]
+        mean_t = sum(ts) / len(ts)
+        var = sum((t - mean_t) ** 2 for t in ts)
+        ahead = []
+        for i, v in enumerate(now, start=1):
+            ys = [h[i] for h in self._history]
+            mean_y = sum(ys) / len(ys)
+            slope = sum((t - mean_t) * (y - mean_y) for t, y in zip(ts, ys)) / var
+            ahead.append(v + max(0.0, slope) * c.lookahead_s)
+        return tuple(ahead)
 
     def decide(self, s: Signals) -> Decision:
         c, cap = self.config, self.capacity
@@ -106,21 +141,37 @@ class Planner:
             self._last_traffic = s.now
         if s.now - self._last_traffic >= c.idle_to_zero_s:
             self._below_since.clear()
+            self._history.clear()
             return Decision(0, 0, c.warm_min, "idle: scaled to zero")
-        prefill = math.ceil(s.prefill_tokens_per_s / (cap.prefill_tokens_per_s * c.target_utilisation))
-        lag_s = s.queued_prefill_tokens / (cap.prefill_tokens_per_s * max(s.prefill_workers, 1))
+
+        def counts(tokens_per_s, kv_blocks, seqs):
+            return (math.ceil(tokens_per_s / (cap.prefill_tokens_per_s * c.target_utilisation)),
+                    max(math.ceil(kv_blocks / (cap.kv_blocks * c.kv_target)),
+                        math.ceil(seqs / (cap.max_num_seqs * c.target_utilisation))))
+
+        prefill, decode = counts(*self._ahead(s))
         reasons = []
+        if (prefill, decode) != counts(s.prefill_tokens_per_s, s.kv_blocks_used, s.running_seqs):
+            reasons.append("rising demand")
+        lag_s = s.queued_prefill_tokens / (cap.prefill_tokens_per_s * max(s.prefill_workers, 1))
         if lag_s > c.lag_target_s:
-            prefill = max(prefill, s.prefill_workers) + math.ceil(lag_s / c.lag_target_s)
+            # workers to clear the backlog by the time they serve: lag_target_s ahead, or lookahead_s
+            # (a cold start) when set; more would arrive after it is gone and idle out the hysteresis
+            drain_s = max(c.lag_target_s, c.lookahead_s)
+            prefill = max(prefill, s.prefill_workers) + math.ceil(
+                s.queued_prefill_tokens / (cap.prefill_tokens_per_s * drain_s))
             reasons.append(f"queue lag {lag_s:.1f} s")
-        decode = max(math.ceil(s.kv_blocks_used / (cap.kv_blocks * c.kv_target)),
-                     math.ceil(s.running_seqs / (cap.max_num_seqs * c.target_utilisation)))
         judged = s.requests_in_window >= c.slo_min_requests
         if judged and s.ttft_attainment is not None and s.ttft_attainment < c.slo_target:
-            prefill = max(prefill, math.ceil(s.prefill_workers * c.boost))
+            prefill = max(prefill, self._boost("prefill", s.now, s.prefill_workers))
             reasons.append(f"TTFT attainment {s.ttft_attainment:.3f}")
+            # a first token also waits for KV room on a decode worker: with their KV at target, the
+            # missed TTFTs are theirs too
+            if s.kv_blocks_used >= cap.kv_blocks * c.kv_target * max(s.decode_workers, 1):
+                decode = max(decode, self._boost("decode", s.now, s.decode_workers))
+                reasons.append("KV at target")
         if judged and s.itl_attainment is not None and s.itl_attainment < c.slo_target:
-            decode = max(decode, math.ceil(s.decode_workers * c.boost))
+            decode = max(decode, self._boost("decode", s.now, s.decode_workers))
             reasons.append(f"ITL attainment {s.itl_attainment:.3f}")
         prefill = self._hysteresis("prefill", s.now, s.prefill_workers, max(prefill, c.min_prefill))
         decode = self._hysteresis("decode", s.now, s.decode_workers, max(decode, c.min_decode))
@@ -128,6 +179,14 @@ class Planner:
         decode = min(decode, c.max_workers - prefill)
         warm = max(c.warm_min, math.ceil(c.warm_fraction * (prefill + decode)))
         return Decision(prefill, decode, warm, "; ".join(reasons) or "demand")
+
+    def _boost(self, role: str, now: float, current: int) -> int:
+        """``current * boost``, at most once per ``boost_every_s``: the workers a boost orders are still
+        starting for a cold start, and a boost on every tick meanwhile compounds (1.25 ** 12 in 2 min)."""
+        if now - self._boosted_at.get(role, -math.inf) < self.config.boost_every_s:
+            return current
+        self._boosted_at[role] = now
+        return math.ceil(current * self.config.boost)
 
     def _hysteresis(self, role: str, now: float, current: int, need: int) -> int:
         if need >= current:

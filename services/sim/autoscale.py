@@ -6,8 +6,10 @@ Every ``interval_s`` the controller reads the cluster's signals (the ones ``pdse
 planner`` reads from Redis and Prometheus), decides, and acts: a scale-up takes a warm
 standby first (``warm_start_s``), else starts a worker cold (``cold_start_s``); a
 scale-down drains the least loaded workers (they deregister at once and leave when
-idle), and a drained worker refills the warm pool if it is short. Worker-hours count
-every worker that holds a machine: starting, serving, draining and warm standby.
+idle), and a drained worker refills the warm pool if it is short (its model is still
+loaded). A pool still short starts standbys cold: they join it ``cold_start_s`` later.
+Worker-hours count every worker that holds a machine: starting, serving, draining, warm
+standby and standby still loading.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class SimAutoscaler:
         self.interval_s = interval_s
         self.planner = Planner(planner_config or PlannerConfig(), capacity_of(profile))
         self.rule = ThresholdRule(target=threshold)
-        self.warm = 0
+        self.warm = 0  # standbys ready (model loaded, not registered)
+        self._warming: list[float] = []  # standbys still loading: when each is ready
         self.warm_target = self.planner.config.warm_min if kind == "planner" else 0
         self.worker_seconds = 0.0
         self._last = 0.0
@@ -55,13 +58,18 @@ class SimAutoscaler:
         sim.on_finished = self._window.append
 
     def retired(self, sim, worker) -> None:
-        if self.warm < self.warm_target:
+        self._account(sim)
+        if self.warm + len(self._warming) < self.warm_target:
             self.warm += 1  # parked: model still loaded, deregistered
 
     def _account(self, sim) -> None:
         now = sim.loop.now
-        self.worker_seconds += (now - self._last) * (len(sim.workers) + self.warm)
+        self.worker_seconds += (now - self._last) * (len(sim.workers) + self.warm + len(self._warming))
         self._last = now
+        ready = [t for t in self._warming if t <= now]
+        if ready:
+            self.warm += len(ready)
+            self._warming = [t for t in self._warming if t > now]
 
     def tick(self, sim) -> None:
         self._account(sim)
@@ -70,7 +78,8 @@ class SimAutoscaler:
             return
         window_s = min(now - self._last_tick, now) or self.interval_s
         self._last_tick = now
-        jobs, self._window = self._window, []
+        jobs = self._window[:]  # the list itself stays: the cluster appends to it
+        self._window.clear()
         active = {role: [w for w in sim.workers.values() if w.role == role and not w.draining]
                   for role in ("prefill", "decode")}
         if self.kind == "planner":
@@ -85,10 +94,14 @@ class SimAutoscaler:
                 running_seqs=sum(len(w.batch) + len(w.waiting) for w in decode),
                 ttft_attainment=sum(ttft(j) <= self.slo.ttft_s for j in jobs) / len(jobs) if jobs else None,
                 itl_attainment=sum(itl(j) <= self.slo.itl_s for j in jobs) / len(jobs) if jobs else None,
-                requests_in_window=len(jobs) + len(sim.admission))
+                # dispatched, unfinished requests count as traffic: one waiting for a worker of a model
+                # scaled to zero is in neither the queue nor a batch
+                requests_in_window=len(jobs) + len(sim.admission) + sim.inflight)
             d = self.planner.decide(signals)
             targets, self.warm_target = {"prefill": d.prefill, "decode": d.decode}, d.warm
+            reason = d.reason
         else:
+            reason = "utilisation"
             targets = {}
             for role in ("prefill", "decode"):
                 busy = sum(w.busy_s for w in list(sim.workers.values()) + sim.retired if w.role == role)
@@ -97,11 +110,15 @@ class SimAutoscaler:
                 targets[role] = self.rule.desired(role, now, len(active[role]), min(util, 1.0))
         for role, target in targets.items():
             self._scale(sim, role, active[role], target)
-        while self.warm < self.warm_target:  # refill the pool: cold starts that end parked
-            self.warm += 1
-            self.worker_seconds += self.profile.cold_start_s  # held while loading
-        self.warm = min(self.warm, max(self.warm_target, 0))
-        self.decisions.append({"t": round(now, 1), **targets, "warm": self.warm})
+        while self.warm + len(self._warming) < self.warm_target:  # refill the pool: cold starts that end parked
+            self._warming.append(now + self.profile.cold_start_s)
+        extra = self.warm + len(self._warming) - self.warm_target
+        if extra > 0:  # release the surplus, the still-loading first
+            drop = min(extra, len(self._warming))
+            self._warming = self._warming[: len(self._warming) - drop]
+            self.warm -= extra - drop
+        self.decisions.append({"t": round(now, 1), **targets, "warm": self.warm, "warming": len(self._warming),
+                               "reason": reason})
 
     def _scale(self, sim, role: str, active: list, target: int) -> None:
         if target > len(active):

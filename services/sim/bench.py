@@ -11,9 +11,14 @@ Runs, in one command (each part can be skipped):
    (``--layout-workers`` workers, a tenth of the requests).
 3. **validation**: ``pdserve bench routing``'s setup at 2 workers on the CPU profile,
    its ratios beside the last real run's (the calibration file's ``validation_reference``).
-4. **autoscale**: a diurnal trace with bursts (``--period-s``, two periods): static
-   provisioning at several sizes, the planner at several target utilisations and the
-   HPA-like threshold rule; SLO attainment against worker-hours.
+4. **autoscale**: one compressed day (``--period-s``) of a diurnal trace shaped on the
+   Azure LLM inference trace 2024 (``--trace-shape coding``: peak-to-trough ~10x;
+   ``conversation``: ~2.4x) with bursts (``--burst-factor``): the planner at several
+   target utilisations (and without its trend lookahead, and without a warm pool), the
+   HPA-like threshold rule, and static provisioning searched down to the smallest meeting
+   99% (prefill and decode sized apart); SLO attainment against worker-hours. Then the
+   headline planner and the static search again on ``--check-trace`` (another shape and
+   seed): a planner tuned to one trace would show it there.
 
 ``--json`` prints one object (headline keys first); ``--plots DIR`` writes PNGs;
 ``--save`` keeps the full result under benchmarks/results/.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -45,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not {"kv-aware", "round-robin"} <= set(args.policies):
         raise ValueError(f"--policies must include kv-aware and round-robin (the headline ratios) and name only "
                          f"{', '.join(experiments.POLICY_VARIANTS)}")
+    if "autoscale" in parts and args.headline_target not in args.planner_targets:
+        raise ValueError(f"--headline-target {args.headline_target} must be one of --planner-targets")
     if args.workers < 2 or args.requests < 1:
         raise ValueError("--workers must be >= 2 and --requests >= 1")
     profile = load_profile(args.profile, args.calibration)
@@ -74,18 +82,31 @@ def run(args: argparse.Namespace) -> int:
         result["validation"] = experiments.run_validation(load_profile("cpu", args.calibration), reference,
                                                           args.seed)
     if "autoscale" in parts:
-        trace = experiments.diurnal_workload(args.seed, profile, args.autoscale_rate, 2, args.period_s)
-        auto = experiments.run_autoscale(profile, trace, slo, static_sizes=args.static_sizes,
-                                         planner_targets=args.planner_targets,
-                                         threshold_targets=args.threshold_targets)
-        headline = next((r for r in auto["planner"] if r["target_utilisation"] == args.headline_target),
-                        auto["planner"][0])
-        auto["headline_run"] = headline
-        auto["requests"] = len(trace)
+        trace = experiments.diurnal_workload(args.seed, profile, args.autoscale_rate, 1, args.period_s,
+                                             args.trace_shape, args.burst_factor)
+        _log(f"autoscale: {len(trace)} requests, {args.trace_shape} day of {args.period_s:.0f} s, seed {args.seed}")
+        auto = experiments.run_autoscale(profile, trace, slo, planner_targets=args.planner_targets,
+                                         threshold_targets=args.threshold_targets,
+                                         headline_target=args.headline_target)
+        auto.update(requests=len(trace), trace_shape=args.trace_shape, seed=args.seed,
+                    burst_factor=args.burst_factor, period_s=args.period_s, rate=args.autoscale_rate)
         result["autoscale"] = auto
-        result["autoscale_slo_attainment"] = headline["slo_attainment"]
-        result["autoscale_worker_hours_vs_static"] = ratio(headline["worker_hours"],
+        result["autoscale_slo_attainment"] = auto["headline_run"]["slo_attainment"]
+        result["autoscale_worker_hours_vs_static"] = ratio(auto["headline_run"]["worker_hours"],
                                                            auto["static_peak"]["worker_hours"])
+        if args.check_trace:
+            shape, _, seed = args.check_trace.partition(":")
+            seed = int(seed or args.seed + 1)
+            trace = experiments.diurnal_workload(seed, profile, args.autoscale_rate, 1, args.period_s, shape,
+                                                 args.burst_factor)
+            _log(f"autoscale check: {len(trace)} requests, {shape} day, seed {seed}")
+            check = experiments.run_autoscale(profile, trace, slo, planner_targets=[args.headline_target],
+                                              threshold_targets=[], headline_target=args.headline_target,
+                                              ablations=False)
+            check.update(requests=len(trace), trace_shape=shape, seed=seed,
+                         worker_hours_vs_static=ratio(check["headline_run"]["worker_hours"],
+                                                      check["static_peak"]["worker_hours"]))
+            result["autoscale_check"] = check
     result["total_wall_s"] = round(time.perf_counter() - started, 1)
     if args.plots:
         result["plots"] = write_plots(result, args.plots)
@@ -99,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
 
 HEADLINE = ("workers", "requests", "wall_s", "cpu_s", "hit_rate_ratio_kv_vs_rr", "goodput_ratio_kv_vs_rr",
             "autoscale_slo_attainment", "autoscale_worker_hours_vs_static", "validation")
+
+
+def _log(msg: str) -> None:
+    print(f"[bench sim] {msg}", file=sys.stderr, flush=True)
 
 
 def _headline_first(result: dict) -> dict:
@@ -143,23 +168,26 @@ def print_table(result: dict) -> None:
                   f"{real['ttft_mean_s']} s, p99 TTFT {s['ttft_s']['p99']} vs {real['ttft_p99_s']} s")
     a = result.get("autoscale")
     if a:
-        print(f"autoscale ({a['requests']} requests): static peak {a['static_peak']['workers']} workers = "
-              f"{a['static_peak']['worker_hours']} worker-h")
+        peak = a["static_peak"]
+        print(f"autoscale ({a['requests']} requests, {a['trace_shape']} day, seed {a['seed']}): static peak "
+              f"{peak['prefill']}+{peak['decode']} workers = {peak['worker_hours']} worker-h")
         for r in a["planner"]:
-            print(f"  planner target {r['target_utilisation']}: SLO {r['slo_attainment']:.4f}, "
-                  f"{r['worker_hours']} worker-h")
+            print(f"  planner {r['variant']}: SLO {r['slo_attainment']:.4f}, {r['worker_hours']} worker-h "
+                  f"({r['worker_hours'] / peak['worker_hours']:.2f} of static peak), peak {r['peak']}")
         for r in a["threshold"]:
-            print(f"  threshold {r['target']}: SLO {r['slo_attainment']:.4f}, {r['worker_hours']} worker-h")
+            print(f"  threshold {r['target']}: SLO {r['slo_attainment']:.4f}, {r['worker_hours']} worker-h "
+                  f"({r['worker_hours'] / peak['worker_hours']:.2f})")
         print(f"autoscale_slo_attainment {result['autoscale_slo_attainment']}  "
               f"autoscale_worker_hours_vs_static {result['autoscale_worker_hours_vs_static']}")
+    c = result.get("autoscale_check")
+    if c:
+        print(f"check ({c['requests']} requests, {c['trace_shape']} day, seed {c['seed']}): planner SLO "
+              f"{c['headline_run']['slo_attainment']:.4f} at {c['worker_hours_vs_static']} of static peak "
+              f"({c['static_peak']['prefill']}+{c['static_peak']['decode']})")
 
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def add_parser(sub) -> None:
@@ -178,12 +206,16 @@ def add_parser(sub) -> None:
     p.add_argument("--calibration", default=None, help=f"calibration file (default {CALIBRATION.name} in services/sim)")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
     p.add_argument("--itl-slo", type=float, default=0.05, help="seconds")
-    p.add_argument("--period-s", type=float, default=1800.0, help="the autoscale trace's 'day' (two are run)")
-    p.add_argument("--autoscale-rate", type=float, default=1.5, help="mean session starts per second")
-    p.add_argument("--static-sizes", type=_ints, default=[4, 6, 8, 10, 12, 16])
-    p.add_argument("--planner-targets", type=_floats, default=[0.4, 0.5, 0.6, 0.7])
+    p.add_argument("--period-s", type=float, default=1800.0, help="the autoscale trace's compressed 'day' (one is run)")
+    p.add_argument("--autoscale-rate", type=float, default=16.0, help="mean session starts per second over the day")
+    p.add_argument("--trace-shape", default="coding", choices=list(experiments.TRACE_SHAPES),
+                   help="the day's shape: Azure 2024 coding (peak-to-trough ~10x) or conversation (~2.4x)")
+    p.add_argument("--burst-factor", type=float, default=1.5, help="load multiplier of the two 120 s bursts")
+    p.add_argument("--check-trace", default="conversation:1", metavar="SHAPE[:SEED]",
+                   help="run the headline planner and the static search again on this trace ('' : skip)")
+    p.add_argument("--planner-targets", type=_floats, default=[0.6, 0.7, 0.8])
     p.add_argument("--threshold-targets", type=_floats, default=[0.5, 0.7])
-    p.add_argument("--headline-target", type=float, default=0.6, help="the planner run the headline figures use")
+    p.add_argument("--headline-target", type=float, default=0.7, help="the planner run the headline figures use")
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots there")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")

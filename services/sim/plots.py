@@ -49,26 +49,13 @@ def write_plots(result: dict, directory: str | Path, prefix: str = "sim") -> lis
         written.append(_save(fig, directory, f"{prefix}-queue-depth.png"))
     autoscale = result.get("autoscale")
     if autoscale:
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        static = autoscale["static"]
-        ax.plot([s["worker_hours"] for s in static], [s["slo_attainment"] for s in static], "s-", label="static")
-        for key, label in (("planner", "planner"), ("threshold", "threshold rule (HPA-like)")):
-            runs = autoscale[key]
-            ax.plot([r["worker_hours"] for r in runs], [r["slo_attainment"] for r in runs], "o-", label=label)
-        ax.axhline(0.99, color="grey", lw=0.8, ls="--")
-        ax.axvline(0.6 * autoscale["static_peak"]["worker_hours"], color="grey", lw=0.8, ls=":")
-        ax.set_xlabel("worker-hours")
-        ax.set_ylabel("SLO attainment")
-        ax.set_ylim(max(0.0, min(r["slo_attainment"] for r in static + autoscale["planner"]
-                                 + autoscale["threshold"]) - 0.02), 1.005)
-        ax.legend(fontsize=7)
-        written.append(_save(fig, directory, f"{prefix}-autoscale-tradeoff.png"))
+        written.append(_tradeoff(plt, autoscale, directory, prefix))
         headline = autoscale.get("headline_run")
         if headline:
             fig, ax = plt.subplots(figsize=(6, 2.8))
             d = headline["decisions"]
             ax.plot([x["t"] for x in d], [x["prefill"] + x["decode"] for x in d], label="planner: active workers")
-            ax.plot([x["t"] for x in d], [x["warm"] for x in d], label="warm pool")
+            ax.plot([x["t"] for x in d], [x["warm"] + x.get("warming", 0) for x in d], label="warm pool")
             ax.axhline(autoscale["static_peak"]["workers"], color="grey", ls="--", lw=0.8, label="static peak")
             ax2 = ax.twinx()
             s = headline["series"]
@@ -78,3 +65,34 @@ def write_plots(result: dict, directory: str | Path, prefix: str = "sim") -> lis
             ax.legend(fontsize=7, loc="upper left")
             written.append(_save(fig, directory, f"{prefix}-autoscale-timeline.png"))
     return written
+
+
+def _tradeoff(plt, autoscale: dict, directory: Path, prefix: str) -> str:
+    """Worker-hours (as a share of static peak's) against SLO attainment: static sizes, the planner's
+    target sweep and ablations, the threshold rule; the goal's corner dashed."""
+    peak = autoscale["static_peak"]["worker_hours"]
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    static = sorted(autoscale["static"], key=lambda r: r["worker_hours"])
+    ax.plot([r["worker_hours"] / peak for r in static], [r["slo_attainment"] for r in static], "s", color="#555555",
+            label="static (prefill+decode searched)")
+    sweep = [r for r in autoscale["planner"] if r["variant"].startswith("target")]
+    ax.plot([r["worker_hours"] / peak for r in sweep], [r["slo_attainment"] for r in sweep], "o-", label="planner")
+    for r in sweep:
+        ax.annotate(f"{r['target_utilisation']}", (r["worker_hours"] / peak, r["slo_attainment"]), fontsize=6,
+                    xytext=(3, -8), textcoords="offset points")
+    for r in autoscale["planner"]:
+        if not r["variant"].startswith("target"):
+            ax.plot([r["worker_hours"] / peak], [r["slo_attainment"]], "x", ms=7, label=f"planner, {r['variant']}")
+    thr = autoscale["threshold"]
+    if thr:
+        ax.plot([r["worker_hours"] / peak for r in thr], [r["slo_attainment"] for r in thr], "^-",
+                label="threshold rule (HPA-like)")
+    ax.axhline(0.99, color="grey", lw=0.8, ls="--")
+    ax.axvline(0.6, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("worker-hours / static peak's")
+    ax.set_ylabel("SLO attainment")
+    lowest = min(r["slo_attainment"] for r in static + autoscale["planner"] + thr)
+    ax.set_ylim(max(0.0, min(lowest, 0.97) - 0.01), 1.003)
+    ax.set_title(f"{autoscale.get('trace_shape', '')} day, {autoscale.get('requests', '')} requests", fontsize=8)
+    ax.legend(fontsize=6)
+    return _save(fig, directory, f"{prefix}-autoscale-tradeoff.png")

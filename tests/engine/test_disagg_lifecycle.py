@@ -76,6 +76,19 @@ def test_handoff_on_tiny_model_matches_single_engine(pair):
     assert_no_leaks(prefill, decode)
 
 
+def test_seeded_sampling_across_the_handoff_matches_single_engine(pair):
+    """The first token is drawn on the prefill side; the decode side's draws must go on from there
+    (one random stream per seed), not start the seed's stream over and repeat its first draw."""
+    prefill, decode = pair
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+    prompt = list(range(3, 60))
+    single = Engine(prefill.config)
+    single.add_request("s", prompt, params)
+    want = [t for o in run_to_completion(single)["s"] for t in o.new_token_ids]
+    assert handoff(prefill, decode, "s", prompt, params) == want
+    assert_no_leaks(prefill, decode)
+
+
 def test_prefill_progress_reports_blocks_as_chunks_finish(pair):
     prefill, _ = pair
     prefill.add_request("p", list(range(3, 60)), SamplingParams(max_tokens=4), prefill_only=True)

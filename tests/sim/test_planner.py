@@ -31,8 +31,13 @@ def test_demand_sets_the_counts():
 
 def test_queue_lag_adds_prefill_workers_at_once():
     p = planner()
-    d = p.decide(signals(0, prefill=2, tokens_per_s=1000, queued=100_000))  # 5 s of their work queued
-    assert d.prefill == 2 + 5 and "queue lag" in d.reason
+    # 100,000 tokens queued: 5 s of the 2 workers' work, 10 s of one's; clearing it within lag_target_s
+    # (1 s) takes 10 more
+    d = p.decide(signals(0, prefill=2, tokens_per_s=1000, queued=100_000))
+    assert d.prefill == 2 + 10 and "queue lag" in d.reason
+    # with lookahead_s (a cold start) the backlog is cleared over it: the workers ordered now serve then
+    d = planner(lookahead_s=10).decide(signals(0, prefill=2, tokens_per_s=1000, queued=100_000))
+    assert d.prefill == 2 + 1
 
 
 def test_missed_slos_add_headroom():
@@ -107,3 +112,42 @@ def test_idle_time_counts_from_the_first_decision():
     assert p.decide(signals(50_000, reqs=0)).decode >= 1
     assert p.decide(signals(50_599, reqs=0)).decode >= 1
     assert p.decide(signals(50_600, reqs=0)).decode == 0
+
+
+def test_rising_demand_is_read_a_cold_start_ahead():
+    # prefill demand climbs 100 tokens/s every second: 120 s ahead it is 12,000 tokens/s more
+    p = planner(target_utilisation=0.5, lookahead_s=120, trend_window_s=60)
+    for t in range(0, 60, 10):
+        d = p.decide(signals(t, prefill=2, tokens_per_s=10_000 + 100 * t))
+    # now 15,000 (3 workers at 50%); ahead 27,000 (6)
+    assert d.prefill == 6 and "rising demand" in d.reason
+    flat = planner(target_utilisation=0.5, lookahead_s=120, trend_window_s=60)
+    for t in range(0, 60, 10):
+        d = flat.decide(signals(t, prefill=2, tokens_per_s=15_000))
+    assert d.prefill == 3 and "rising" not in d.reason
+
+
+def test_one_noisy_window_is_not_a_trend():
+    # the second window alone doubles: with under half a trend window of history nothing is read ahead
+    p = planner(target_utilisation=0.5, lookahead_s=120, trend_window_s=120)
+    p.decide(signals(0, tokens_per_s=5_000))
+    assert p.decide(signals(10, tokens_per_s=10_000)).prefill == 2
+
+
+def test_the_slo_boost_waits_for_the_last_one_to_start():
+    # misses on every 10 s tick: one boost per 30 s, not 1.25 ** n compounding while workers start
+    p = planner(boost=1.25, boost_every_s=30)
+    counts, current = [], 8
+    for t in range(0, 60, 10):
+        current = p.decide(signals(t, prefill=current, tokens_per_s=1000, ttft=0.5, reqs=50)).prefill
+        counts.append(current)
+    assert counts == [10, 10, 10, 13, 13, 13]
+
+
+def test_missed_ttfts_with_decode_kv_full_add_decode_workers():
+    p = planner(boost=1.5, kv_target=0.7)
+    d = p.decide(signals(0, prefill=4, decode=4, tokens_per_s=1000, kv=2900, ttft=0.8, reqs=50))
+    assert d.decode == 6 and "KV at target" in d.reason  # 2,900 of 4 x 1,000 blocks: over 70%
+    d = planner(boost=1.5, kv_target=0.7).decide(signals(0, prefill=4, decode=4, tokens_per_s=1000, kv=1000,
+                                                         ttft=0.8, reqs=50))
+    assert d.decode == 4  # KV has room: the misses are the prefill's

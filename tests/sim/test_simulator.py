@@ -150,7 +150,8 @@ def test_bench_sim_command_prints_the_headline_and_writes_plots_and_results(tmp_
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "bench", "sim", "--workers", "8", "--requests", "300",
          "--parts", "policies,validation,autoscale", "--period-s", "300", "--autoscale-rate", "0.2",
-         "--static-sizes", "2,4", "--planner-targets", "0.6", "--threshold-targets", "0.7", "--json",
+         "--planner-targets", "0.6", "--headline-target", "0.6", "--threshold-targets", "0.7",
+         "--check-trace", "conversation:1", "--json",
          "--plots", str(tmp_path / "plots"), "--save", str(tmp_path / "results")],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -161,6 +162,10 @@ def test_bench_sim_command_prints_the_headline_and_writes_plots_and_results(tmp_
     assert (out["workers"], out["requests"]) == (8, 300)
     assert set(out["policies"]) == {"round-robin", "least-load", "kv-aware", "kv-aware-lb"}
     assert set(out["validation"]["real"]) == set(out["validation"]["sim"])
+    # static peak searched to the smallest meeting 99%; the check trace run and reported
+    peak = out["autoscale"]["static_peak"]
+    assert peak["slo_attainment"] >= 0.99 and peak["workers"] == peak["prefill"] + peak["decode"]
+    assert out["autoscale_check"]["trace_shape"] == "conversation" and out["autoscale_check"]["seed"] == 1
     pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert pngs and all((tmp_path / "plots" / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
     saved = list((tmp_path / "results").glob("sim-*.json"))
