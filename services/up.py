@@ -42,7 +42,8 @@ def choice_from_args(args) -> Choice:
         gguf = gguf_servable(path)
     given = any(a.split("=", 1)[0] == "--local-prefill-max-tokens" for a in args.router_arg)
     return up_defaults.choose(os.cpu_count() or 1, prefill=args.prefill, decode=args.decode, threads=args.threads,
-                              quantization=args.quantization, gguf=gguf, local_prefill_given=given)
+                              quantization=args.quantization, gguf=gguf, local_prefill_given=given,
+                              front_first=args.front_first)
 
 
 def _cascade_args(args) -> list[str]:
@@ -62,7 +63,7 @@ def spec_from_args(args, choice: Choice | None = None) -> StackSpec:
                      transport=args.transport, threads=choice.threads, kv_cache_gb=args.kv_cache_gb, host=args.host,
                      redis_url=args.redis_url, policy=args.policy, router_port=args.router_port,
                      gateway=not args.no_gateway, gateway_port=args.port, gateway_grpc_port=args.grpc_port,
-                     api_keys=args.api_keys, profiling=args.enable_profiling,
+                     api_keys=args.api_keys, profiling=args.enable_profiling, front_first=choice.front_first,
                      router_args=[*choice.router_args, *args.router_arg],
                      gateway_args=args.gateway_arg + (["--enable-lora-admin"] if args.enable_lora_admin else [])
                      + _cascade_args(args),
@@ -222,6 +223,10 @@ def add_parser(sub) -> None:
     add_lora_args(p)
     p.add_argument("--enable-lora-admin", action="store_true",
                    help="the gateway answers POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    p.add_argument("--front-first", action="store_true",
+                   help="the gateway, router and embedded Redis ask for 0.1 ms CPU slices (Linux 6.12+, no "
+                        "privilege, no CPU taken from the workers) so they get a core sooner while the workers "
+                        "compute; off by default: not yet shown to help (BENCHMARKS.md, bench frontdoor)")
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for the router (repeatable), e.g. --router-arg=--temperature=0.5")
     p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",

@@ -23,6 +23,9 @@ peer --only pdserve --variant ...`` on the project's 2-core machine
   has nothing waiting (``--local-prefill-max-tokens``; the router's own default
   stays 0 for deployments that configure it): at 16 and 32 streams this served
   more tokens per second and cut a lone cached prompt's TTFT.
+- **Scheduling**: the kernel's defaults. ``--front-first`` (services/front_first.py)
+  is opt-in: in ``pdserve bench frontdoor`` it has not yet been shown to help
+  (BENCHMARKS.md).
 - **Weights**: a GGUF model whose projections are all Q4_0/Q4_1/Q8_0 blocks is
   served from those blocks (``--quantization gguf``): the same weights the file
   holds (bf16 holds the same values, widened), decoded at 2-3 times the speed on
@@ -50,6 +53,7 @@ class Choice:
     threads: int
     quantization: str | None  # None: unquantized (--dtype)
     router_args: list[str] = field(default_factory=list)  # the router flags chosen here
+    front_first: bool = False  # the gateway, router and Redis on short slices (front_first.py; --front-first)
     reasons: list[str] = field(default_factory=list)  # one "chose X because Y" per value chosen here
 
     def summary(self) -> str:
@@ -81,10 +85,11 @@ def gguf_servable(path: Path | None) -> tuple[bool, str]:
 
 def choose(cpus: int, *, prefill: int | None = None, decode: int | None = None, threads: int | None = None,
            quantization: str | None = None, gguf: tuple[bool, str] = (False, ""),
-           local_prefill_given: bool = False) -> Choice:
+           local_prefill_given: bool = False, front_first: bool = False) -> Choice:
     """Fill in what was not given (None) for a machine of ``cpus`` cores; ``gguf``: ``gguf_servable``'s answer.
     ``quantization`` "none" is an explicit choice of unquantized weights. ``local_prefill_given``: the router's
-    ``--local-prefill-max-tokens`` was passed (``--router-arg``)."""
+    ``--local-prefill-max-tokens`` was passed (``--router-arg``); ``front_first``: ``--front-first`` given
+    (said with the choices)."""
     cpus = max(1, cpus)
     reasons = []
     if prefill is None:
@@ -108,5 +113,9 @@ def choose(cpus: int, *, prefill: int | None = None, decode: int | None = None, 
         router_args = [f"--local-prefill-max-tokens={LOCAL_PREFILL_MAX_TOKENS}"]
         reasons.append(f"uncached prompts up to {LOCAL_PREFILL_MAX_TOKENS} tokens prefilled on an idle decode worker "
                        "because the hand-off cost more than the compute (measured)")
+    if front_first:
+        from services import front_first as scheduling
+
+        reasons.append(scheduling.describe())
     return Choice(prefill, decode, threads, None if quantization == "none" else quantization,
-                  router_args=router_args, reasons=reasons)
+                  router_args=router_args, front_first=front_first, reasons=reasons)

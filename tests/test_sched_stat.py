@@ -31,20 +31,6 @@ def test_a_process_that_is_gone_reads_none():
     assert sched_stat.read(child.pid) is None and sched_stat.delta(None, (1.0, 0.0)) is None
 
 
-def test_renice_sets_every_thread_of_a_process():
-    child = subprocess.Popen([sys.executable, "-c",
-                              "import threading, time; [threading.Thread(target=time.sleep, args=(30,)).start() "
-                              "for _ in range(3)]; time.sleep(30)"])
-    try:
-        time.sleep(1.0)  # its threads started
-        assert sched_stat.renice(child.pid, 7) >= 4
-        tids = os.listdir(f"/proc/{child.pid}/task")
-        assert all(os.getpriority(os.PRIO_PROCESS, int(tid)) == 7 for tid in tids)
-    finally:
-        child.kill()
-        child.wait()
-
-
 def test_a_blocked_loop_shows_as_lag():
     async def run() -> LoopLag:
         lag = LoopLag(interval_s=0.005).start()

@@ -39,10 +39,16 @@ import sys
 import tempfile
 import time
 
-from services import sched_stat
+from services import front_first, sched_priority, sched_stat
 from services.bench import results as result_files
 from services.bench.http_client import Connection
-from services.bench.load import OpenAIClient, OpenAIRequest, closed_loop, open_loop, outcomes
+from services.bench.load import (
+    OpenAIClient,
+    OpenAIRequest,
+    closed_loop,
+    open_loop,
+    outcomes,
+)
 from services.bench.stats import percentile as pct
 from services.gateway import fanout_probe, frontdoor_probe
 from services.loop_lag import LoopLag
@@ -197,7 +203,9 @@ async def _bench(args, stack) -> dict:
                      "latency_streams": args.latency_streams, "latency_requests": args.latency_requests,
                      "latency_max_tokens": args.latency_max_tokens,
                      "model": args.model, "dtype": args.dtype, "threads_per_worker": args.threads,
-                     "seed": args.seed, "worker_nice": args.worker_nice, "front_nice": args.front_nice, "front_realtime": args.front_realtime, "gateway_args": args.gateway_arg, "stack": "pdserve up defaults: 1 prefill, 1 decode, router, gateway"}
+                     "seed": args.seed, "front_first": args.front_first, "worker_nice": args.worker_nice, "front_nice": args.front_nice, "front_realtime": args.front_realtime, "worker_policy": args.worker_policy,
+                     "worker_autogroup_nice": args.worker_autogroup_nice, "front_slice_us": args.front_slice_us,
+                     "gateway_args": args.gateway_arg, "stack": "pdserve up defaults: 1 prefill, 1 decode, router, gateway"}
     return out
 
 
@@ -209,7 +217,8 @@ def run(args) -> int:
     if args.latency_requests and args.latency_requests < args.latency_streams:
         raise ValueError("latency-requests must be at least latency-streams (every client sends one)")
     spec = StackSpec(prefill=1, decode=1, model=args.model, dtype=args.dtype, threads=args.threads,
-                     transport=args.transport, gateway=True, gateway_args=list(args.gateway_arg))
+                     transport=args.transport, gateway=True, gateway_args=list(args.gateway_arg),
+                     front_first=args.front_first)
     _log("starting the stack (pdserve up defaults: embedded Redis, 1 prefill, 1 decode, router, gateway)")
     started = time.perf_counter()
     args.probe_dir = None if args.no_probe else tempfile.mkdtemp(prefix="pdserve-fanout-probe-")
@@ -218,21 +227,7 @@ def run(args) -> int:
     with LocalStack(spec) as stack:
         os.environ.pop(fanout_probe.ENV, None)
         _log(f"  ready in {time.perf_counter() - started:.0f} s")
-        if args.worker_nice:  # the engine below the light processes: they use little CPU but wait on none
-            for name, p in stack.procs.items():
-                if name.startswith(("prefill", "decode")):
-                    sched_stat.renice(p.proc.pid, args.worker_nice)
-            _log(f"  workers reniced to {args.worker_nice}")
-        if args.front_nice or args.front_realtime:  # the light processes, this one (the clients and, spawned
-            # later, the tap) included
-            redis = getattr(stack.server, "_process", None)
-            light = [p.proc.pid for name, p in stack.procs.items() if not name.startswith(("prefill", "decode"))]
-            for pid in [*light, *([redis.pid] if redis else []), os.getpid()]:
-                sched_stat.renice(pid, args.front_nice)
-                if args.front_realtime:
-                    sched_stat.realtime(pid)
-            _log(f"  gateway, router, Redis and the load generator at nice {args.front_nice}"
-                 + (", SCHED_RR" if args.front_realtime else ""))
+        _schedule(args, stack)
         try:
             result = asyncio.run(_bench(args, stack))
         finally:
@@ -244,6 +239,39 @@ def run(args) -> int:
     result_files.save("frontdoor", result, args)
     print(json.dumps(result) if args.json else format_table(result))
     return 0
+
+
+def _schedule(args, stack) -> None:
+    """The scheduling knobs on top of the stack's own (``--scheduling``): the workers', then the light
+    processes' (gateway, router, embedded Redis, and this process: the clients and, spawned later, the tap)."""
+    if args.front_first:  # the clients stand in for other machines': they get what the gateway gets
+        for line in front_first.apply("load generator", os.getpid()):
+            _log(f"  {line}")
+    workers = [p.proc.pid for name, p in stack.procs.items() if name.startswith(("prefill", "decode"))]
+    redis = getattr(stack.server, "_process", None)
+    light = [p.proc.pid for name, p in stack.procs.items() if not name.startswith(("prefill", "decode"))]
+    light += [*([redis.pid] if redis else []), os.getpid()]
+    for pid in workers:
+        if args.worker_nice:
+            sched_priority.renice(pid, args.worker_nice)
+        if args.worker_policy != "other":
+            sched_priority.set_policy(pid, _POLICIES[args.worker_policy])
+        if args.worker_autogroup_nice:
+            sched_priority.set_autogroup_nice(pid, args.worker_autogroup_nice)
+    for pid in light:
+        if args.front_nice:
+            sched_priority.renice(pid, args.front_nice)
+        if args.front_realtime:
+            sched_priority.realtime(pid)
+        if args.front_slice_us:
+            sched_priority.set_slice(pid, int(args.front_slice_us * 1000))
+    names = ("worker_nice", "worker_policy", "worker_autogroup_nice", "front_nice", "front_realtime", "front_slice_us")
+    knobs = {k: getattr(args, k) for k in names if getattr(args, k) not in (0, "other", False)}
+    if knobs:
+        _log(f"  scheduling knobs: {knobs}")
+
+
+_POLICIES = {"batch": os.SCHED_BATCH, "idle": os.SCHED_IDLE}
 
 
 def format_table(result: dict) -> str:
@@ -305,6 +333,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gateway-arg", action="append", default=[], metavar="FLAG",
                    help="a flag for the gateway, e.g. --gateway-arg=--loop=asyncio (repeatable)")
+    p.add_argument("--front-first", action="store_true",
+                   help="as `pdserve up --front-first` (services/front_first.py): the gateway, router, Redis and "
+                        "this process, the clients, on 0.1 ms CPU slices")
     p.add_argument("--worker-nice", type=int, default=0,
                    help="niceness of the prefill and decode workers' threads (0: as started; 10: the gateway, "
                         "router, Redis and clients get a larger share of the cores when they need one)")
@@ -315,6 +346,15 @@ def add_parser(sub) -> None:
     p.add_argument("--front-realtime", action="store_true",
                    help="run the gateway, router, embedded Redis and the load generator in the real-time class "
                         "(SCHED_RR; root): on a machine other jobs load, the figure without their run-queue waits")
+    p.add_argument("--worker-policy", default="other", choices=["other", "batch", "idle"],
+                   help="the workers' threads' scheduling policy (SCHED_OTHER, SCHED_BATCH, SCHED_IDLE; lowering "
+                        "needs no privilege)")
+    p.add_argument("--worker-autogroup-nice", type=int, default=0,
+                   help="niceness of each worker's autogroup (kernel.sched_autogroup_enabled: every child of the "
+                        "stack runs in a session, so a task group, of its own; 0: as started)")
+    p.add_argument("--front-slice-us", type=float, default=0,
+                   help="the gateway, router, Redis and load generator ask for slices this long (EEVDF custom "
+                        "slice, Linux 6.12+, no privilege; 0: the kernel's default)")
     p.add_argument("--no-probe", action="store_true",
                    help="leave the gateway's per-chunk probe off (fanout_probe.py; on, the latency phase says where "
                         "each chunk waited: the delivery stream, the gateway's loop, the client's)")

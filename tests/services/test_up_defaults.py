@@ -29,6 +29,7 @@ def test_two_cores_run_disaggregated_with_every_core_and_the_files_blocks():
     assert (choice.prefill, choice.decode, choice.threads, choice.quantization) == (1, 1, 2, "gguf")
     assert choice.router_args == ["--local-prefill-max-tokens=256"]
     assert len(choice.reasons) == 4 and all(" because " in r for r in choice.reasons)
+    assert not choice.front_first
 
 
 def test_one_core_prefills_on_the_decode_worker():
@@ -46,9 +47,9 @@ def test_threads_follow_the_cores_unless_given(cpus):
 
 def test_given_values_are_kept_and_not_explained():
     choice = up_defaults.choose(2, prefill=1, decode=2, threads=3, quantization="none", gguf=SERVABLE,
-                                local_prefill_given=True)
+                                local_prefill_given=True, front_first=False)
     assert (choice.prefill, choice.decode, choice.threads, choice.quantization) == (1, 2, 3, None)
-    assert choice.reasons == [] and choice.router_args == []
+    assert choice.reasons == [] and choice.router_args == [] and not choice.front_first
 
 
 def test_flags_reach_the_stack_spec_unchanged():
@@ -61,6 +62,13 @@ def test_flags_reach_the_stack_spec_unchanged():
     for given in (["--router-arg=--local-prefill-max-tokens=0"],
                   ["--router-arg=--local-prefill-max-tokens", "--router-arg=0"]):
         assert up.spec_from_args(_args("--prefill", "1", *given)).router_args == [g.split("=", 1)[1] for g in given]
+
+
+def test_front_first_scheduling_is_off_unless_asked():
+    args = _args("--quantization", "none")  # none: no model file to read
+    assert not up.spec_from_args(args).front_first and "CPU slices" not in up.choice_from_args(args).summary()
+    args = _args("--front-first", "--quantization", "none")
+    assert up.spec_from_args(args).front_first and "0.1 ms CPU slices" in up.choice_from_args(args).summary()
 
 
 def test_a_pdserve_variable_counts_as_given(monkeypatch):
