@@ -57,6 +57,24 @@ def apply(name: str, pid: int) -> list[str]:
     return []
 
 
+def background_engine(name: str, pid: int, niceness: int) -> list[str]:
+    """An engine worker's autogroup at ``niceness`` (``pdserve up --engine-nice``, default 19): with
+    ``kernel.sched_autogroup_enabled`` each child's session shares the cores as one group, so this, not
+    a thread's own niceness, is what lets the light processes run first when they wake. Returns what was
+    refused, one line each."""
+    if not is_engine(name):
+        return []
+    try:
+        if sched_priority.set_autogroup_nice(pid, niceness):
+            return []
+        return ["engine niceness not applied (kernel.sched_autogroup_enabled is off, or the process is in a "
+                "cgroup of its own: the kernel's scheduling is kept)"]
+    except ProcessLookupError:
+        return []  # it already exited; the supervisor says so
+    except OSError as exc:
+        return [f"engine niceness not applied ({exc.strerror or exc})"]
+
+
 def describe() -> str:
     return (f"the gateway, router and Redis on {FRONT_SLICE_NS / 1e6:g} ms CPU slices because --front-first asks "
             "that they get a core sooner when they wake while the workers compute")

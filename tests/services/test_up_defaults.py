@@ -28,8 +28,8 @@ def test_two_cores_run_disaggregated_with_every_core_and_the_files_blocks():
     choice = up_defaults.choose(2, gguf=SERVABLE)
     assert (choice.prefill, choice.decode, choice.threads, choice.quantization) == (1, 1, 2, "gguf")
     assert choice.router_args == ["--local-prefill-max-tokens=256"]
-    assert len(choice.reasons) == 4 and all(" because " in r for r in choice.reasons)
-    assert not choice.front_first
+    assert len(choice.reasons) == 5 and all(" because " in r for r in choice.reasons)
+    assert not choice.front_first and choice.engine_nice == 19
 
 
 def test_one_core_prefills_on_the_decode_worker():
@@ -47,9 +47,9 @@ def test_threads_follow_the_cores_unless_given(cpus):
 
 def test_given_values_are_kept_and_not_explained():
     choice = up_defaults.choose(2, prefill=1, decode=2, threads=3, quantization="none", gguf=SERVABLE,
-                                local_prefill_given=True, front_first=False)
+                                local_prefill_given=True, front_first=False, engine_nice=0)
     assert (choice.prefill, choice.decode, choice.threads, choice.quantization) == (1, 2, 3, None)
-    assert choice.reasons == [] and choice.router_args == [] and not choice.front_first
+    assert choice.reasons == [] and choice.router_args == [] and not choice.front_first and choice.engine_nice == 0
 
 
 def test_flags_reach_the_stack_spec_unchanged():
@@ -69,6 +69,17 @@ def test_front_first_scheduling_is_off_unless_asked():
     assert not up.spec_from_args(args).front_first and "CPU slices" not in up.choice_from_args(args).summary()
     args = _args("--front-first", "--quantization", "none")
     assert up.spec_from_args(args).front_first and "0.1 ms CPU slices" in up.choice_from_args(args).summary()
+
+
+def test_the_engine_workers_yield_the_cores_to_the_front_door_unless_told_not_to():
+    args = _args("--quantization", "none")
+    assert up.spec_from_args(args).engine_nice == 19 == up_defaults.ENGINE_NICE
+    assert "autogroups at niceness 19" in up.choice_from_args(args).summary()
+    args = _args("--engine-nice", "0", "--quantization", "none")  # given: kept, and not explained
+    assert up.spec_from_args(args).engine_nice == 0 and "niceness" not in up.choice_from_args(args).summary()
+    for bad in ("-5", "20", "high"):
+        with pytest.raises(SystemExit):
+            _args("--engine-nice", bad)
 
 
 def test_a_pdserve_variable_counts_as_given(monkeypatch):
