@@ -139,6 +139,7 @@ class Registrar:
         self.interval_s = interval_s
         self.ttl_ms = int(ttl_s * 1000)
         self._task: asyncio.Task | None = None
+        self._beat: asyncio.Future | None = None  # the heartbeat in flight, if any
 
     async def beat(self) -> None:
         if self.refresh is not None:
@@ -156,8 +157,11 @@ class Registrar:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
+            # shielded: a cancel landing inside redis-py's pipeline could leave stop() waiting forever (a
+            # worker SIGTERMed as its first heartbeat ran never exited); stop() lets the beat finish instead
+            self._beat = asyncio.ensure_future(self.beat())
             try:
-                await self.beat()
+                await asyncio.shield(self._beat)
             except Exception as exc:  # Redis away for a moment: the TTL decides, keep trying
                 log.warning("heartbeat failed: %s", exc)
 
@@ -166,6 +170,8 @@ class Registrar:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        if self._beat is not None and not self._beat.done():  # finished first, so it cannot re-add the entry
+            await asyncio.wait({self._beat}, timeout=self.ttl_ms / 1000)
         try:
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.delete(worker_key(self.info.worker_id))

@@ -47,6 +47,41 @@ def test_registered_worker_appears_with_its_load(with_redis):
     with_redis(go)
 
 
+def test_a_worker_stopped_during_a_heartbeat_lets_it_finish_and_leaves_the_registry(with_redis):
+    """A worker SIGTERMed as its first heartbeat ran used to never exit: the cancel landed inside
+    redis-py's pipeline. The beat is now left to finish, then the entry is removed (so the late
+    beat cannot put it back)."""
+    import asyncio
+
+    from services.registry import read_workers
+
+    async def go(r):
+        reg = Registrar(r, info("p1"), interval_s=0.05, ttl_s=30)
+        beating, release = asyncio.Event(), asyncio.Event()
+        real_beat, beats = reg.beat, []
+
+        async def slow_beat():
+            beats.append("started")
+            if len(beats) == 1:  # the first periodic beat (start()'s own ran before this): held until stop() began
+                beating.set()
+                await release.wait()
+            await real_beat()
+            beats.append("done")
+
+        await reg.start()
+        reg.beat = slow_beat
+        await beating.wait()
+        stopping = asyncio.ensure_future(reg.stop())
+        await asyncio.sleep(0.2)
+        assert not stopping.done()  # it waits for the beat in flight instead of cancelling it
+        release.set()
+        await stopping
+        assert beats[-1] == "done"
+        assert await read_workers(r) == []  # gone, and the late beat did not re-add it
+
+    with_redis(go)
+
+
 def test_dead_worker_leaves_pool_and_index_within_ttl(with_redis):
     async def go(r):
         index = PrefixIndex()
