@@ -65,27 +65,19 @@ def pair():
     return Engine(cfg), Engine(cfg)
 
 
-def test_handoff_on_tiny_model_matches_single_engine(pair):
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+    # seeded: the first token is drawn on the prefill side; the decode side's draws must go on from there
+    # (one random stream per seed), not start the seed's stream over and repeat its first draw
+    SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True),
+], ids=["greedy", "seeded"])
+def test_handoff_on_tiny_model_matches_single_engine(pair, params):
     prefill, decode = pair
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompt = list(range(3, 60))
     single = Engine(prefill.config)
     single.add_request("x", prompt, params)
     want = [t for o in run_to_completion(single)["x"] for t in o.new_token_ids]
     assert handoff(prefill, decode, "x", prompt, params) == want
-    assert_no_leaks(prefill, decode)
-
-
-def test_seeded_sampling_across_the_handoff_matches_single_engine(pair):
-    """The first token is drawn on the prefill side; the decode side's draws must go on from there
-    (one random stream per seed), not start the seed's stream over and repeat its first draw."""
-    prefill, decode = pair
-    params = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
-    prompt = list(range(3, 60))
-    single = Engine(prefill.config)
-    single.add_request("s", prompt, params)
-    want = [t for o in run_to_completion(single)["s"] for t in o.new_token_ids]
-    assert handoff(prefill, decode, "s", prompt, params) == want
     assert_no_leaks(prefill, decode)
 
 
