@@ -46,7 +46,7 @@ def choice_from_args(args) -> Choice:
                               front_first=args.front_first, engine_nice=args.engine_nice)
 
 
-def _engine_nice(value: str) -> int:
+def engine_nice_arg(value: str) -> int:
     try:
         n = int(value)
     except ValueError:
@@ -234,7 +234,7 @@ def add_parser(sub) -> None:
     add_lora_args(p)
     p.add_argument("--enable-lora-admin", action="store_true",
                    help="the gateway answers POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
-    p.add_argument("--engine-nice", type=_engine_nice, default=None, metavar="N",
+    p.add_argument("--engine-nice", type=engine_nice_arg, default=None, metavar="N",
                    help="niceness 0-19 of each engine worker's autogroup (the share of the cores its session gets "
                         "against the gateway, router and Redis; no privilege needed). Default 19: the front "
                         "door gets a core as soon as it wakes (BENCHMARKS.md, bench frontdoor); 0 keeps the "

@@ -42,12 +42,13 @@ import sys
 import tempfile
 import time
 
-from services import hops
+from services import hops, openmp_env
 from services.bench import results as result_files
 from services.bench.args import at_least_one as count
 from services.bench.args import counts
 from services.bench.load import OpenAIClient, OpenAIRequest, closed_loop
 from services.bench.stats import percentile, ratio
+from services.up import engine_nice_arg
 
 _WORDS = ("river stone light garden window paper engine market silver forest music winter harbor signal "
           "letter mountain yellow planet bridge candle orange theory coffee island rocket thunder velvet "
@@ -204,6 +205,7 @@ async def _run(args, stacks: dict, hops_dirs: dict[str, str]) -> dict:
             await client.send(OpenAIRequest("chat", f"Warm up {k}.", 4))
         sides[name] = (client, hops_dirs[name])
     result = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "router_args": args.router_arg,
+              "engine_nice": args.engine_nice, "omp_env": {k: os.environ.get(k) for k in openmp_env.USER_SETTINGS},
               "baseline_router_args": args.baseline_router_arg if "baseline" in stacks else None,
               "levels": await _levels(args, sides)}
     if args.batch1_rounds:
@@ -222,8 +224,10 @@ def run(args) -> int:
     # given: without them every fresh prompt, the batch-1 rounds' included, went through the prefill worker
     # and its prompt compute was counted as an idle prefill worker's CPU per served token
     given = any(a.startswith("--local-prefill-max-tokens") for a in args.router_arg + args.baseline_router_arg)
-    up_args = choose(os.cpu_count() or 1, prefill=1, decode=1, threads=0, quantization="none",
-                     local_prefill_given=given).router_args
+    up = choose(os.cpu_count() or 1, prefill=1, decode=1, threads=0, quantization="none",
+                local_prefill_given=given, engine_nice=args.engine_nice)
+    up_args = up.router_args
+    args.engine_nice = up.engine_nice  # `pdserve up`'s default (19) unless given: the stack a user runs
     args.router_arg = up_args + list(args.router_arg)
     router_args = {"pdserve": list(args.router_arg)}
     if args.baseline_router_arg:
@@ -237,7 +241,7 @@ def run(args) -> int:
             try:
                 spec = StackSpec(prefill=1, decode=1, model=args.model, dtype=args.dtype,
                                  quantization=args.quantization, threads=args.threads,
-                                 kv_cache_gb=args.kv_cache_gb, router_args=extra)
+                                 kv_cache_gb=args.kv_cache_gb, router_args=extra, engine_nice=args.engine_nice)
                 _log(f"starting the {name} stack, router flags {extra or 'default'} (hop marks in "
                      f"{hops_dirs[name]})")
                 stacks[name] = exit_stack.enter_context(LocalStack(spec))
@@ -303,6 +307,8 @@ def add_parser(sub) -> None:
                         "two in blocks (e.g. --baseline-router-arg=--no-local-prefill-cached: the hand-off "
                         "every cached prompt took before)")
     p.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV cache per worker")
+    p.add_argument("--engine-nice", type=engine_nice_arg, default=None, metavar="N",
+                   help="the engine workers' autogroup niceness 0-19 (default: pdserve up's, 19)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: the workers')")
     p.add_argument("--dtype", default="bf16", help="worker dtype")
     p.add_argument("--quantization", default=None, help="workers' --quantization (int8, gguf)")
