@@ -8,7 +8,10 @@ to the file named. Summarize it by thread and frame (BENCHMARKS.md, bench hops' 
 the engine thread should hold the GIL only between kernels; whatever the event-loop thread holds per token
 is time the engine may wait for.
 
-Usage: PYTHONPATH=. python benchmarks/probes/decode_worker_gil.py OUT.txt   (needs py-spy, root)
+Usage: PYTHONPATH=. python benchmarks/probes/decode_worker_gil.py OUT.txt [PROCESS]   (needs py-spy, root)
+
+PROCESS (default decode-0) names another process of the stack (gateway, router): it is sampled on CPU
+(``--gil`` is for the decode worker's two threads), which is where its time per served token goes.
 """
 
 import asyncio
@@ -31,7 +34,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def main(out: str) -> None:
+def main(out: str, process: str = "decode-0") -> None:
     spec = StackSpec(prefill=1, decode=1, kv_cache_gb=0.25, quantization="gguf", threads=2,
                      router_args=[f"--local-prefill-max-tokens={LOCAL_PREFILL_MAX_TOKENS}"])
     with LocalStack(spec) as stack:
@@ -42,8 +45,9 @@ def main(out: str) -> None:
         asyncio.run(closed_loop(client.send, items[:2], clients=1))  # warm
         pids = {name: p.proc.pid for name, p in stack.procs.items()}
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        spy = subprocess.Popen(["py-spy", "record", "--pid", str(pids["decode-0"]), "-d", "10", "-r", "250",
-                                "-f", "raw", "-o", out, "--threads", "--gil"],
+        spy = subprocess.Popen(["py-spy", "record", "--pid", str(pids[process]), "-d", "10", "-r", "250",
+                                "-f", "raw", "-o", out, "--threads",
+                                *(["--gil"] if process == "decode-0" else [])],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         samples, wall = asyncio.run(closed_loop(client.send, items, clients=1))
         after = {name: cpu_seconds(pid) for name, pid in pids.items()}
@@ -55,4 +59,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

@@ -166,6 +166,7 @@ async def _batch1(args, client: OpenAIClient, stack) -> dict:
     pids = {name: p.proc.pid for name, p in stack.procs.items()}
     pids["redis"] = int(redis.Redis.from_url(stack.redis_url).info("server")["process_id"])
     procs = {name: psutil.Process(pid) for name, pid in pids.items()}
+    procs["client"] = psutil.Process()  # this process: during a served round it only reads the stream
     cpu = dict.fromkeys(procs, 0.0)
     served_tokens = 0
 
@@ -205,7 +206,7 @@ async def _run(args, stacks: dict, hops_dirs: dict[str, str]) -> dict:
             await client.send(OpenAIRequest("chat", f"Warm up {k}.", 4))
         sides[name] = (client, hops_dirs[name])
     result = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "router_args": args.router_arg,
-              "engine_nice": args.engine_nice, "omp_env": {k: os.environ.get(k) for k in openmp_env.USER_SETTINGS},
+              "engine_nice": args.engine_nice, "worker_args": args.worker_arg, "omp_env": {k: os.environ.get(k) for k in openmp_env.USER_SETTINGS},
               "baseline_router_args": args.baseline_router_arg if "baseline" in stacks else None,
               "levels": await _levels(args, sides)}
     if args.batch1_rounds:
@@ -241,7 +242,8 @@ def run(args) -> int:
             try:
                 spec = StackSpec(prefill=1, decode=1, model=args.model, dtype=args.dtype,
                                  quantization=args.quantization, threads=args.threads,
-                                 kv_cache_gb=args.kv_cache_gb, router_args=extra, engine_nice=args.engine_nice)
+                                 kv_cache_gb=args.kv_cache_gb, router_args=extra, engine_nice=args.engine_nice,
+                                 worker_args=list(args.worker_arg))
                 _log(f"starting the {name} stack, router flags {extra or 'default'} (hop marks in "
                      f"{hops_dirs[name]})")
                 stacks[name] = exit_stack.enter_context(LocalStack(spec))
@@ -306,6 +308,8 @@ def add_parser(sub) -> None:
                    help="also start a baseline stack whose router gets this flag (repeat), and alternate the "
                         "two in blocks (e.g. --baseline-router-arg=--no-local-prefill-cached: the hand-off "
                         "every cached prompt took before)")
+    p.add_argument("--worker-arg", action="append", default=[],
+                   help="an extra flag for every worker (repeat; e.g. --worker-arg=--loop=asyncio)")
     p.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV cache per worker")
     p.add_argument("--engine-nice", type=engine_nice_arg, default=None, metavar="N",
                    help="the engine workers' autogroup niceness 0-19 (default: pdserve up's, 19)")
