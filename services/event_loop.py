@@ -1,7 +1,11 @@
-"""How the gateway runs its event loop: uvloop when installed, and a garbage collector that skips startup's objects.
+"""How the gateway and the workers run their event loops: uvloop when installed, and a garbage collector that
+skips startup's objects.
 
 The gateway is one event loop holding every open stream: whatever stops the
-loop delays every chunk due meanwhile. ``pdserve bench frontdoor``'s probe
+loop delays every chunk due meanwhile. A worker's loop runs beside its engine
+thread and writes each engine step's tokens to Redis: on a small machine the
+CPU it spends per step is taken from the cores the engine's threads compute on
+(issue 27's batch-1 gap; BENCHMARKS.md, bench hops). ``pdserve bench frontdoor``'s probe
 (fanout_probe.py) measured two such stops at 1,000 open streams:
 
 - the stdlib loop's own cost per callback and per socket write, which uvloop

@@ -27,7 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvtransfer import TransferConfig
-from services import kv_events, lora_registry, telemetry
+from services import event_loop, kv_events, lora_registry, telemetry
 from services.advertise import advertised_host, host_port
 from services.config import EngineConfig
 from services.errors import NoWorkerError, PdserveError
@@ -311,7 +311,7 @@ def run_worker(args, role: str, make_servicer, add_to_server, service: str) -> i
         return [service]
 
     started = time.monotonic()
-    asyncio.run(runtime.serve(add, servicer.setup, servicer.teardown))
+    event_loop.run(runtime.serve(add, servicer.setup, servicer.teardown), args.loop)
     log.info("%s stopped after %.0f s", runtime.worker_id, time.monotonic() - started)
     return 0
 
@@ -359,6 +359,10 @@ def add_worker_args(p, role: str) -> None:
                         "check whatever arrives with one). The check reads each run once on each side, at "
                         "memory speed: off only where that is measured to matter")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--loop", default="auto", choices=event_loop.LOOPS,
+                   help="the event loop beside the engine thread: uvloop (auto: when installed; its CPU per step's "
+                        "result write and per wake-up is a fraction of the stdlib loop's, and that CPU is taken "
+                        "from the engine's cores) or asyncio")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
     p.add_argument("--enable-profiling", action="store_true",
                    help="answer Admin.Profile (pdserve profile): record the torch profiler on demand")

@@ -36,3 +36,17 @@ def test_settle_gc_exempts_what_exists_from_later_collections():
         assert not any(obj is kept for obj in gc.get_objects())  # frozen: out of every generation
     finally:
         gc.unfreeze()
+
+
+def test_workers_take_the_loop_flag_and_refuse_an_unknown_one():
+    import subprocess
+    import sys
+
+    from services.cli import build_parser
+
+    args = build_parser().parse_args(["decode"])
+    assert args.loop == "auto"  # uvloop when installed: the engine's cores pay for the loop's CPU
+    assert build_parser().parse_args(["prefill", "--loop", "asyncio"]).loop == "asyncio"
+    bad = subprocess.run([sys.executable, "-m", "services.cli", "decode", "--loop", "tokio"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "invalid choice: 'tokio'" in bad.stderr
