@@ -137,6 +137,7 @@ class StackSpec:
     gateway_grpc_port: int = -1  # -1: off
     api_keys: str | None = None
     worker_args: list[str] = field(default_factory=list)
+    decode_args: list[str] = field(default_factory=list)  # flags for the decode workers only (--stream-interval)
     worker_env: dict[str, dict[str, str]] = field(default_factory=dict)  # process name -> extra environment
     router_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
@@ -197,7 +198,8 @@ class LocalStack:
         workers = [Process(f"prefill-{i}", _cli("prefill", *common, *kv(spec.prefill_kv_cache_gb or spec.kv_cache_gb),
                                                 *spec.worker_args), self.echo, spec.worker_env.get(f"prefill-{i}"))
                    for i in range(spec.prefill)]
-        workers += [Process(f"decode-{i}", _cli("decode", *common, *kv(spec.kv_cache_gb), *spec.worker_args),
+        workers += [Process(f"decode-{i}", _cli("decode", *common, *kv(spec.kv_cache_gb), *spec.worker_args,
+                                                *spec.decode_args),
                             self.echo, spec.worker_env.get(f"decode-{i}")) for i in range(spec.decode)]
         workers += tiers
         model = ["--model", spec.model] if spec.model else []

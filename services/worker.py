@@ -51,6 +51,7 @@ class WorkerConfig:
     stats_interval_s: float = 0.25
     drain_timeout_s: float = 30.0
     transfer_timeout_s: float = 60.0  # decode: a reservation waits this long for its KV; prefill: a peer fetch
+    stream_interval: int = 1  # decode: a request's tokens go to Redis every this many (step_results.py)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -63,6 +64,8 @@ class WorkerConfig:
                      "transfer_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
 
 
 class WorkerRuntime:
@@ -369,6 +372,13 @@ def add_worker_args(p, role: str) -> None:
     if role == "decode":
         p.add_argument("--transfer-timeout", type=float, default=60.0,
                        help="seconds a reservation waits for its KV before it is freed")
+        from services.bench.args import at_least_one
+
+        p.add_argument("--stream-interval", type=at_least_one, default=1, metavar="N",
+                       help="write a request's tokens to its result stream every N tokens (its first token and "
+                            "its last at once), as vLLM's and SGLang's --stream-interval: each write costs the "
+                            "worker, Redis, the gateway and the client CPU per chunk, which on a small machine "
+                            "is taken from the engine (BENCHMARKS.md, bench hops); 1: every token as it comes")
     else:
         p.add_argument("--transfer-timeout", type=float, default=10.0,
                        help="seconds a peer fetch (a prefix pulled from another prefill worker) may take before "
@@ -395,7 +405,8 @@ def configs_from_args(args, role: str) -> tuple[WorkerConfig, EngineConfig, Tran
     worker = WorkerConfig(role=role, host=args.host, port=args.port, advertise_host=advertise, redis_url=args.redis_url,
                           metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                           drain_timeout_s=args.drain_timeout,
-                          transfer_timeout_s=getattr(args, "transfer_timeout", 60.0))
+                          transfer_timeout_s=getattr(args, "transfer_timeout", 60.0),
+                          stream_interval=getattr(args, "stream_interval", 1))
     transfer = TransferConfig(transport=args.transport, allow_fallback=args.allow_transport_fallback,
                               host=args.host, advertise_host=advertise, checksum=not args.no_kv_checksum)
     return worker, engine, transfer

@@ -206,7 +206,8 @@ async def _run(args, stacks: dict, hops_dirs: dict[str, str]) -> dict:
             await client.send(OpenAIRequest("chat", f"Warm up {k}.", 4))
         sides[name] = (client, hops_dirs[name])
     result = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "router_args": args.router_arg,
-              "engine_nice": args.engine_nice, "worker_args": args.worker_arg, "omp_env": {k: os.environ.get(k) for k in openmp_env.USER_SETTINGS},
+              "engine_nice": args.engine_nice, "worker_args": args.worker_arg,
+              "decode_args": args.decode_arg, "omp_env": {k: os.environ.get(k) for k in openmp_env.USER_SETTINGS},
               "baseline_router_args": args.baseline_router_arg if "baseline" in stacks else None,
               "levels": await _levels(args, sides)}
     if args.batch1_rounds:
@@ -243,7 +244,7 @@ def run(args) -> int:
                 spec = StackSpec(prefill=1, decode=1, model=args.model, dtype=args.dtype,
                                  quantization=args.quantization, threads=args.threads,
                                  kv_cache_gb=args.kv_cache_gb, router_args=extra, engine_nice=args.engine_nice,
-                                 worker_args=list(args.worker_arg))
+                                 worker_args=list(args.worker_arg), decode_args=list(args.decode_arg))
                 _log(f"starting the {name} stack, router flags {extra or 'default'} (hop marks in "
                      f"{hops_dirs[name]})")
                 stacks[name] = exit_stack.enter_context(LocalStack(spec))
@@ -310,6 +311,8 @@ def add_parser(sub) -> None:
                         "every cached prompt took before)")
     p.add_argument("--worker-arg", action="append", default=[],
                    help="an extra flag for every worker (repeat; e.g. --worker-arg=--loop=asyncio)")
+    p.add_argument("--decode-arg", action="append", default=[],
+                   help="an extra flag for the decode worker (repeat; e.g. --decode-arg=--stream-interval=4)")
     p.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV cache per worker")
     p.add_argument("--engine-nice", type=engine_nice_arg, default=None, metavar="N",
                    help="the engine workers' autogroup niceness 0-19 (default: pdserve up's, 19)")

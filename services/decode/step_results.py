@@ -6,6 +6,14 @@ become one batch, and one writer task sends batches in order, merging any that
 queued up while a write was in flight. A request's Finish goes out on its
 Decode stream only after ``flushed`` says its last chunk is in Redis, so the
 router's final event can never overtake a chunk.
+
+With ``interval`` N > 1 (``pdserve decode --stream-interval``) a request's
+tokens are held and written N at a time as one chunk: its first token and the
+tokens of the step that finishes it go at once, so neither the first token
+nor the end waits. Every write costs the worker, Redis, the gateway and the
+client a wake-up and CPU on the machine the engine runs on; holding tokens
+trades the smoothness of the stream for that. Tokens held when a request ends
+without new ones (an abort) are written with that step.
 """
 
 from __future__ import annotations
@@ -22,20 +30,29 @@ from services.queue.results import ResultWriter
 log = logging.getLogger(__name__)
 
 
-def chunk_event(out: RequestOutput, token_text: Callable[[int], str] | None) -> dict:
-    data: dict = {"token_ids": list(out.new_token_ids), "text": out.new_text}
-    if out.logprobs and any(lp is not None for lp in out.logprobs):
+def chunk_event(out: RequestOutput, token_text: Callable[[int], str] | None,
+                held: list[RequestOutput] = ()) -> dict:
+    """The chunk of ``out``, after the outputs ``held`` back for it (their tokens first, in order)."""
+    outs = [*held, out]
+    data: dict = {"token_ids": [t for o in outs for t in o.new_token_ids], "text": "".join(o.new_text for o in outs)}
+    logprobs = [lp for o in outs for lp in (o.logprobs or ()) if lp is not None]
+    if logprobs:
         text = token_text or (lambda _t: "")
         data["logprobs"] = [
             {"token_id": lp.token_id, "token": text(lp.token_id), "logprob": lp.logprob,
              "top": [{"token_id": t, "token": text(t), "logprob": p} for t, p in lp.top]}
-            for lp in out.logprobs if lp is not None]
+            for lp in logprobs]
     return data
 
 
 class StepResultWriter:
-    def __init__(self, redis, token_text: Callable[[int], str] | None = None, ttl_s: int = 600, worker_id: str = ""):
+    def __init__(self, redis, token_text: Callable[[int], str] | None = None, ttl_s: int = 600, worker_id: str = "",
+                 interval: int = 1):
+        if interval < 1:
+            raise ValueError(f"interval must be >= 1, got {interval}")
         self.writer = ResultWriter(redis, ttl_s)
+        self.interval = interval
+        self._held: dict[str, list[RequestOutput]] = {}  # engine request id -> outputs not written yet (interval)
         # the token metrics of the requests written here, taken per step on the engine thread (their streams
         # see only the last output: AsyncEngine.finals_only)
         self._tokens = telemetry.GENERATION_TOKENS.labels("decode", worker_id)
@@ -76,11 +93,13 @@ class StepResultWriter:
         self._written_marked.discard(request_id)
         self._last_token_at.pop(request_id, None)
         self.first_at.pop(request_id, None)
+        self._held.pop(request_id, None)
 
     # engine thread
     def on_step(self, outputs: list[RequestOutput], step: int | None = None) -> None:
         mine = [out for out in outputs if out.request_id in self.targets and (out.new_token_ids or out.new_text)]
-        items = [(out.request_id, self.targets[out.request_id], chunk_event(out, self.token_text)) for out in mine]
+        items = [(out.request_id, self.targets[out.request_id], chunk_event(out, self.token_text, held))
+                 for out, held in self._due(mine, outputs)]
         if mine:
             now = time.perf_counter()
             self._tokens.inc(sum(len(out.new_token_ids) for out in mine))
@@ -98,6 +117,26 @@ class StepResultWriter:
                     hops.mark(rid, "decode.token", step=step)
         if items:
             self._loop.call_soon_threadsafe(self._enqueue, items)
+
+    def _due(self, mine: list[RequestOutput], outputs: list[RequestOutput]):
+        """``(output, the outputs held back for it)`` to write this step; with ``interval`` 1, every output."""
+        if self.interval == 1:
+            return [(out, ()) for out in mine]
+        due = []
+        for out in mine:
+            held = self._held.setdefault(out.request_id, [])
+            first = out.request_id not in self._last_token_at
+            tokens = len(out.new_token_ids) + sum(len(o.new_token_ids) for o in held)
+            if first or out.finished or tokens >= self.interval:
+                due.append((out, self._held.pop(out.request_id, held)))
+            else:
+                held.append(out)
+        for out in outputs:  # ended with nothing new (an abort): what it held goes now
+            if out.finished and self._held.get(out.request_id) and out.request_id in self.targets:
+                held = self._held.pop(out.request_id, [])
+                if held:
+                    due.append((held.pop(), held))
+        return due
 
     def _enqueue(self, items: list[tuple[str, str, dict]]) -> None:
         self._enqueued += 1
