@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from services import env_defaults, openmp_env
@@ -86,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     env_defaults.apply(parser)  # PDSERVE_<FLAG> variables are the flags' defaults
     args = parser.parse_args(argv)
     env_defaults.check(parser, args)
+    if args.command == "bench":  # a bench stopped by SIGTERM (timeout(1)) stops the stack it started: its
+        # context managers run, where the default action left every worker running on the cores later runs use
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return args.func(args)
     except KeyboardInterrupt:
