@@ -190,7 +190,7 @@ class Planner:
             # on every tick of their cold start was the runaway (a burst once ordered 30 workers)
             drain_s = max(c.lag_target_s, c.lookahead_s)
             backlog = math.ceil(s.queued_prefill_tokens / (cap.prefill_tokens_per_s * drain_s))
-            prefill = max(prefill, ready) + max(0, backlog - s.prefill_starting)
+            prefill = max(prefill, ready + max(backlog, s.prefill_starting))
             reasons.append(f"queue lag {lag_s:.1f} s")
         judged = s.requests_in_window >= c.slo_min_requests
         if judged and s.ttft_attainment is not None and s.ttft_attainment < c.slo_target:
