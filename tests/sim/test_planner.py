@@ -192,13 +192,14 @@ def test_after_a_burst_the_count_falls_to_the_last_windows_need_at_once():
     current = p.decide(signals(0, prefill=2, tokens_per_s=10_000)).prefill  # 2
     current = p.decide(signals(10, prefill=current, tokens_per_s=100_000)).prefill  # the burst: 20
     assert current == 20
-    counts = []
-    for t in range(20, 160, 10):  # back to 10,000 tokens/s (2 workers)
-        current = p.decide(signals(t, prefill=current, tokens_per_s=10_000)).prefill
-        counts.append(current)
-    assert counts[:6] == [20] * 6  # held for down_after_s after the burst (t = 20 .. 70)
-    assert counts[6] == 2  # then straight to what the last window needed, not a step a tick
-    assert counts[-1] == 2
+    counts = {}
+    for t in range(20, 160, 10):  # back to 10,000 tokens/s (2 workers), with a smaller rise at 50-60 s (12)
+        demand = 60_000 if t in (50, 60) else 10_000
+        current = p.decide(signals(t, prefill=current, tokens_per_s=demand)).prefill
+        counts[t] = current
+    assert all(counts[t] == 20 for t in range(20, 80, 10))  # held for down_after_s after the burst
+    assert counts[80] == 12  # then at once to the highest need of the last window (the rise), not to 2
+    assert counts[150] == 2  # and to 2 once the rise is a window old
 
 
 def test_one_noisy_window_in_a_long_history_orders_nothing():
