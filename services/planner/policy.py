@@ -120,7 +120,6 @@ class Planner:
     _last_traffic: float | None = None  # idle is counted from the first decision
     _history: deque = field(default_factory=deque)  # (now, prefill tokens/s, KV blocks, sequences) for the trend
     _boosted_at: dict = field(default_factory=dict)
-    _last_queued: float = 0.0
     _needs: dict = field(default_factory=dict)  # per role: (now, need) over the last down_after_s
 
     def _ahead(self, s: Signals) -> tuple[float, float, float]:
@@ -128,15 +127,7 @@ class Planner:
         least-squares slope over ``trend_window_s`` rises by more than its noise (raw while the history is short)."""
         now = (s.prefill_tokens_per_s, float(s.kv_blocks_used), float(s.running_seqs))
         c = self.config
-        # prompt tokens arriving = computed + the backlog's growth: computed alone is what the workers
-        # managed, capped while too few run, then a clump when more arrive (a loop that fed itself)
-        arriving = s.prefill_tokens_per_s
-        if self._history:
-            last_t, last_queued = self._history[-1][0], self._last_queued
-            if s.now > last_t:
-                arriving = max(0.0, arriving + (s.queued_prefill_tokens - last_queued) / (s.now - last_t))
-        self._last_queued = s.queued_prefill_tokens
-        self._history.append((s.now, arriving, *now[1:]))
+        self._history.append((s.now, *now))
         while self._history[0][0] < s.now - c.trend_window_s:
             self._history.popleft()
         span = s.now - self._history[0][0]
