@@ -29,7 +29,7 @@ from services.router.prefix_index import PrefixIndex
 from services.router.worker_pool import WorkerPool
 from services.sim.admission import SimAdmission
 from services.sim.events import EventLoop
-from services.sim.host import SharedHost
+from services.sim.host import FrontDoor, SharedHost
 from services.sim.prefill_steps import SteppedPrefillWorker
 from services.sim.profiles import WorkerProfile
 from services.sim.workers import DecodeWorker, Job, PrefillWorker, SimWorker
@@ -89,7 +89,10 @@ class ClusterSim:
         self.series: list[dict] = []
         self._last_sample = -math.inf
         self.controller = controller  # an autoscaler with .tick(sim), called every heartbeat
-        self.host = SharedHost(config.host_cores) if config.host_cores else None
+        # the profile's front door uses a steady share of a shared host's cores (host.py)
+        self.host = SharedHost(config.host_cores - config.profile.frontdoor_busy_cores) if config.host_cores else None
+        # the router, Redis and the client on the same cores (host.py), where the profile measured them
+        self.front = FrontDoor(self.loop, self.host) if self.host and config.profile.frontdoor_cpu_s else None
         self.on_finished: Callable[[Job], None] | None = None
         for _ in range(config.prefill_workers):
             self.add_worker("prefill", announce=False)
@@ -169,6 +172,8 @@ class ClusterSim:
             self.inflight += 1
             self.queued_tokens -= job.req.num_tokens
             job.dispatched_at = self.loop.now
+            if self.front is not None:
+                self.front.submit(self.config.profile.frontdoor_cpu_s)
             self._dispatch(job)
 
     def _dispatch(self, job: Job) -> None:

@@ -53,6 +53,10 @@ class WorkerProfile:
     prefill_step_tokens: int = 0
     prefill_chunk_tokens: int = 0
     host_cores: int = 0  # cores of the machine the profile's real runs shared (the validation's host, host.py)
+    # CPU seconds per request of the processes beside the workers on that host (router, Redis, client;
+    # host.py FrontDoor), measured by pdserve bench routing from /proc; only with host_cores
+    frontdoor_cpu_s: float = 0.0
+    frontdoor_busy_cores: float = 0.0  # and what they use whether requests come or not (heartbeats, polls)
     source: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -96,7 +100,9 @@ def load_profiles(path: str | Path | None = None) -> dict[str, WorkerProfile]:
             transfer_chunk_tokens=p["transfer"]["chunk_tokens"], max_num_seqs=p["max_num_seqs"],
             cold_start_s=p["cold_start_s"], warm_start_s=p["warm_start_s"],
             prefill_step_tokens=p.get("prefill_step_tokens", 0), prefill_chunk_tokens=p.get("prefill_chunk_tokens", 0),
-            host_cores=p.get("host_cores", 0), source=p.get("source", {}))
+            host_cores=p.get("host_cores", 0), frontdoor_cpu_s=p.get("frontdoor_cpu_s", 0.0),
+            frontdoor_busy_cores=p.get("frontdoor_busy_cores", 0.0),
+            source=p.get("source", {}))
     return out
 
 

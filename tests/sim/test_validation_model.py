@@ -64,3 +64,26 @@ def test_the_synthetic_routing_workload_uses_every_prompt_equally_often_as_the_b
     for r in reqs:
         counts[r.hashes[0]] = counts.get(r.hashes[0], 0) + 1
     assert sorted(counts.values()) == [25] * 8
+
+
+def test_the_front_door_takes_its_share_of_a_shared_core():
+    reqs = [request(0, 512, 0)]
+    prefill = cpu().prefill_s(512, 512)
+    alone = run(cpu(), [dataclasses.replace(reqs[0])], host_cores=1)[0].first_token_at
+    assert alone == pytest.approx(prefill + cpu().transfer_s(512))
+    front = prefill / 4  # CPU seconds the router, Redis and the client spend on the request
+    profile = dataclasses.replace(cpu(), frontdoor_cpu_s=front)
+    shared = run(profile, [dataclasses.replace(reqs[0])], host_cores=1)[0].first_token_at
+    # both at half speed until the front door's work is done (2 x front), then the prefill alone
+    assert shared == pytest.approx(prefill + front + cpu().transfer_s(512))
+    # with a core each, the front door slows nobody
+    assert run(profile, [dataclasses.replace(reqs[0])], host_cores=2)[0].first_token_at == pytest.approx(alone)
+
+
+def test_the_front_doors_steady_load_takes_cores_from_the_workers():
+    reqs = [request(0, 512, 0), request(1, 512, 1000)]
+    profile = dataclasses.replace(cpu(), frontdoor_busy_cores=1.0)
+    both = run(profile, [dataclasses.replace(r) for r in reqs], prefill=2, host_cores=2)
+    # two prefills on the one core left: half speed each
+    expected = 2 * cpu().prefill_s(512, 512) + cpu().transfer_s(512)
+    assert [both[i].first_token_at for i in (0, 1)] == pytest.approx([expected, expected])

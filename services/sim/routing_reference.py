@@ -1,0 +1,108 @@
+"""The cpu profile's validation reference and front-door load, from ``pdserve bench routing --repeats`` runs.
+
+    python -m services.sim.routing_reference benchmarks/results/routing-A.json routing-B.json ...
+
+reads the saved runs (``--save``), and writes into the calibration file
+(``--calibration``, default ``services/sim/calibration.json``):
+
+* ``validation_reference``: every repeat's seed and each policy's hit rate and mean,
+  p90 and p99 TTFT, what ``validation.py`` compares the simulator with;
+* the cpu profile's ``frontdoor_cpu_s`` and ``frontdoor_busy_cores`` (host.py): the
+  router's, Redis's and the client's CPU from /proc over each measured run,
+  fitted as ``cpu = frontdoor_cpu_s * requests + frontdoor_busy_cores * wall``
+  (per request, and the heartbeats, registry reads and polls that run whether
+  requests come or not), over the runs of every policy, whose request rates differ;
+* its ``transfer.latency_s``: the median over the runs of each run's median hand-off
+  (the router's TTFT less the prefill worker's compute and send: dispatch, the
+  Prefill call, the first token's way back), measured under the bench's own load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from services.bench.stats import percentile
+from services.sim.profiles import CALIBRATION
+
+FRONT_DOOR = ("router", "redis", "client")
+
+
+def load_runs(paths: list[str]) -> list[dict]:
+    """Every (repeat, policy) run of the files, with its file name."""
+    runs = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        result = data.get("result", data)
+        for rep in result.get("repeats") or [{"seed": result["config"]["seed"], "policies": result["policies"]}]:
+            for policy, s in rep["policies"].items():
+                runs.append({"file": Path(path).name, "seed": rep["seed"], "policy": policy, "summary": s,
+                             "loadavg": result.get("loadavg_start")})
+    if not runs:
+        raise ValueError("no bench routing runs in those files")
+    return runs
+
+
+def reference(runs: list[dict]) -> dict:
+    repeats: dict[int, dict] = {}
+    for run in runs:
+        s = run["summary"]
+        if run["seed"] in repeats and run["policy"] in repeats[run["seed"]]:
+            raise ValueError(f"seed {run['seed']} {run['policy']} appears twice; give each seed once")
+        repeats.setdefault(run["seed"], {})[run["policy"]] = {
+            "hit_rate": s["hit_rate"], "ttft_mean_s": s["ttft_ms_mean"] / 1e3, "ttft_p90_s": s["ttft_ms_p90"] / 1e3,
+            "ttft_p99_s": s["ttft_ms_p99"] / 1e3, "requests_per_s": s["requests_per_s"]}
+    files = sorted({r["file"] for r in runs})
+    return {"source": f"pdserve bench routing --repeats, seeds {sorted(repeats)}: {', '.join(files)}",
+            "repeats": [{"seed": seed, "policies": repeats[seed]} for seed in sorted(repeats)]}
+
+
+def front_door(runs: list[dict]) -> dict:
+    """Least squares of the front door's CPU seconds over (requests, wall seconds), every run."""
+    rows, cpu = [], []
+    for run in runs:
+        s = run["summary"]
+        if "cpu_ms_per_request" not in s:
+            raise ValueError(f"{run['file']} has no cpu_ms_per_request: run bench routing from this version")
+        rows.append((s["requests"], s["wall_s"]))
+        cpu.append(sum(s["cpu_ms_per_request"][p] for p in FRONT_DOOR) / 1e3 * s["requests"])
+    (per_request, busy), *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(cpu), rcond=None)
+    handoff = [run["summary"]["handoff_ms_p50"] for run in runs]
+    return {"frontdoor_cpu_s": round(max(per_request, 0.0), 5), "frontdoor_busy_cores": round(max(busy, 0.0), 4),
+            "transfer_latency_s": round(percentile(handoff, 50) / 1e3, 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="+", help="bench routing result files (--save)")
+    parser.add_argument("--calibration", default=str(CALIBRATION))
+    args = parser.parse_args(argv)
+    try:
+        runs = load_runs(args.files)
+        ref, fd = reference(runs), front_door(runs)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    path = Path(args.calibration)
+    cal = json.loads(path.read_text())
+    cpu = cal["profiles"]["cpu"]
+    cpu["frontdoor_cpu_s"], cpu["frontdoor_busy_cores"] = fd["frontdoor_cpu_s"], fd["frontdoor_busy_cores"]
+    cpu["transfer"]["latency_s"] = fd["transfer_latency_s"]
+    cpu["source"]["frontdoor"] = (
+        f"router + Redis + client CPU from /proc during pdserve bench routing's measured requests, "
+        f"{len(runs)} runs ({ref['source']}), least squares over requests and wall seconds")
+    cpu["source"]["transfer"] = (
+        "bytes_per_s: pdserve bench kvtransfer UCX 8k, 5.17 GB/s; latency: the median over the same runs of each "
+        "run's median hand-off (router TTFT less the prefill worker's compute and send)")
+    cal["validation_reference"] = ref
+    path.write_text(json.dumps(cal, indent=1) + "\n")
+    print(json.dumps(fd))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
