@@ -55,7 +55,12 @@ def reference(runs: list[dict]) -> dict:
             raise ValueError(f"seed {run['seed']} {run['policy']} appears twice; give each seed once")
         repeats.setdefault(run["seed"], {})[run["policy"]] = {
             "hit_rate": s["hit_rate"], "ttft_mean_s": s["ttft_ms_mean"] / 1e3, "ttft_p90_s": s["ttft_ms_p90"] / 1e3,
-            "ttft_p99_s": s["ttft_ms_p99"] / 1e3, "requests_per_s": s["requests_per_s"]}
+            "ttft_p99_s": s["ttft_ms_p99"] / 1e3, "requests_per_s": s["requests_per_s"],
+            # the workers' CPU per request (/proc), beside the simulator's modelled compute
+            "prefill_cpu_ms": round(sum(v for k, v in s.get("cpu_ms_per_request", {}).items()
+                                        if k.startswith("prefill")), 2),
+            "decode_cpu_ms": round(sum(v for k, v in s.get("cpu_ms_per_request", {}).items()
+                                       if k.startswith("decode")), 2)}
     files = sorted({r["file"] for r in runs})
     return {"source": f"pdserve bench routing --repeats, seeds {sorted(repeats)}: {', '.join(files)}",
             "repeats": [{"seed": seed, "policies": repeats[seed]} for seed in sorted(repeats)]}

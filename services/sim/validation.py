@@ -37,6 +37,13 @@ FIGURES = {
     "ttft_p90": (lambda s: s["ttft_s"]["p90"], "ttft_p90_s"),
     "ttft_p99": (lambda s: s["ttft_s"]["p99"], "ttft_p99_s"),
 }
+# per policy only: throughput, and the workers' CPU per request (real: /proc; simulated: modelled compute)
+POLICY_FIGURES = {
+    **FIGURES,
+    "requests_per_s": (lambda s: s["requests_per_s"], "requests_per_s"),
+    "prefill_cpu_ms": (lambda s: s["prefill_cpu_ms"], "prefill_cpu_ms"),
+    "decode_cpu_ms": (lambda s: s["decode_cpu_ms"], "decode_cpu_ms"),
+}
 GOAL = 0.15
 
 
@@ -77,7 +84,11 @@ def simulate_bench(profile: WorkerProfile, requests: list[SimRequest], policies=
         decode.info.kv_blocks_total = profile.kv_blocks
         sim.run()
         s = summarize(sim, SLO(10.0, 1.0))
-        out[policy] = {"hit_rate": s["hit_rate"], "ttft_s": s["ttft_s"]}
+        n = len(sim.jobs)
+        busy = {role: sum(w.busy_s for w in sim.workers.values() if w.role == role) for role in ("prefill", "decode")}
+        out[policy] = {"hit_rate": s["hit_rate"], "ttft_s": s["ttft_s"], "requests_per_s": round(n / sim.loop.now, 3),
+                       "prefill_cpu_ms": round(busy["prefill"] / n * 1e3, 2),
+                       "decode_cpu_ms": round(busy["decode"] / n * 1e3, 2)}
     return out
 
 
@@ -114,13 +125,14 @@ def compare(sim_runs: dict[int, dict], real_runs: dict[int, dict]) -> dict:
                         "per_seed_error": _spread(errors), "within_goal": abs(error) <= GOAL}
     for policy in POLICIES:
         figures = {}
-        for name, (sim_fig, real_key) in FIGURES.items():
+        for name, (sim_fig, real_key) in POLICY_FIGURES.items():
             pairs = [(sim_fig(sim_runs[s][policy]), real_runs[s][policy][real_key]) for s in seeds
-                     if policy in sim_runs[s] and policy in real_runs[s]]
+                     if policy in sim_runs[s] and policy in real_runs[s] and real_key in real_runs[s][policy]]
             if pairs:
                 sim_mean, real_mean = mean(p[0] for p in pairs), mean(p[1] for p in pairs)
                 figures[name] = {"sim": round(sim_mean, 4), "real": round(real_mean, 4),
-                                 "error": round(sim_mean / real_mean - 1, 3), "seeds": len(pairs)}
+                                 "error": round(sim_mean / real_mean - 1, 3) if real_mean else None,
+                                 "seeds": len(pairs)}
         if figures:
             per_policy[policy] = figures
     return {"seeds": seeds, "ratios_kv_over_rr": ratios, "per_policy": per_policy}

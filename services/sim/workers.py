@@ -229,7 +229,7 @@ class DecodeWorker(SimWorker):
             k = dt * self.speed / step
             self.steps += k
             self.sum_ctx += len(self.batch) * k
-            self.busy_s += dt
+            self.busy_s += dt * self.speed  # compute: at a shared host's speed, the wall time is longer
         self.last = now
 
     def local_prefill(self, job: Job) -> None:
