@@ -464,18 +464,30 @@ def stack_processes(stack: Stack) -> dict:
     return procs
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of the machine has spent busy (/proc/stat), the hypervisor's steal included
+    (cores lost to it); guest time is already inside user time."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+
 async def measure_policy(stack: Stack, cfg: RoutingBenchConfig, work: Workload) -> dict:
     await run_requests(stack.address, work.warmup_prompts, f"warmup-{stack.policy}", cfg, len(work.warmup_prompts))
     _log(f"{stack.policy}: {len(work.prompts)} requests, {cfg.concurrency} in flight")
     procs = stack_processes(stack)
-    before = cpu_seconds(procs)
+    before, machine_before = cpu_seconds(procs), machine_busy_seconds()
     results, wall = await run_requests(stack.address, work.prompts, f"bench-{stack.policy}", cfg, cfg.concurrency)
-    after = cpu_seconds(procs)
+    after, machine_after = cpu_seconds(procs), machine_busy_seconds()
     summary = summarize(results, wall, stack.worker_names())
     # CPU each process spent on the measured requests (from /proc), per request: what shares the cores
     # with the workers' compute (the simulator's front-door load, services/sim/host.py)
-    summary["cpu_ms_per_request"] = {name: round((after[name] - before[name]) * 1e3 / max(len(results), 1), 2)
-                                     for name in procs}
+    used = {name: after[name] - before[name] for name in procs}
+    summary["cpu_ms_per_request"] = {name: round(v * 1e3 / max(len(results), 1), 2) for name, v in used.items()}
+    # the machine's other tenants over the run (/proc/stat busy time less this stack's): cores they took
+    summary["stack_cores"] = round(sum(used.values()) / wall, 3)
+    summary["other_cores"] = round(max(0.0, (machine_after - machine_before - sum(used.values())) / wall), 3)
     if summary["errors"]:
         _log(f"{stack.policy}: {summary['errors']} of {len(results)} requests failed; first: {summary['first_error']}")
         if not summary["requests"]:
