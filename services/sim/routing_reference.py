@@ -6,7 +6,9 @@ reads the saved runs (``--save``), and writes into the calibration file
 (``--calibration``, default ``services/sim/calibration.json``):
 
 * ``validation_reference``: every repeat's seed and each policy's hit rate and mean,
-  p90 and p99 TTFT, what ``validation.py`` compares the simulator with;
+  p90 and p99 TTFT, what ``validation.py`` compares the simulator with, and the cores
+  the machine's other tenants took during that run (``other_cores``), which the
+  simulator takes from the run's host (the runs share the machine with other jobs);
 * the cpu profile's ``frontdoor_cpu_s`` and ``frontdoor_busy_cores`` (host.py): the
   router's, Redis's and the client's CPU from /proc over each measured run,
   fitted as ``cpu = frontdoor_cpu_s * requests + frontdoor_busy_cores * wall``
@@ -47,10 +49,21 @@ def load_runs(paths: list[str]) -> list[dict]:
     return runs
 
 
-def reference(runs: list[dict]) -> dict:
+def other_cores(summary: dict, host_cores: float) -> tuple[float, bool]:
+    """The cores the machine's other tenants took during the run: measured (/proc/stat less the stack's
+    CPU; bench routing since it records ``other_cores``), else the host's cores less what the stack used,
+    which assumes the stack was CPU-bound (3 workers on 2 cores, 8 requests in flight). Second: estimated."""
+    if "other_cores" in summary:
+        return summary["other_cores"], False
+    used = sum(summary["cpu_ms_per_request"].values()) / 1e3 * summary["requests"] / summary["wall_s"]
+    return round(max(0.0, host_cores - used), 3), True
+
+
+def reference(runs: list[dict], host_cores: float = 2.0) -> dict:
     repeats: dict[int, dict] = {}
     for run in runs:
         s = run["summary"]
+        others, estimated = other_cores(s, host_cores) if "cpu_ms_per_request" in s else (0.0, True)
         if run["seed"] in repeats and run["policy"] in repeats[run["seed"]]:
             raise ValueError(f"seed {run['seed']} {run['policy']} appears twice; give each seed once")
         repeats.setdefault(run["seed"], {})[run["policy"]] = {
@@ -60,7 +73,9 @@ def reference(runs: list[dict]) -> dict:
             "prefill_cpu_ms": round(sum(v for k, v in s.get("cpu_ms_per_request", {}).items()
                                         if k.startswith("prefill")), 2),
             "decode_cpu_ms": round(sum(v for k, v in s.get("cpu_ms_per_request", {}).items()
-                                       if k.startswith("decode")), 2)}
+                                       if k.startswith("decode")), 2),
+            # the simulator gives the run's stack the host's cores less these (validation.py)
+            "other_cores": others, "other_cores_estimated": estimated, "loadavg": run["loadavg"]}
     files = sorted({r["file"] for r in runs})
     return {"source": f"pdserve bench routing --repeats, seeds {sorted(repeats)}: {', '.join(files)}",
             "repeats": [{"seed": seed, "policies": repeats[seed]} for seed in sorted(repeats)]}
@@ -88,12 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         runs = load_runs(args.files)
-        ref, fd = reference(runs), front_door(runs)
+        cal = json.loads(Path(args.calibration).read_text())
+        ref = reference(runs, cal.get("profiles", {}).get("cpu", {}).get("host_cores", 2))
+        fd = front_door(runs)
     except (OSError, ValueError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     path = Path(args.calibration)
-    cal = json.loads(path.read_text())
     cpu = cal["profiles"]["cpu"]
     cpu["frontdoor_cpu_s"], cpu["frontdoor_busy_cores"] = fd["frontdoor_cpu_s"], fd["frontdoor_busy_cores"]
     cpu["transfer"]["latency_s"] = fd["transfer_latency_s"]

@@ -6,7 +6,9 @@ fresh stack, the policies' order reversed every other repeat. The simulator runs
 very same requests (the bench's ``make_workload`` over the default model's tokenizer,
 hashed as the router hashes them; the synthetic copy where the tokenizer cannot load)
 in the bench's setup: 2 prefill workers of 280 blocks, 1 decode worker, disaggregation
-always, 8 requests in flight, on the cpu profile (its shared cores and front door).
+always, 8 requests in flight, on the cpu profile (its shared cores and front door). The
+real runs shared the machine with other jobs; each policy's run is simulated on the
+host's cores less what those took during it (``other_cores``, measured from /proc).
 
 Per seed, each side gives kv-aware's figure over round-robin's for the hit rate and
 the mean, p90 and p99 TTFT. The comparison is of their means over the seeds, each with
@@ -21,6 +23,7 @@ reported beside them.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 
 from services.bench.stats import bootstrap_interval, mean
@@ -71,11 +74,17 @@ def bench_routing_requests(seed: int, block_size: int) -> list[SimRequest] | Non
                        "routing-bench") for i, p in enumerate(work.prompts)]
 
 
-def simulate_bench(profile: WorkerProfile, requests: list[SimRequest], policies=POLICIES) -> dict[str, dict]:
-    """Each policy's figures on ``requests`` in bench routing's setup."""
-    prof = profile.with_kv_blocks(280)
+def simulate_bench(profile: WorkerProfile, requests: list[SimRequest], policies=POLICIES,
+                   other_cores: dict[str, float] | None = None) -> dict[str, dict]:
+    """Each policy's figures on ``requests`` in bench routing's setup; ``other_cores``: per policy, the cores
+    the machine's other tenants took during its real run, which that run's host lacks."""
     out = {}
     for policy in policies:
+        taken = (other_cores or {}).get(policy, 0.0)
+        # the host's cores less the other tenants' (never under a tenth of a core: a run that had none
+        # would not have finished)
+        prof = dataclasses.replace(profile.with_kv_blocks(280), frontdoor_busy_cores=min(
+            profile.frontdoor_busy_cores + taken, profile.host_cores - 0.1))
         sim = ClusterSim(ClusterConfig(prof, 2, 1, policy=policy, disaggregation="always", closed_loop=8,
                                        host_cores=profile.host_cores), copy.deepcopy(requests))
         # the decode worker keeps the default 2 GiB cache: only the prefill workers' caches are sized
@@ -146,7 +155,8 @@ def run_validation(profile: WorkerProfile, reference: dict) -> dict:
         exact = bench_routing_requests(seed, profile.block_size)
         workloads.add("bench routing's own requests" if exact is not None else "the synthetic copy")
         requests = exact if exact is not None else routing_bench_workload(seed, profile.block_size)
-        sim_runs[seed] = simulate_bench(profile, requests, [p for p in POLICIES if p in real_runs[seed]])
+        sim_runs[seed] = simulate_bench(profile, requests, [p for p in POLICIES if p in real_runs[seed]],
+                                        {p: r.get("other_cores", 0.0) for p, r in real_runs[seed].items()})
     out = compare(sim_runs, real_runs)
     ratios = out["ratios_kv_over_rr"]
     out.update({

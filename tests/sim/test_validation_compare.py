@@ -75,7 +75,9 @@ def test_the_front_doors_cpu_is_split_into_per_request_and_steady_parts(tmp_path
     assert [r["seed"] for r in ref["repeats"]] == [0, 1, 2]
     assert ref["repeats"][2]["policies"]["kv-aware"] == {"hit_rate": 0.5, "ttft_mean_s": 1.0, "ttft_p90_s": 2.0,
                                                         "ttft_p99_s": 3.0, "requests_per_s": 5.0,
-                                                        "prefill_cpu_ms": 999.0, "decode_cpu_ms": 0}
+                                                        "prefill_cpu_ms": 999.0, "decode_cpu_ms": 0,
+                                                        "other_cores": 0.0, "other_cores_estimated": True,
+                                                        "loadavg": [1, 1, 1]}
 
 
 def test_a_seed_given_twice_or_a_run_without_cpu_figures_is_refused(tmp_path, capsys):

@@ -87,3 +87,14 @@ def test_the_front_doors_steady_load_takes_cores_from_the_workers():
     # two prefills on the one core left: half speed each
     expected = 2 * cpu().prefill_s(512, 512) + cpu().transfer_s(512)
     assert [both[i].first_token_at for i in (0, 1)] == pytest.approx([expected, expected])
+
+
+def test_a_run_whose_machine_was_busy_is_simulated_on_the_cores_left():
+    from services.sim.validation import simulate_bench
+
+    reqs = routing_bench_workload(0, BS)
+    quiet = simulate_bench(load_profile("cpu"), reqs, ["round-robin"])["round-robin"]
+    busy = simulate_bench(load_profile("cpu"), reqs, ["round-robin"], {"round-robin": 1.0})["round-robin"]
+    # round-robin's prefill workers are always computing: on half the cores, about half the throughput
+    assert busy["requests_per_s"] < 0.7 * quiet["requests_per_s"]
+    assert busy["ttft_s"]["mean"] > 1.4 * quiet["ttft_s"]["mean"]
