@@ -64,6 +64,7 @@ import signal
 import sys
 import time
 import dataclasses
+import json
 from dataclasses import asdict, dataclass, field
 
 from services.bench import results as result_files
@@ -536,6 +537,8 @@ def bench(cfg: RoutingBenchConfig, verbose: bool = False) -> dict:
                          f"{cfg.overhead_prompt_tokens}-token prompt through the idle stack and the in-process "
                          "engine")
                     overhead = asyncio.run(measure_overhead(stack, cfg, work))
+                # the run's figures as one line, so a long run stopped early still leaves them
+                _log(f"{policy} seed {seed}: " + json.dumps({k: v for k, v in summary.items() if k != "ttft_ms"}))
                 stack.check_alive()
                 trouble = stack.trouble()
                 summary["stack_warning_lines"] = len(trouble)
