@@ -23,6 +23,7 @@ way to the first token.)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,9 @@ class WorkerProfile:
     # host.py FrontDoor), measured by pdserve bench routing from /proc; only with host_cores
     frontdoor_cpu_s: float = 0.0
     frontdoor_busy_cores: float = 0.0  # and what they use whether requests come or not (heartbeats, polls)
+    # a served worker's CPU over the engine's own compute (gRPC, the KV send, its event loop), per role,
+    # measured by bench routing (/proc) against the modelled compute of the same requests; the validation's
+    worker_cpu_factor: dict = field(default_factory=dict, compare=False)
     source: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -78,6 +82,14 @@ class WorkerProfile:
     def transfer_s(self, tokens: int) -> float:
         last = min(tokens, self.transfer_chunk_tokens)
         return self.transfer_latency_s + last * self.kv_bytes_per_token / self.transfer_bytes_per_s
+
+    def served(self) -> WorkerProfile:
+        """The costs of a served worker on the profile's host: the engine's, times ``worker_cpu_factor``."""
+        f, d = self.worker_cpu_factor.get("prefill", 1.0), self.worker_cpu_factor.get("decode", 1.0)
+        return dataclasses.replace(
+            self, prefill_base_s=self.prefill_base_s * f, prefill_per_token_s=self.prefill_per_token_s * f,
+            prefill_per_token_context_s=self.prefill_per_token_context_s * f, decode_base_s=self.decode_base_s * d,
+            decode_per_seq_s=self.decode_per_seq_s * d, decode_per_seq_context_s=self.decode_per_seq_context_s * d)
 
     def with_kv_blocks(self, kv_blocks: int) -> WorkerProfile:
         fields = {k: v for k, v in self.__dict__.items()}
@@ -102,6 +114,7 @@ def load_profiles(path: str | Path | None = None) -> dict[str, WorkerProfile]:
             prefill_step_tokens=p.get("prefill_step_tokens", 0), prefill_chunk_tokens=p.get("prefill_chunk_tokens", 0),
             host_cores=p.get("host_cores", 0), frontdoor_cpu_s=p.get("frontdoor_cpu_s", 0.0),
             frontdoor_busy_cores=p.get("frontdoor_busy_cores", 0.0),
+            worker_cpu_factor=p.get("worker_cpu_factor", {}),
             source=p.get("source", {}))
     return out
 

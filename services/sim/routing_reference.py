@@ -14,6 +14,9 @@ reads the saved runs (``--save``), and writes into the calibration file
   fitted as ``cpu = frontdoor_cpu_s * requests + frontdoor_busy_cores * wall``
   (per request, and the heartbeats, registry reads and polls that run whether
   requests come or not), over the runs of every policy, whose request rates differ;
+* its ``worker_cpu_factor``: each role's CPU per request from /proc over the engine
+  compute the simulator models for the same requests (a served worker's gRPC, KV send
+  and event loop beside the engine's steps);
 * its ``transfer.latency_s``: the median over the runs of each run's median hand-off
   (the router's TTFT less the prefill worker's compute and send: dispatch, the
   Prefill call, the first token's way back), measured under the bench's own load.
@@ -22,6 +25,7 @@ reads the saved runs (``--save``), and writes into the calibration file
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -96,6 +100,25 @@ def front_door(runs: list[dict]) -> dict:
             "transfer_latency_s": round(percentile(handoff, 50) / 1e3, 4)}
 
 
+def worker_cpu_factor(ref: dict, calibration: Path) -> dict:
+    """A served worker's CPU per request (/proc) over the engine compute the simulator models for the
+    same requests: the gRPC, KV-send and event-loop work beside the engine's steps, per role."""
+    from services.sim.profiles import load_profile
+    from services.sim.validation import simulate_bench, simulated_requests
+
+    profile = dataclasses.replace(load_profile("cpu", calibration), worker_cpu_factor={})
+    real, sim = {"prefill": 0.0, "decode": 0.0}, {"prefill": 0.0, "decode": 0.0}
+    for rep in ref["repeats"]:
+        policies = rep["policies"]
+        runs = simulate_bench(profile, simulated_requests(rep["seed"], profile.block_size)[0], list(policies),
+                              {p: r["other_cores"] for p, r in policies.items()})
+        for policy, r in policies.items():
+            for role in real:
+                real[role] += r[f"{role}_cpu_ms"]
+                sim[role] += runs[policy][f"{role}_cpu_ms"]
+    return {role: round(real[role] / sim[role], 3) for role in real if sim[role]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", help="bench routing result files (--save)")
@@ -120,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         "bytes_per_s: pdserve bench kvtransfer UCX 8k, 5.17 GB/s; latency: the median over the same runs of each "
         "run's median hand-off (router TTFT less the prefill worker's compute and send)")
     cal["validation_reference"] = ref
+    path.write_text(json.dumps(cal, indent=1) + "\n")
+    cpu["worker_cpu_factor"] = worker_cpu_factor(ref, path)
+    cpu["source"]["worker_cpu_factor"] = (
+        "each role's CPU per request from /proc in the same runs over the simulator's modelled engine compute "
+        "for the same requests (validation.py without the factor), pooled over every run")
     path.write_text(json.dumps(cal, indent=1) + "\n")
     print(json.dumps(fd))
     return 0

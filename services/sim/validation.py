@@ -74,6 +74,12 @@ def bench_routing_requests(seed: int, block_size: int) -> list[SimRequest] | Non
                        "routing-bench") for i, p in enumerate(work.prompts)]
 
 
+def simulated_requests(seed: int, block_size: int) -> tuple[list[SimRequest], bool]:
+    """bench routing's own requests for ``seed`` (True), or the synthetic copy where the tokenizer cannot load."""
+    exact = bench_routing_requests(seed, block_size)
+    return (exact, True) if exact is not None else (routing_bench_workload(seed, block_size), False)
+
+
 def simulate_bench(profile: WorkerProfile, requests: list[SimRequest], policies=POLICIES,
                    other_cores: dict[str, float] | None = None) -> dict[str, dict]:
     """Each policy's figures on ``requests`` in bench routing's setup; ``other_cores``: per policy, the cores
@@ -148,13 +154,13 @@ def compare(sim_runs: dict[int, dict], real_runs: dict[int, dict]) -> dict:
 
 
 def run_validation(profile: WorkerProfile, reference: dict) -> dict:
-    """The simulator on every seed the real reference ran, compared with it."""
+    """The simulator on every seed the real reference ran, compared with it (served workers' costs)."""
+    profile = profile.served()
     real_runs = {rep["seed"]: rep["policies"] for rep in reference["repeats"]}
     sim_runs, workloads = {}, set()
     for seed in sorted(real_runs):
-        exact = bench_routing_requests(seed, profile.block_size)
-        workloads.add("bench routing's own requests" if exact is not None else "the synthetic copy")
-        requests = exact if exact is not None else routing_bench_workload(seed, profile.block_size)
+        requests, exact = simulated_requests(seed, profile.block_size)
+        workloads.add("bench routing's own requests" if exact else "the synthetic copy")
         sim_runs[seed] = simulate_bench(profile, requests, [p for p in POLICIES if p in real_runs[seed]],
                                         {p: r.get("other_cores", 0.0) for p, r in real_runs[seed].items()})
     out = compare(sim_runs, real_runs)
@@ -167,7 +173,8 @@ def run_validation(profile: WorkerProfile, reference: dict) -> dict:
         "source": reference["source"], "workload": " and ".join(sorted(workloads)),
         "sim_per_seed": sim_runs,
         "model": {"host_cores": profile.host_cores, "frontdoor_cpu_s": profile.frontdoor_cpu_s,
-                  "transfer_latency_s": profile.transfer_latency_s,
+                  "frontdoor_busy_cores": profile.frontdoor_busy_cores,
+                  "worker_cpu_factor": profile.worker_cpu_factor, "transfer_latency_s": profile.transfer_latency_s,
                   "prefill_step_tokens": profile.prefill_step_tokens,
                   "prefill_chunk_tokens": profile.prefill_chunk_tokens}})
     return out

@@ -12,7 +12,9 @@ BS = 16
 
 
 def cpu(steps: int = 0, chunk: int = 0):
-    return dataclasses.replace(load_profile("cpu"), prefill_step_tokens=steps, prefill_chunk_tokens=chunk)
+    # without the front door's measured load, which the tests that want it set themselves
+    return dataclasses.replace(load_profile("cpu"), prefill_step_tokens=steps, prefill_chunk_tokens=chunk,
+                               frontdoor_cpu_s=0.0, frontdoor_busy_cores=0.0)
 
 
 def request(i: int, tokens: int, first_hash: int) -> SimRequest:
@@ -98,3 +100,19 @@ def test_a_run_whose_machine_was_busy_is_simulated_on_the_cores_left():
     # round-robin's prefill workers are always computing: on half the cores, about half the throughput
     assert busy["requests_per_s"] < 0.7 * quiet["requests_per_s"]
     assert busy["ttft_s"]["mean"] > 1.4 * quiet["ttft_s"]["mean"]
+
+
+def test_a_queued_prefix_hit_loads_its_worker_by_its_uncached_tokens_only():
+    from services.sim.workers import Job
+
+    p = cpu(1024, 512)
+    sim = ClusterSim(ClusterConfig(p, 1, 1, policy="round-robin", disaggregation="always", closed_loop=1),
+                     [request(0, 1024, 0)])
+    sim.run()  # the 1,024-token prefix is cached on the prefill worker
+    worker = next(w for w in sim.workers.values() if w.role == "prefill")
+    worker._step_work = [("busy", 1)]  # mid-step: new requests wait in the queue
+    hit, miss = Job(request(1, 1024 + 32, 0)), Job(request(2, 256, 9000))
+    worker.submit(hit)
+    worker.submit(miss)
+    # as the engine's Scheduler.queued_prefill_tokens: the hit's 32 tokens past the prefix, the miss's 256
+    assert worker.heartbeat(sim.loop.now).queued_prefill_tokens == 32 + 256
