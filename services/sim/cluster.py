@@ -214,14 +214,25 @@ class ClusterSim:
         self.loop.after(backoff, self._dispatch, job)
 
     def prefilled(self, job: Job, worker: PrefillWorker) -> None:
+        job.extra["prefilled_at"] = self.loop.now
         self.computed_tokens += job.req.num_tokens - job.cached_tokens
         self.pool.end_prefill(job.token)
         self.loop.after(self.config.profile.transfer_s(job.req.num_tokens), self._kv_arrived, job)
         self._maybe_retire(worker)
 
     def _kv_arrived(self, job: Job) -> None:
+        decode = self.workers_any(job.decode_worker)
+        # the decode worker's event loop sends the first token when the engine step under way ends (the
+        # engine thread holds the GIL through it), where the profile says the real worker does
+        wait = decode.to_step_boundary(self.loop.now) if self.config.profile.first_token_at_step else 0.0
+        if wait > 0:
+            self.loop.after(wait, self._handed_off, job, decode)
+        else:
+            self._handed_off(job, decode)
+
+    def _handed_off(self, job: Job, decode) -> None:
         self.first_token(job)
-        self.workers_any(job.decode_worker).join(job)
+        decode.join(job)
 
     def workers_any(self, worker_id: str) -> SimWorker:
         worker = self.workers.get(worker_id)

@@ -61,6 +61,9 @@ class WorkerProfile:
     # a served worker's CPU over the engine's own compute (gRPC, the KV send, its event loop), per role,
     # measured by bench routing (/proc) against the modelled compute of the same requests; the validation's
     worker_cpu_factor: dict = field(default_factory=dict, compare=False)
+    # a disaggregated request's first token leaves the decode worker when its step under way ends (the cpu
+    # profile: pdserve's decode worker, whose engine thread holds the GIL through a step); else on arrival
+    first_token_at_step: bool = False
     source: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -115,6 +118,7 @@ def load_profiles(path: str | Path | None = None) -> dict[str, WorkerProfile]:
             host_cores=p.get("host_cores", 0), frontdoor_cpu_s=p.get("frontdoor_cpu_s", 0.0),
             frontdoor_busy_cores=p.get("frontdoor_busy_cores", 0.0),
             worker_cpu_factor=p.get("worker_cpu_factor", {}),
+            first_token_at_step=p.get("first_token_at_step", False),
             source=p.get("source", {}))
     return out
 

@@ -17,9 +17,10 @@ reads the saved runs (``--save``), and writes into the calibration file
 * its ``worker_cpu_factor``: each role's CPU per request from /proc over the engine
   compute the simulator models for the same requests (a served worker's gRPC, KV send
   and event loop beside the engine's steps);
-* its ``transfer.latency_s``: the median over the runs of each run's median hand-off
-  (the router's TTFT less the prefill worker's compute and send: dispatch, the
-  Prefill call, the first token's way back), measured under the bench's own load.
+* each run's median hand-off (the router's TTFT less the prefill worker's compute and
+  send: dispatch, the Prefill call, the first token's way back), in the reference, to
+  set beside the simulator's (the idle stack's hop, ``transfer.latency_s``, plus the
+  wait for the decode worker's step under way: ``first_token_at_step``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from pathlib import Path
 
 import numpy as np
 
-from services.bench.stats import percentile
 from services.sim.profiles import CALIBRATION
 
 FRONT_DOOR = ("router", "redis", "client")
@@ -79,7 +79,8 @@ def reference(runs: list[dict], host_cores: float = 2.0) -> dict:
             "decode_cpu_ms": round(sum(v for k, v in s.get("cpu_ms_per_request", {}).items()
                                        if k.startswith("decode")), 2),
             # the simulator gives the run's stack the host's cores less these (validation.py)
-            "other_cores": others, "other_cores_estimated": estimated, "loadavg": run["loadavg"]}
+            "other_cores": others, "other_cores_estimated": estimated, "loadavg": run["loadavg"],
+            "handoff_ms_p50": s.get("handoff_ms_p50")}
     files = sorted({r["file"] for r in runs})
     return {"source": f"pdserve bench routing --repeats, seeds {sorted(repeats)}: {', '.join(files)}",
             "repeats": [{"seed": seed, "policies": repeats[seed]} for seed in sorted(repeats)]}
@@ -95,9 +96,7 @@ def front_door(runs: list[dict]) -> dict:
         rows.append((s["requests"], s["wall_s"]))
         cpu.append(sum(s["cpu_ms_per_request"][p] for p in FRONT_DOOR) / 1e3 * s["requests"])
     (per_request, busy), *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(cpu), rcond=None)
-    handoff = [run["summary"]["handoff_ms_p50"] for run in runs]
-    return {"frontdoor_cpu_s": round(max(per_request, 0.0), 5), "frontdoor_busy_cores": round(max(busy, 0.0), 4),
-            "transfer_latency_s": round(percentile(handoff, 50) / 1e3, 4)}
+    return {"frontdoor_cpu_s": round(max(per_request, 0.0), 5), "frontdoor_busy_cores": round(max(busy, 0.0), 4)}
 
 
 def worker_cpu_factor(ref: dict, calibration: Path) -> dict:
@@ -135,13 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.calibration)
     cpu = cal["profiles"]["cpu"]
     cpu["frontdoor_cpu_s"], cpu["frontdoor_busy_cores"] = fd["frontdoor_cpu_s"], fd["frontdoor_busy_cores"]
-    cpu["transfer"]["latency_s"] = fd["transfer_latency_s"]
     cpu["source"]["frontdoor"] = (
         f"router + Redis + client CPU from /proc during pdserve bench routing's measured requests, "
         f"{len(runs)} runs ({ref['source']}), least squares over requests and wall seconds")
-    cpu["source"]["transfer"] = (
-        "bytes_per_s: pdserve bench kvtransfer UCX 8k, 5.17 GB/s; latency: the median over the same runs of each "
-        "run's median hand-off (router TTFT less the prefill worker's compute and send)")
     cal["validation_reference"] = ref
     path.write_text(json.dumps(cal, indent=1) + "\n")
     cpu["worker_cpu_factor"] = worker_cpu_factor(ref, path)

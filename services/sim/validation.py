@@ -26,7 +26,7 @@ import copy
 import dataclasses
 import sys
 
-from services.bench.stats import bootstrap_interval, mean
+from services.bench.stats import bootstrap_interval, mean, percentile
 from services.sim.cluster import ClusterConfig, ClusterSim
 from services.sim.metrics import SLO, summarize
 from services.sim.profiles import WorkerProfile
@@ -46,6 +46,7 @@ POLICY_FIGURES = {
     "requests_per_s": (lambda s: s["requests_per_s"], "requests_per_s"),
     "prefill_cpu_ms": (lambda s: s["prefill_cpu_ms"], "prefill_cpu_ms"),
     "decode_cpu_ms": (lambda s: s["decode_cpu_ms"], "decode_cpu_ms"),
+    "handoff_ms_p50": (lambda s: s["handoff_ms_p50"], "handoff_ms_p50"),
 }
 GOAL = 0.15
 
@@ -101,7 +102,9 @@ def simulate_bench(profile: WorkerProfile, requests: list[SimRequest], policies=
         s = summarize(sim, SLO(10.0, 1.0))
         n = len(sim.jobs)
         busy = {role: sum(w.busy_s for w in sim.workers.values() if w.role == role) for role in ("prefill", "decode")}
+        handoff = [j.first_token_at - j.extra["prefilled_at"] for j in sim.jobs if "prefilled_at" in j.extra]
         out[policy] = {"hit_rate": s["hit_rate"], "ttft_s": s["ttft_s"], "requests_per_s": round(n / sim.loop.now, 3),
+                       "handoff_ms_p50": round(percentile(handoff, 50) * 1e3, 2),
                        "prefill_cpu_ms": round(busy["prefill"] / n * 1e3, 2),
                        "decode_cpu_ms": round(busy["decode"] / n * 1e3, 2)}
     return out

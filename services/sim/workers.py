@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import heapq
+import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -219,6 +220,14 @@ class DecodeWorker(SimWorker):
 
     def step_s(self) -> float:
         return self.profile.decode_step_s(len(self.batch), self.sum_ctx)
+
+    def to_step_boundary(self, now: float) -> float:
+        """Seconds until the step under way ends (0 when idle or between steps)."""
+        self._advance(now)
+        if not self.batch:
+            return 0.0
+        left = math.ceil(self.steps - 1e-9) - self.steps
+        return left * self.step_s() / self.speed if left > 1e-9 else 0.0
 
     def _advance(self, now: float) -> None:
         dt = now - self.last

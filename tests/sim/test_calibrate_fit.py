@@ -23,3 +23,15 @@ def test_a_small_batchs_step_is_not_sacrificed_to_the_large_ones():
     d = fit({"prefill_points": prefill, "decode_points": decode})["decode_step_s"]
     step = d["base"] + d["per_seq"] + d["per_seq_context"] * 128
     assert step == pytest.approx(0.039, rel=0.25)  # a plain least-squares fit gives 68 ms here
+
+
+def test_a_served_worker_costs_the_engines_compute_times_its_measured_factor():
+    import dataclasses
+
+    from services.sim.profiles import load_profile
+
+    p = dataclasses.replace(load_profile("cpu"), worker_cpu_factor={"prefill": 1.25, "decode": 1.5})
+    served = p.served()
+    assert served.prefill_s(512, 1024) == pytest.approx(1.25 * p.prefill_s(512, 1024))
+    assert served.decode_step_s(8, 8000) == pytest.approx(1.5 * p.decode_step_s(8, 8000))
+    assert dataclasses.replace(p, worker_cpu_factor={}).served().prefill_s(64, 64) == p.prefill_s(64, 64)

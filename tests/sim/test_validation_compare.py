@@ -6,6 +6,7 @@ import json
 import pytest
 
 from services.sim import routing_reference
+from services.sim.profiles import CALIBRATION
 from services.sim.validation import compare
 
 
@@ -64,20 +65,23 @@ def test_the_front_doors_cpu_is_split_into_per_request_and_steady_parts(tmp_path
     walls = {"kv-aware": 0.2, "round-robin": 0.9}
     files = [run_file(tmp_path, "a.json", [0, 1], walls, cpu_ms), run_file(tmp_path, "b.json", [2], walls, cpu_ms)]
     cal = tmp_path / "calibration.json"
-    cal.write_text(json.dumps({"profiles": {"cpu": {"transfer": {"latency_s": 0.0075}, "source": {}}}}))
+    cal.write_text(CALIBRATION.read_text())
     assert routing_reference.main([*files, "--calibration", str(cal)]) == 0
     written = json.loads(cal.read_text())
     cpu = written["profiles"]["cpu"]
     assert cpu["frontdoor_cpu_s"] == pytest.approx(0.012, abs=1e-5)
     assert cpu["frontdoor_busy_cores"] == pytest.approx(0.05, abs=1e-4)
-    assert cpu["transfer"]["latency_s"] == 0.02
+    assert cpu["transfer"]["latency_s"] == 0.0075  # the idle hop stays; the loaded hand-off is in the reference
+    # the served workers' CPU over the modelled compute: the files' 999 ms of prefill CPU a request is far more
+    # than the model's, their 0 ms of decode CPU far less
+    assert cpu["worker_cpu_factor"]["prefill"] > 2 and cpu["worker_cpu_factor"]["decode"] == 0
     ref = written["validation_reference"]
     assert [r["seed"] for r in ref["repeats"]] == [0, 1, 2]
     assert ref["repeats"][2]["policies"]["kv-aware"] == {"hit_rate": 0.5, "ttft_mean_s": 1.0, "ttft_p90_s": 2.0,
                                                         "ttft_p99_s": 3.0, "requests_per_s": 5.0,
                                                         "prefill_cpu_ms": 999.0, "decode_cpu_ms": 0,
                                                         "other_cores": 0.0, "other_cores_estimated": True,
-                                                        "loadavg": [1, 1, 1]}
+                                                        "loadavg": [1, 1, 1], "handoff_ms_p50": 20.0}
 
 
 def test_a_seed_given_twice_or_a_run_without_cpu_figures_is_refused(tmp_path, capsys):

@@ -116,3 +116,29 @@ def test_a_queued_prefix_hit_loads_its_worker_by_its_uncached_tokens_only():
     worker.submit(miss)
     # as the engine's Scheduler.queued_prefill_tokens: the hit's 32 tokens past the prefix, the miss's 256
     assert worker.heartbeat(sim.loop.now).queued_prefill_tokens == 32 + 256
+
+
+def test_a_first_token_leaves_the_decode_worker_when_its_step_under_way_ends():
+    from services.sim.workers import Job
+
+    p = dataclasses.replace(cpu(), first_token_at_step=True)
+    sim = ClusterSim(ClusterConfig(p, 1, 1, policy="round-robin", disaggregation="always"), [])
+    decode = next(w for w in sim.workers.values() if w.role == "decode")
+    running = Job(request(0, 64, 0))
+    running.req.out_tokens = 1000
+    running.blocks = 8
+    decode.reserve(running)
+    decode.join(running)
+    step = decode.step_s()
+    sim.loop.at(2.25 * step, lambda: None)
+    sim.loop.run(2.25 * step)  # a quarter into the third step
+    # (a step grows a little with the context: within 0.1%)
+    assert decode.to_step_boundary(sim.loop.now) == pytest.approx(0.75 * step, rel=1e-3)
+    newcomer = Job(request(1, 64, 500))
+    newcomer.blocks, newcomer.decode_worker = 8, decode.worker_id
+    decode.reserve(newcomer)
+    sim._kv_arrived(newcomer)
+    sim.loop.run(2.9 * step)
+    assert newcomer.first_token_at == -1.0  # still waiting for the step to end
+    sim.loop.run(3.1 * step)
+    assert newcomer.first_token_at == pytest.approx(3 * step, rel=1e-3)
