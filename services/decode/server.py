@@ -28,6 +28,7 @@ from services import hops, phases, telemetry
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError, ReservationLostError
 from services.grpc_codec import abort_with, check_deadline, chunk_from_output, load_message, sampling_from_proto
+from services.decode.choices import relay_choices
 from services.decode.step_results import StepResultWriter
 from services.handoff import EngineBlockOwner, decode_after_transfer, reserve_for_transfer
 from services.worker import WorkerRuntime, add_worker_parser, run_worker
@@ -133,6 +134,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 if request.local_prefill:
                     async with self.rt.admit():
                         check_deadline(req.deadline)
+                        if req.choices > 1:  # n choices, one forked generation
+                            async for msg in relay_choices(self, req, started):
+                                yield msg
+                            return
                         params = sampling_from_proto(req.sampling)
                         outputs = self.rt.aengine.generate(list(req.token_ids), params, request_id=rid,
                                                            priority=req.priority)

@@ -169,5 +169,10 @@ def choice_sampling(sampling: dict, i: int) -> dict:
     vLLM V1 seeds its choices."""
     out = dict(sampling)
     if out.get("seed") is not None and i:
-        out["seed"] = (out["seed"] + i + (1 << 63)) % _INT64 - (1 << 63)
+        out["seed"] = choice_seed(out["seed"], i)
     return out
+
+
+def choice_seed(seed: int, i: int) -> int:
+    """Choice i's seed: seed + i, wrapped into int64."""
+    return (seed + i + (1 << 63)) % _INT64 - (1 << 63)

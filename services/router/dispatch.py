@@ -104,6 +104,15 @@ class _AttemptFailed(Exception):
         return (self.wait or isinstance(self.error, CapacityError)) and self.retryable
 
 
+class ChoicesFailed(Exception):
+    """A forked attempt at n choices failed: ``retryable`` ones run again as one request per choice."""
+
+    def __init__(self, error: PdserveError, retryable: bool):
+        super().__init__(error.message)
+        self.error = error
+        self.retryable = retryable
+
+
 class _PrefillFailed(Exception):
     def __init__(self, rpc_error: grpc.aio.AioRpcError, worker: WorkerInfo):
         super().__init__(rpc_error.details())
@@ -236,9 +245,28 @@ class Dispatcher:
         finally:
             telemetry.REQUESTS.labels(role="router", outcome=outcome).inc()
 
+    async def generate_choices(self, wrids: list[str], token_ids: list[int], params: SamplingParams, priority: int,
+                               deadline: float, results_to: list[str], session_key: str = "", model: str = ""
+                               ) -> AsyncIterator[tuple[int, common_pb2.Finish]]:
+        """One attempt at an n-choice request as one forked generation (router/choices.py): the choices' worker
+        request ids and result streams, choice 0's first; each choice's (index, Finish) as it ends. Raises
+        ``ChoicesFailed`` (retryable or not) when the attempt fails."""
+        check_deadline(deadline)
+        started = time.perf_counter()
+        try:
+            async for item in self._attempt(wrids[0], token_ids, params, priority, deadline, set(), set(),
+                                            results_to[0], session_key, model, choices=(wrids[1:], results_to[1:])):
+                if isinstance(item, tuple):
+                    i, finish = item
+                    finish.usage.prompt_tokens = len(token_ids)
+                    finish.timings.e2e_ms = (time.perf_counter() - started) * 1e3
+                    yield i, finish
+        except _AttemptFailed as failed:
+            raise ChoicesFailed(failed.error, failed.retryable) from None
+
     async def _attempt(self, wrid: str, prompt: list[int], params: SamplingParams, priority: int, deadline: float,
                        avoid_prefill: set[str], avoid_decode: set[str], results_to: str = "", session_key: str = "",
-                       model: str = ""):
+                       model: str = "", choices: tuple[list[str], list[str]] | None = None):
         decode_workers = self.pool.decode_workers(model)
         if not decode_workers and model and len(self.pool.models()) <= 1 and model not in self.pool.models():
             # one model served under another name than the request's (a gateway given the model's path,
@@ -264,9 +292,13 @@ class Dispatcher:
             prefill_workers = with_adapter(prefill_workers, params.lora)
         # a LoRA request's blocks hash in its adapter's namespace, as the workers hash them
         hashes = hash_prompt_blocks(prompt, block_size, request_namespace(namespace, params.lora))
+        # n choices run where their prompt is computed (local prefill), and hold a copy of its partial last
+        # block each beside the shared ones
+        extra = 0 if choices is None else len(choices[0]) * block_size
         try:
-            placement = place(self.policy, self.policy_config, self.config.disaggregation, self.pool, self.index,
-                              decode_workers, prefill_workers, hashes, len(prompt), block_size, avoid_decode,
+            placement = place(self.policy, self.policy_config,
+                              self.config.disaggregation if choices is None else "never", self.pool, self.index,
+                              decode_workers, prefill_workers, hashes, len(prompt) + extra, block_size, avoid_decode,
                               session_key)
         except PdserveError as exc:
             blocks_needed = -(-len(prompt) // block_size)
@@ -277,6 +309,10 @@ class Dispatcher:
         client_id = hops.client_id(wrid)
         hops.mark(client_id, "router.placed", local=placement.prefill is None)
         request = worker_request(wrid, prompt, params, priority, deadline, results_to)
+        if choices is not None:
+            request.choices = 1 + len(choices[0])
+            request.choice_ids.extend(choices[0])
+            request.choice_results_to.extend(choices[1] if results_to else ())
         decode_stub = worker_pb2_grpc.DecodeWorkerStub(self.channels.get(decode.address))
         metadata = telemetry.grpc_metadata()
 
@@ -287,7 +323,7 @@ class Dispatcher:
                 hops.mark(client_id, "router.sent")
                 call = decode_stub.Decode(worker_pb2.DecodeRequest(request=request, local_prefill=True),
                                           metadata=metadata)
-                async for item in self._relay(call, decode, None):
+                async for item in self._relay(call, decode, None, 1 if choices is None else request.choices):
                     if isinstance(item, common_pb2.Finish):
                         yield _Served("", decode.worker_id, item.usage.cached_prompt_tokens, 0.0)
                     yield item
@@ -376,14 +412,20 @@ class Dispatcher:
         except grpc.aio.AioRpcError as exc:
             raise _PrefillFailed(exc, worker) from None
 
-    async def _relay(self, call, decode: WorkerInfo, prefill_task: asyncio.Task | None):
-        """The decode stream's chunks and finish; a failure becomes _AttemptFailed naming whom to blame."""
+    async def _relay(self, call, decode: WorkerInfo, prefill_task: asyncio.Task | None, finishes: int = 1):
+        """The decode stream's chunks and finish; a failure becomes _AttemptFailed naming whom to blame.
+        ``finishes`` > 1: a call of that many choices, each Finish yielded as (its choice's index, Finish)."""
 
         try:
             async for msg in call:
                 kind = msg.WhichOneof("kind")
                 if kind == "chunk":
                     yield msg.chunk
+                elif kind == "finish" and finishes > 1:
+                    yield msg.index, msg.finish
+                    finishes -= 1
+                    if not finishes:
+                        return
                 elif kind == "finish":
                     yield msg.finish
                     return
