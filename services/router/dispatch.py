@@ -416,19 +416,17 @@ class Dispatcher:
         """The decode stream's chunks and finish; a failure becomes _AttemptFailed naming whom to blame.
         ``finishes`` > 1: a call of that many choices, each Finish yielded as (its choice's index, Finish)."""
 
+        tagged = finishes > 1
         try:
             async for msg in call:
                 kind = msg.WhichOneof("kind")
                 if kind == "chunk":
                     yield msg.chunk
-                elif kind == "finish" and finishes > 1:
-                    yield msg.index, msg.finish
+                elif kind == "finish":
+                    yield (msg.index, msg.finish) if tagged else msg.finish
                     finishes -= 1
                     if not finishes:
                         return
-                elif kind == "finish":
-                    yield msg.finish
-                    return
         except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
             # The decode stream also fails when the prefill side aborts the transfer: blame the cause.
             cause = _prefill_failure(prefill_task)

@@ -45,7 +45,8 @@ class Plan:
 class FakeRouter:
     redis: object
     plan: Callable[[QueuedRequest], Plan] = field(default=lambda _req: Plan())
-    seen: list[QueuedRequest] = field(default_factory=list)
+    seen: list[QueuedRequest] = field(default_factory=list)  # per choice (an entry of n choices: n of them)
+    entries: list[QueuedRequest] = field(default_factory=list)  # the queue entries read
     tiers_seen: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
@@ -87,6 +88,7 @@ class FakeRouter:
                 task.add_done_callback(self._tasks.discard)
 
     async def _serve(self, d) -> None:
+        self.entries.append(d.request)
         choices = [dataclasses.replace(d.request, request_id=rid, sampling=choice_sampling(d.request.sampling, i),
                                        choices=1) for i, rid in enumerate(d.request.choice_ids)]
         await asyncio.gather(*(self._serve_one(d, req) for req in choices))
