@@ -1,7 +1,10 @@
 """A Decode call of n choices (``WorkerRequest.choices``): one forked generation, each choice to its own stream.
 
-The router sends an ``n`` > 1 request as one Decode with ``local_prefill``: the engine computes the
-prompt once and forks the choices off it (``Engine.add_choices``, services/engine/choices.py).
+The router sends an ``n`` > 1 request as one Decode with ``local_prefill`` (the engine computes the
+prompt once and forks the choices off it: ``Engine.add_choices``, services/engine/choices.py), or
+hands it off: the prefill worker computes the prompt once and samples every choice's first token
+(``add_choices(prefill_only=True)``, services/handoff.py), the KV travels once, into choice 0's
+reservation here, and ``start_decode(..., choices=)`` forks the others off it.
 Choice 0 runs under the call's request id, choice i under ``choice_ids[i - 1]`` (the router's
 ``<choice id>.<attempt>``, so each choice's chunks are fenced by its own attempt, as a request's
 are), seeded seed + i. In results mode every choice's chunks go to its own result stream
@@ -20,6 +23,7 @@ from proto.pdserve.v1 import worker_pb2
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError
 from services.grpc_codec import chunk_from_output, sampling_from_proto
+from services.handoff import decode_after_transfer
 from services.queue.message import MAX_CHOICES, choice_seed
 
 
@@ -43,8 +47,9 @@ def choice_targets(req: worker_pb2.WorkerRequest) -> tuple[list[str], list[str]]
     return ids, targets
 
 
-async def relay_choices(servicer, req: worker_pb2.WorkerRequest, started: float):
-    """Run the choices; yield TokenChunkOrFinish messages tagged with their choice's index."""
+async def relay_choices(servicer, req: worker_pb2.WorkerRequest, started: float, completion=None):
+    """Run the choices (``completion``: their prompt's KV arrived from a prefill worker, with every choice's
+    first token; None: computed here); yield TokenChunkOrFinish messages tagged with their choice's index."""
     rt = servicer.rt
     ids, targets = choice_targets(req)
     index = {rid: i for i, rid in enumerate(ids)}
@@ -58,7 +63,10 @@ async def relay_choices(servicer, req: worker_pb2.WorkerRequest, started: float)
             results.track(rid, target)
             rt.aengine.finals_only.add(rid)
     try:
-        outputs = rt.aengine.generate_choices(ids, list(req.token_ids), params, priority=req.priority)
+        if completion is None:
+            outputs = rt.aengine.generate_choices(ids, list(req.token_ids), params, priority=req.priority)
+        else:
+            outputs = decode_after_transfer(rt.aengine, ids[0], completion, list(zip(ids[1:], params[1:])))
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 if out.error:

@@ -20,6 +20,10 @@ A failed attempt is retried on other workers, up to ``max_attempts``:
   sampled output continues from a fresh random stream; a structured-output request's
   grammar replays the streamed tokens first).
 
+An n > 1 request's one forked attempt (``generate_choices``, placed like any other with room for
+its choices' copies of the partial last block) is not retried here: router/choices.py runs its
+unfinished choices on alone.
+
 Bad input (INVALID_ARGUMENT) is never retried. Each attempt has its own worker
 request id (``<id>.<attempt>``, numbered on across redeliveries), so a failed attempt
 still being torn down on a worker never collides with its retry, and the result
@@ -292,14 +296,12 @@ class Dispatcher:
             prefill_workers = with_adapter(prefill_workers, params.lora)
         # a LoRA request's blocks hash in its adapter's namespace, as the workers hash them
         hashes = hash_prompt_blocks(prompt, block_size, request_namespace(namespace, params.lora))
-        # n choices run where their prompt is computed (local prefill), and hold a copy of its partial last
-        # block each beside the shared ones
-        extra = 0 if choices is None else len(choices[0]) * block_size
         try:
-            placement = place(self.policy, self.policy_config,
-                              self.config.disaggregation if choices is None else "never", self.pool, self.index,
-                              decode_workers, prefill_workers, hashes, len(prompt) + extra, block_size, avoid_decode,
-                              session_key)
+            placement = place(self.policy, self.policy_config, self.config.disaggregation, self.pool, self.index,
+                              decode_workers, prefill_workers, hashes, len(prompt), block_size, avoid_decode,
+                              session_key,
+                              # n choices hold a copy of the prompt's partial last block each beside the shared ones
+                              extra_blocks=0 if choices is None else len(choices[0]))
         except PdserveError as exc:
             blocks_needed = -(-len(prompt) // block_size)
             fits_somewhere = blocks_needed <= max(w.kv_blocks_total for w in decode_workers)
@@ -373,7 +375,7 @@ class Dispatcher:
             # out its transfer timeout: cancel the call, which frees the reservation.
             prefill_task.add_done_callback(
                 lambda t: t.cancelled() or t.exception() is None or call.cancel())
-            async for item in self._relay(call, decode, prefill_task):
+            async for item in self._relay(call, decode, prefill_task, 1 if choices is None else request.choices):
                 if isinstance(item, common_pb2.Finish):
                     finished = True
                     result = None

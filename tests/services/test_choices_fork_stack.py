@@ -1,6 +1,8 @@
 """``n`` > 1 served as one forked generation, over the real stack with the real model and the openai client:
-the prompt computed once for every choice, choices equal to separate requests (the n = 1 requests take the
-hand-off: the router disaggregates always), and a decode worker killed mid-stream losing no token of any choice."""
+the prompt computed once for every choice and choices equal to separate requests, both where the decode
+worker computes the prompt itself (a short prompt: the router's --local-prefill-max-tokens) and across the
+hand-off (a long one: the prefill worker computes it and samples every choice's first token); a decode worker
+killed mid-stream losing no token of any choice."""
 
 from __future__ import annotations
 
@@ -18,12 +20,15 @@ pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 DECODES = ("decode-0", "decode-1")
+LOCAL = 48  # prompts up to this many tokens are computed on the decode worker, longer ones handed off
+SHORT = "The old lighthouse keeper said"
+LONG = "A long account of the harbour, its boats and its storms, told slowly. " * 12
 
 
 @pytest.fixture(scope="module")
 def stack(redis_url):
     spec = StackSpec(prefill=1, decode=2, dtype="fp32", threads=1, kv_cache_gb=0.25, redis_url=redis_url,
-                     router_args=["--disaggregation", "always"])
+                     router_args=["--local-prefill-max-tokens", str(LOCAL), "--no-local-prefill-cached"])
     with LocalStack(spec) as s:
         yield s
 
@@ -35,37 +40,48 @@ def client(stack):
     return OpenAI(base_url=f"http://{stack.gateway_address}/v1", api_key="none", max_retries=0)
 
 
-def _decode_prompt_tokens(stack) -> float:
-    """``pdserve_prompt_tokens_total`` of the decode workers still running: the prompt positions they computed."""
-    total = 0.0
-    for name in DECODES:
-        p = stack.procs[name]
-        if not p.alive():
+def _prompt_tokens(stack) -> dict[str, float]:
+    """``pdserve_prompt_tokens_total`` per role, of the workers still running: the prompt positions computed."""
+    total = {"prefill": 0.0, "decode": 0.0}
+    for name, p in stack.procs.items():
+        if not name.startswith(tuple(total)) or not p.alive():
             continue
         text = urllib.request.urlopen(f"http://{p.metrics}/metrics", timeout=10).read().decode()
-        total += sum(float(line.split()[-1]) for line in text.splitlines()
-                     if line.startswith("pdserve_prompt_tokens_total{") and 'role="decode"' in line)
+        for line in text.splitlines():
+            if line.startswith("pdserve_prompt_tokens_total{"):
+                total[name.split("-")[0]] += float(line.split()[-1])
     return total
 
 
-def test_n4_computes_the_prompt_once_and_forks_it_whole(client, stack):
-    prompt = "A long account of the harbour, its boats and its storms, told slowly. " * 12
-    before = _decode_prompt_tokens(stack)
-    r = client.completions.create(model=MODEL, prompt=prompt, n=4, seed=5, temperature=1.0, max_tokens=4)
-    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+def _computed_since(stack, before: dict[str, float], expected: int) -> dict[str, float]:
     deadline = time.monotonic() + 10
-    while _decode_prompt_tokens(stack) - before < r.usage.prompt_tokens and time.monotonic() < deadline:
+    while sum(_prompt_tokens(stack).values()) - sum(before.values()) < expected and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(1.0)  # a few more stats polls: anything computed twice would show by now
-    assert _decode_prompt_tokens(stack) - before == r.usage.prompt_tokens  # once, not 4 times
-    assert r.usage.completion_tokens == 16 and r.usage.prompt_tokens > 100
+    return {role: n - before[role] for role, n in _prompt_tokens(stack).items()}
 
 
-def test_seeded_and_greedy_choices_equal_separate_requests_across_the_hand_off(client):
-    kw = {"model": MODEL, "prompt": "The old lighthouse keeper said", "max_tokens": 10}
-    forked = client.completions.create(n=3, seed=40, temperature=1.0, **kw)
-    alone = [client.completions.create(seed=40 + i, temperature=1.0, **kw).choices[0].text for i in range(3)]
-    assert [c.text for c in forked.choices] == alone and len(set(alone)) > 1
+@pytest.mark.parametrize("where", ["local", "hand-off"])
+def test_n4_computes_the_prompt_once(client, stack, where):
+    prompt = f"{where}: " + (SHORT if where == "local" else LONG)
+    before = _prompt_tokens(stack)
+    r = client.completions.create(model=MODEL, prompt=prompt, n=4, seed=5, temperature=1.0, max_tokens=4)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3] and r.usage.completion_tokens == 16
+    computed = _computed_since(stack, before, r.usage.prompt_tokens)
+    role = "decode" if where == "local" else "prefill"
+    assert (r.usage.prompt_tokens <= LOCAL) == (where == "local")
+    assert computed == {role: r.usage.prompt_tokens, ("prefill" if role == "decode" else "decode"): 0}  # once
+
+
+@pytest.mark.parametrize("where", ["local", "hand-off"])
+def test_seeded_and_greedy_choices_equal_separate_requests(client, where):
+    kw = {"model": MODEL, "prompt": SHORT if where == "local" else LONG, "max_tokens": 10}
+    forked = client.completions.create(n=3, seed=40, temperature=1.0, logprobs=0, **kw)
+    alone = [client.completions.create(seed=40 + i, temperature=1.0, logprobs=0, **kw).choices[0] for i in range(3)]
+    assert [c.text for c in forked.choices] == [c.text for c in alone] and len({c.text for c in alone}) > 1
+    for f, a in zip(forked.choices, alone):  # the first token (sampled on the prefill worker) carries its logprob
+        assert f.logprobs.tokens == a.logprobs.tokens
+        assert f.logprobs.token_logprobs == pytest.approx(a.logprobs.token_logprobs, abs=1e-3)
     greedy = client.completions.create(n=2, temperature=0, **kw)
     one = client.completions.create(temperature=0, **kw).choices[0].text
     assert [c.text for c in greedy.choices] == [one, one]
