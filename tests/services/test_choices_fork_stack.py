@@ -28,7 +28,8 @@ LONG = "A long account of the harbour, its boats and its storms, told slowly. " 
 @pytest.fixture(scope="module")
 def stack(redis_url):
     spec = StackSpec(prefill=1, decode=2, dtype="fp32", threads=1, kv_cache_gb=0.25, redis_url=redis_url,
-                     router_args=["--local-prefill-max-tokens", str(LOCAL), "--no-local-prefill-cached"])
+                     router_args=["--local-prefill-max-tokens", str(LOCAL), "--no-local-prefill-cached"],
+                     gateway_args=["--disconnect-grace", "0.2"])
     with LocalStack(spec) as s:
         yield s
 
@@ -85,6 +86,25 @@ def test_seeded_and_greedy_choices_equal_separate_requests(client, where):
     greedy = client.completions.create(n=2, temperature=0, **kw)
     one = client.completions.create(temperature=0, **kw).choices[0].text
     assert [c.text for c in greedy.choices] == [one, one]
+
+
+@pytest.mark.parametrize("where", ["local", "hand-off"])
+def test_a_client_leaving_mid_stream_cancels_every_choice_and_frees_their_blocks(client, stack, where):
+    stream = client.completions.create(model=MODEL, prompt=SHORT if where == "local" else LONG, n=3, stream=True,
+                                       max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
+    seen = set()
+    for ch in stream:
+        seen.update(c.index for c in ch.choices if c.text)
+        if seen == {0, 1, 2}:
+            break
+    stream.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        loads = [asyncio.run(worker_load(n, stack.procs[n].address)) for n in DECODES]
+        if not any(load.num_running or load.kv_blocks_used for load in loads):
+            break
+        time.sleep(0.2)
+    assert [(load.num_running, load.kv_blocks_used) for load in loads] == [(0, 0), (0, 0)]
 
 
 def test_a_decode_worker_killed_mid_stream_loses_and_repeats_no_token_of_any_choice(client, stack):
