@@ -29,7 +29,8 @@ from services import hops, phases, telemetry
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError, ReservationLostError
 from services.grpc_codec import abort_with, check_deadline, chunk_from_output, load_message, sampling_from_proto
-from services.decode.choices import choice_targets, relay_choices
+from services.choice_requests import choice_targets
+from services.decode.choices import relay_choices
 from services.decode.step_results import StepResultWriter
 from services.handoff import EngineBlockOwner, decode_after_transfer, reserve_for_transfer
 from services.worker import WorkerRuntime, add_worker_parser, run_worker

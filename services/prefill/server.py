@@ -27,7 +27,7 @@ from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services import hops, telemetry
 from services.grpc_channels import Channels
 from services.handoff import EngineBlockOwner, parse_descriptor, prefill_and_send
-from services.decode.choices import choice_params, choice_targets
+from services.choice_requests import choice_params, choice_targets
 from services.peer_fetch import fetch_prefix, serve_fetch
 from services.errors import InvalidRequestError
 from services.grpc_codec import abort_with, check_deadline, load_message, sampling_from_proto
