@@ -7,7 +7,8 @@
     attempt failed:  every unfinished choice runs on as a request of its own (Dispatcher.generate, with
                      its retries), resuming from the tokens its stream holds (fenced first, as any retry)
                      -> no token lost or repeated; the sharing is lost for the rest of those choices
-    redelivered:     the same, for each choice whose stream has no terminal event yet
+    redelivered:     the same, for each choice whose stream has no terminal event yet (and from the
+                     start for structured output, a LoRA adapter or model "auto", which do not fork)
     cancelled:       an abort final for every unfinished choice (the gateway cancels a choice's id; the
                      queue worker maps it to this request's task)
     failed for good: an error event for each choice that failed (the gateway ends the response at the
@@ -46,7 +47,9 @@ async def run_choices(qw, d: Delivery, params: SamplingParams, queue_ms: float, 
     done: set[int] = set()
     priority = qw._priority(d.tier)
     try:
-        if d.delivery_count == 1 and not req.cascade:
+        # structured output and LoRA choices do not fork (Engine.add_choices): they run alone, sharing the
+        # prompt's full blocks through the prefix cache; so does model "auto" (each choice its cascade)
+        if d.delivery_count == 1 and not req.cascade and params.structured is None and params.lora is None:
             done = await _forked(qw, d, params, queue_ms, base + 1)
             base += 1  # the forked attempt used that number
         else:  # a redelivery: choices that ended before the router died are done

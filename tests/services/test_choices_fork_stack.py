@@ -7,6 +7,7 @@ killed mid-stream losing no token of any choice."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 import urllib.request
@@ -86,6 +87,20 @@ def test_seeded_and_greedy_choices_equal_separate_requests(client, where):
     greedy = client.completions.create(n=2, temperature=0, **kw)
     one = client.completions.create(temperature=0, **kw).choices[0].text
     assert [c.text for c in greedy.choices] == [one, one]
+
+
+@pytest.mark.parametrize("where", ["local", "hand-off"])
+def test_structured_choices_run_alone_and_each_validates(client, where):
+    """Structured output does not fork (its grammar state is per choice): its choices run as requests of their
+    own, on either path, each constrained."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": SHORT if where == "local" else LONG}], n=2, seed=3,
+        temperature=1.0, max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}})
+    assert [c.index for c in r.choices] == [0, 1]
+    assert all(json.loads(c.message.content)["answer"] in ("yes", "no") for c in r.choices)
 
 
 @pytest.mark.parametrize("where", ["local", "hand-off"])
