@@ -47,6 +47,7 @@ from services.bench import results as result_files
 from services.bench.args import at_least_one as count
 from services.bench.args import counts
 from services.bench.load import OpenAIClient, OpenAIRequest, closed_loop
+from services.bench.process_watch import cpu_seconds
 from services.bench.stats import percentile, ratio
 from services.up import engine_nice_arg
 
@@ -141,16 +142,15 @@ async def _levels(args, sides: dict[str, tuple[OpenAIClient, str]]) -> dict:
 
 
 def _cpu_seconds(procs: dict) -> dict[str, float]:
-    out = {}
+    """``cpu_seconds`` with each decode worker's event-loop thread (its main one) apart from its engine's too."""
+    out = cpu_seconds(procs)
     for name, proc in procs.items():
-        try:
-            t = proc.cpu_times()
-            out[name] = t.user + t.system
-            if name.startswith("decode"):  # its event loop's thread (the main one) apart from the engine's
+        if name.startswith("decode"):
+            try:
                 main = next(th for th in proc.threads() if th.id == proc.pid)
                 out[f"{name} loop"] = main.user_time + main.system_time
-        except Exception:  # gone: counts nothing more
-            out[name] = 0.0
+            except Exception:  # gone: counts nothing more
+                out[f"{name} loop"] = 0.0
     return out
 
 

@@ -12,7 +12,9 @@ What is modelled: the workers (workers.py, costs from profiles.py), the
 transports (a KV transfer is a delay), and the Dispatcher's waiting: a request
 with no room on the decode worker it chose waits and retries with the
 Dispatcher's backoff (20 ms doubling to 0.5 s), on the same stale view a real
-router has until the next heartbeat.
+router has until the next heartbeat; one sent to a worker that deregistered since
+(drained or gone) is refused, and the Dispatcher marks that worker failed and
+tries again at once.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from services.router.placement import begin_decode, begin_prefill, place
 from services.router.policy import RouterPolicyConfig, policy_from_config
 from services.router.prefix_index import PrefixIndex
 from services.router.worker_pool import WorkerPool
+from services.router.worker_pool import log as worker_pool_log
 from services.sim.admission import SimAdmission
 from services.sim.events import EventLoop
-from services.sim.host import SharedHost
+from services.sim.host import FrontDoor, SharedHost
 from services.sim.prefill_steps import SteppedPrefillWorker
 from services.sim.profiles import WorkerProfile
 from services.sim.workers import DecodeWorker, Job, PrefillWorker, SimWorker
@@ -89,7 +92,10 @@ class ClusterSim:
         self.series: list[dict] = []
         self._last_sample = -math.inf
         self.controller = controller  # an autoscaler with .tick(sim), called every heartbeat
-        self.host = SharedHost(config.host_cores) if config.host_cores else None
+        # the profile's front door uses a steady share of a shared host's cores (host.py)
+        self.host = SharedHost(config.host_cores - config.profile.frontdoor_busy_cores) if config.host_cores else None
+        # the router, Redis and the client on the same cores (host.py), where the profile measured them
+        self.front = FrontDoor(self.loop, self.host) if self.host and config.profile.frontdoor_cpu_s else None
         self.on_finished: Callable[[Job], None] | None = None
         for _ in range(config.prefill_workers):
             self.add_worker("prefill", announce=False)
@@ -169,6 +175,8 @@ class ClusterSim:
             self.inflight += 1
             self.queued_tokens -= job.req.num_tokens
             job.dispatched_at = self.loop.now
+            if self.front is not None:
+                self.front.submit(self.config.profile.frontdoor_cpu_s)
             self._dispatch(job)
 
     def _dispatch(self, job: Job) -> None:
@@ -184,12 +192,24 @@ class ClusterSim:
         except (CapacityError, NoWorkerError):
             self._wait(job)
             return
-        # A worker that deregistered (drained) since the last refresh refuses the call: retry later
+        # A worker that deregistered (drained, or gone) since the last refresh refuses the call UNAVAILABLE:
+        # the Dispatcher marks it failed and tries again at once elsewhere (dispatch.py _failure)
         decode = self.workers.get(placement.decode.worker.worker_id)
         prefill = self.workers.get(placement.prefill.worker.worker_id) if placement.prefill else None
+        gone = [p.worker.worker_id for p, w in ((placement.decode, decode), (placement.prefill, prefill))
+                if p is not None and (w is None or w.draining)]
+        if gone:
+            # (quietly: production warns once per failed worker; here every drained worker would)
+            disabled, worker_pool_log.disabled = worker_pool_log.disabled, True
+            try:
+                for worker_id in gone:
+                    self.pool.mark_failed(worker_id)
+            finally:
+                worker_pool_log.disabled = disabled
+            self.loop.after(0.0, self._dispatch, job)
+            return
         job.blocks = -(-(req.num_tokens + req.out_tokens) // bs)
-        if decode is None or (placement.prefill is not None and (prefill is None or prefill.draining)) \
-                or not decode.reserve(job):  # or the heartbeat was stale: RESOURCE_EXHAUSTED
+        if not decode.reserve(job):  # the heartbeat was stale: RESOURCE_EXHAUSTED, retry after a backoff
             self._wait(job)
             return
         job.decode_worker = decode.worker_id
@@ -209,14 +229,25 @@ class ClusterSim:
         self.loop.after(backoff, self._dispatch, job)
 
     def prefilled(self, job: Job, worker: PrefillWorker) -> None:
+        job.extra["prefilled_at"] = self.loop.now
         self.computed_tokens += job.req.num_tokens - job.cached_tokens
         self.pool.end_prefill(job.token)
         self.loop.after(self.config.profile.transfer_s(job.req.num_tokens), self._kv_arrived, job)
         self._maybe_retire(worker)
 
     def _kv_arrived(self, job: Job) -> None:
+        decode = self.workers_any(job.decode_worker)
+        # the decode worker's event loop sends the first token when the engine step under way ends (the
+        # engine thread holds the GIL through it), where the profile says the real worker does
+        wait = decode.to_step_boundary(self.loop.now) if self.config.profile.first_token_at_step else 0.0
+        if wait > 0:
+            self.loop.after(wait, self._handed_off, job, decode)
+        else:
+            self._handed_off(job, decode)
+
+    def _handed_off(self, job: Job, decode) -> None:
         self.first_token(job)
-        self.workers_any(job.decode_worker).join(job)
+        decode.join(job)
 
     def workers_any(self, worker_id: str) -> SimWorker:
         worker = self.workers.get(worker_id)
