@@ -53,6 +53,7 @@ from services.bench.stats import percentile as pct
 from services.gateway import fanout_probe, frontdoor_probe
 from services.loop_lag import LoopLag
 from services.queue.config import DEFAULT_TIERS
+from services.up_defaults import ENGINE_NICE
 
 _WORDS = ("river stone light garden window paper engine market silver forest music winter harbor signal "
           "letter mountain yellow planet bridge candle orange theory coffee island rocket").split()
@@ -204,7 +205,7 @@ async def _bench(args, stack) -> dict:
                      "latency_max_tokens": args.latency_max_tokens,
                      "model": args.model, "dtype": args.dtype, "threads_per_worker": args.threads,
                      "seed": args.seed, "front_first": args.front_first, "worker_nice": args.worker_nice, "front_nice": args.front_nice, "front_realtime": args.front_realtime, "worker_policy": args.worker_policy,
-                     "worker_autogroup_nice": args.worker_autogroup_nice, "front_slice_us": args.front_slice_us,
+                     "engine_nice": args.engine_nice, "front_slice_us": args.front_slice_us,
                      "gateway_args": args.gateway_arg, "stack": "pdserve up defaults: 1 prefill, 1 decode, router, gateway"}
     return out
 
@@ -216,9 +217,11 @@ def run(args) -> int:
         raise ValueError("clients and max-tokens must be >= 1, latency-streams >= 0")
     if args.latency_requests and args.latency_requests < args.latency_streams:
         raise ValueError("latency-requests must be at least latency-streams (every client sends one)")
+    if not 0 <= args.engine_nice <= 19:
+        raise ValueError(f"engine-nice must be 0-19; got {args.engine_nice}")
     spec = StackSpec(prefill=1, decode=1, model=args.model, dtype=args.dtype, threads=args.threads,
                      transport=args.transport, gateway=True, gateway_args=list(args.gateway_arg),
-                     front_first=args.front_first)
+                     front_first=args.front_first, engine_nice=args.engine_nice)
     _log("starting the stack (pdserve up defaults: embedded Redis, 1 prefill, 1 decode, router, gateway)")
     started = time.perf_counter()
     args.probe_dir = None if args.no_probe else tempfile.mkdtemp(prefix="pdserve-fanout-probe-")
@@ -256,8 +259,6 @@ def _schedule(args, stack) -> None:
             sched_priority.renice(pid, args.worker_nice)
         if args.worker_policy != "other":
             sched_priority.set_policy(pid, _POLICIES[args.worker_policy])
-        if args.worker_autogroup_nice:
-            sched_priority.set_autogroup_nice(pid, args.worker_autogroup_nice)
     for pid in light:
         if args.front_nice:
             sched_priority.renice(pid, args.front_nice)
@@ -265,7 +266,7 @@ def _schedule(args, stack) -> None:
             sched_priority.realtime(pid)
         if args.front_slice_us:
             sched_priority.set_slice(pid, int(args.front_slice_us * 1000))
-    names = ("worker_nice", "worker_policy", "worker_autogroup_nice", "front_nice", "front_realtime", "front_slice_us")
+    names = ("worker_nice", "worker_policy", "front_nice", "front_realtime", "front_slice_us")
     knobs = {k: getattr(args, k) for k in names if getattr(args, k) not in (0, "other", False)}
     if knobs:
         _log(f"  scheduling knobs: {knobs}")
@@ -349,9 +350,9 @@ def add_parser(sub) -> None:
     p.add_argument("--worker-policy", default="other", choices=["other", "batch", "idle"],
                    help="the workers' threads' scheduling policy (SCHED_OTHER, SCHED_BATCH, SCHED_IDLE; lowering "
                         "needs no privilege)")
-    p.add_argument("--worker-autogroup-nice", type=int, default=0,
-                   help="niceness of each worker's autogroup (kernel.sched_autogroup_enabled: every child of the "
-                        "stack runs in a session, so a task group, of its own; 0: as started)")
+    p.add_argument("--engine-nice", "--worker-autogroup-nice", type=int, default=ENGINE_NICE, metavar="N",
+                   help="niceness 0-19 of each worker's autogroup, as `pdserve up --engine-nice` (default "
+                        f"{ENGINE_NICE}, pdserve up's; 0: the kernel's default scheduling)")
     p.add_argument("--front-slice-us", type=float, default=0,
                    help="the gateway, router, Redis and load generator ask for slices this long (EEVDF custom "
                         "slice, Linux 6.12+, no privilege; 0: the kernel's default)")
