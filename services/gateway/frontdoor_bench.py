@@ -53,7 +53,7 @@ from services.bench.stats import percentile as pct
 from services.gateway import fanout_probe, frontdoor_probe
 from services.loop_lag import LoopLag
 from services.queue.config import DEFAULT_TIERS
-from services.up_defaults import ENGINE_NICE
+from services import up_defaults
 
 _WORDS = ("river stone light garden window paper engine market silver forest music winter harbor signal "
           "letter mountain yellow planet bridge candle orange theory coffee island rocket").split()
@@ -203,10 +203,10 @@ async def _bench(args, stack) -> dict:
                      "client_timeout_s": args.timeout,
                      "latency_streams": args.latency_streams, "latency_requests": args.latency_requests,
                      "latency_max_tokens": args.latency_max_tokens,
-                     "model": args.model, "dtype": args.dtype, "threads_per_worker": args.threads,
+                     "model": args.model, "dtype": args.dtype, "threads_per_worker": args.threads, "quantization": args.quantization,
                      "seed": args.seed, "front_first": args.front_first, "worker_nice": args.worker_nice, "front_nice": args.front_nice, "front_realtime": args.front_realtime, "worker_policy": args.worker_policy,
                      "engine_nice": args.engine_nice, "front_slice_us": args.front_slice_us,
-                     "gateway_args": args.gateway_arg, "stack": "pdserve up defaults: 1 prefill, 1 decode, router, gateway"}
+                     "gateway_args": args.gateway_arg, "stack": getattr(args, "stack", None)}
     return out
 
 
@@ -217,12 +217,17 @@ def run(args) -> int:
         raise ValueError("clients and max-tokens must be >= 1, latency-streams >= 0")
     if args.latency_requests and args.latency_requests < args.latency_streams:
         raise ValueError("latency-requests must be at least latency-streams (every client sends one)")
-    if not 0 <= args.engine_nice <= 19:
+    if args.engine_nice is not None and not 0 <= args.engine_nice <= 19:
         raise ValueError(f"engine-nice must be 0-19; got {args.engine_nice}")
-    spec = StackSpec(prefill=1, decode=1, model=args.model, dtype=args.dtype, threads=args.threads,
+    choice = _up_choice(args)
+    args.engine_nice = choice.engine_nice
+    spec = StackSpec(prefill=choice.prefill, decode=choice.decode, model=args.model, dtype=args.dtype,
+                     quantization=choice.quantization, threads=choice.threads, router_args=choice.router_args,
                      transport=args.transport, gateway=True, gateway_args=list(args.gateway_arg),
-                     front_first=args.front_first, engine_nice=args.engine_nice)
-    _log("starting the stack (pdserve up defaults: embedded Redis, 1 prefill, 1 decode, router, gateway)")
+                     front_first=choice.front_first, engine_nice=choice.engine_nice)
+    args.stack = (f"pdserve up defaults: embedded Redis, {choice.prefill} prefill, {choice.decode} decode, router, "
+                  f"gateway; chose: {choice.summary()}")
+    _log(f"starting the stack ({args.stack})")
     started = time.perf_counter()
     args.probe_dir = None if args.no_probe else tempfile.mkdtemp(prefix="pdserve-fanout-probe-")
     if args.probe_dir:
@@ -242,6 +247,23 @@ def run(args) -> int:
     result_files.save("frontdoor", result, args)
     print(json.dumps(result) if args.json else format_table(result))
     return 0
+
+
+def _up_choice(args):
+    """What `pdserve up` would run here for what the flags leave open (services/up_defaults.py): the bench
+    measures the stack a user gets."""
+    from pathlib import Path
+
+    from services.engine.model_source import default_model_path
+    from services.errors import ModelNotFoundError
+
+    try:
+        path = Path(args.model).expanduser() if args.model else default_model_path()
+    except ModelNotFoundError:
+        path = None  # the workers say so, with how to install it
+    gguf = up_defaults.gguf_servable(path) if args.quantization is None else (False, "")
+    return up_defaults.choose(os.cpu_count() or 1, threads=args.threads, quantization=args.quantization, gguf=gguf,
+                              front_first=args.front_first, engine_nice=args.engine_nice)
 
 
 def _schedule(args, stack) -> None:
@@ -329,7 +351,9 @@ def add_parser(sub) -> None:
     p.add_argument("--latency-max-tokens", type=int, default=16)
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: pdserve up's)")
+    p.add_argument("--quantization", default=None, choices=["none", "int8", "gguf"],
+                   help="the workers' weights, as `pdserve up --quantization` (default: pdserve up's choice)")
     p.add_argument("--transport", default="ucx", choices=["ucx", "tcp"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gateway-arg", action="append", default=[], metavar="FLAG",
@@ -350,9 +374,9 @@ def add_parser(sub) -> None:
     p.add_argument("--worker-policy", default="other", choices=["other", "batch", "idle"],
                    help="the workers' threads' scheduling policy (SCHED_OTHER, SCHED_BATCH, SCHED_IDLE; lowering "
                         "needs no privilege)")
-    p.add_argument("--engine-nice", "--worker-autogroup-nice", type=int, default=ENGINE_NICE, metavar="N",
-                   help="niceness 0-19 of each worker's autogroup, as `pdserve up --engine-nice` (default "
-                        f"{ENGINE_NICE}, pdserve up's; 0: the kernel's default scheduling)")
+    p.add_argument("--engine-nice", "--worker-autogroup-nice", type=int, default=None, metavar="N",
+                   help="niceness 0-19 of each worker's autogroup, as `pdserve up --engine-nice` (default: pdserve "
+                        f"up's, {up_defaults.ENGINE_NICE}; 0: the kernel's default scheduling)")
     p.add_argument("--front-slice-us", type=float, default=0,
                    help="the gateway, router, Redis and load generator ask for slices this long (EEVDF custom "
                         "slice, Linux 6.12+, no privilege; 0: the kernel's default)")
