@@ -507,7 +507,8 @@ class GatewayCore:
 
     async def _release_key(self, record: RequestRecord) -> None:
         try:
-            await patiently(lambda: self.coalescer.release(record.coalesce, record.stream_id), self._give_up(record))
+            await patiently(lambda: self.coalescer.release(record.coalesce, record.stream_id),
+                            self._give_up(record))
         except Exception as exc:  # its TTL ends it anyway
             log.warning("request %s: releasing its coalescing key failed: %s", record.request_id, exc)
 

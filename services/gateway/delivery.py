@@ -168,8 +168,8 @@ class ResultDelivery:
         if own:
             self._subs.setdefault(request_id, set()).add(sub)
         try:
-            await patiently(lambda: self._batched(sub, status=False), until)  # registered first: whatever is written from now on
-            # reaches it one way or the other
+            # registered first: whatever is written from now on reaches it one way or the other
+            await patiently(lambda: self._batched(sub, status=False), until)
             if not own:
                 self._foreign.add(sub)
                 self._foreign_wake.set()

@@ -203,7 +203,8 @@ async def _bench(args, stack) -> dict:
                      "client_timeout_s": args.timeout,
                      "latency_streams": args.latency_streams, "latency_requests": args.latency_requests,
                      "latency_max_tokens": args.latency_max_tokens,
-                     "model": args.model, "dtype": args.dtype, "threads_per_worker": args.threads, "quantization": args.quantization,
+                     "model": args.model, "dtype": args.dtype, "threads_per_worker": args.threads,
+                     "quantization": args.quantization,
                      "seed": args.seed, "front_first": args.front_first, "worker_nice": args.worker_nice, "front_nice": args.front_nice, "front_realtime": args.front_realtime, "worker_policy": args.worker_policy,
                      "engine_nice": args.engine_nice, "front_slice_us": args.front_slice_us,
                      "gateway_args": args.gateway_arg, "stack": getattr(args, "stack", None)}
