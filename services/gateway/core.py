@@ -57,7 +57,7 @@ from services.gateway.pool_wait import patiently
 from services.gateway.protocol import GenerationRequest
 from services.gateway.rate_limit import RateLimiter, RateStatus
 from services.gateway.readiness import DecodeWorkers
-from services.gateway.request_record import RequestRecord, RequestRecords
+from services.gateway.request_record import RequestRecord, RequestRecords, choice_records
 from services.engine.structured_output import StructuredOutput
 from services.gateway.response_format import GrammarCheck
 from services.gateway.cached_read import CachedRead
@@ -274,7 +274,9 @@ class GatewayCore:
             await self.workers.check()
         await self.load.check(len(token_ids))
         output_budget = req.max_tokens if req.max_tokens is not None else max_len - len(token_ids)
-        cost = len(token_ids) + output_budget
+        # every choice (best_of: every candidate) is charged its prompt and output budget, as when each
+        # was a request of its own: the shared prompt saves compute, not the tenant's budget
+        cost = (len(token_ids) + output_budget) * req.candidates
         rate = await self.limiter.take(tenant, cost)
         try:
             admission = await self._admit(tenant, req, token_ids, model, served.name, tier, deadline,
@@ -294,8 +296,11 @@ class GatewayCore:
                                tools=req.tool_choice.dumps() if req.tool_choice is not None else "")
         queued = QueuedRequest(record.request_id, tenant.name, tier, base, token_ids, req.sampling, deadline,
                                traceparent, session_key=req.session_key,
-                               cascade=self.cascade.to_json() if model == AUTO else "")
-        key = self.coalescer.key(tenant.name, tier, model, token_ids, req.sampling)
+                               cascade=self.cascade.to_json() if model == AUTO else "", choices=req.candidates)
+        # n > 1 is one forked generation with a result stream per choice: it coalesces with nothing
+        key = self.coalescer.key(tenant.name, tier, model, token_ids, req.sampling) if req.candidates == 1 else None
+        if req.candidates > 1:  # the other choices' records, before anything can be queued under their ids
+            await self.records.save(*choice_records(record, req.candidates)[1:])
         if idempotency_key is None:
             if key is not None and await self._claim_and_lead(record, queued, key):
                 return Admission(record, tier, attached=False, rate=rate, coalesced=True)
