@@ -9,9 +9,11 @@ steps). Here, on one engine and one thread, per round: a fresh prompt of 40-120 
 it), then at batch 1 and beside 16 running decodes, the same prompt again; per step, the CPU
 time (``time.process_time``: on one thread, the work the step costs, which stays meaningful on a
 busy machine) of the step that takes the newcomer and of the plain decode step after it, with
-the newcomer's step on the model's per-layer Python path (as before this probe's fix: the fused
-driver took decode-only steps) and through the fused driver (kernels/decode_layers_cpu.py),
-alternating. Prints the medians, and by phase (schedule, forward, logits, sample) for batch 1.
+the newcomer's step three ways, alternating: ``python``, on the model's per-layer Python path (as
+before the first fix: the fused driver took decode-only steps); ``fused``, through the fused
+driver (kernels/decode_layers_cpu.py), computing its whole tail; ``tail``, the driver with the
+KV of its tail copied from the block the fresh prompt left (KVManager._copy_tail: one token left
+to compute). Prints the medians, and by phase (schedule, forward, logits, sample) for batch 1.
 """
 
 from __future__ import annotations
@@ -76,10 +78,13 @@ def main() -> None:
 
     results: dict[tuple, list] = collections.defaultdict(list)
     tails = []
+    copy_blocks = engine.kv.copy_blocks
+    paths = ("python", "fused", "tail")
     for rnd in range(rounds):
         for batch in (1, 17):
-            for path in ("python", "fused"):
-                driver.prefill = path == "fused"  # False: steps with a prefill chunk take the Python path
+            for path in paths:
+                driver.prefill = path != "python"  # False: steps with a prefill chunk take the Python path
+                engine.kv.copy_blocks = copy_blocks if path == "tail" else None  # None: no tail copy
                 prompt = tok.encode(f"{rnd} {batch} {path}: " + " ".join(rng.choice(WORDS)
                                                                         for _ in range(rng.randint(40, 120))))
                 others = [f"bg-{rnd}-{batch}-{path}-{i}" for i in range(batch - 1)]
@@ -104,11 +109,11 @@ def main() -> None:
     print(f"{fmt} weights, 1 thread, {rounds} rounds; the newcomer's uncached tail: "
           f"{min(tails)}-{max(tails)} tokens (median {_median(tails)})")
     for batch in (1, 17):
-        for path in ("python", "fused"):
+        for path in paths:
             n, d = _median(results[(batch, path, "newcomer")]), _median(results[(batch, path, "decode")])
             print(f"batch {batch - 1:2d} + newcomer, its step on the {path:6s} path: {n * 1e3:6.2f} ms CPU; "
                   f"the next (decode-only) step {d * 1e3:6.2f} ms; ratio {n / d:.2f}")
-    for path in ("python", "fused"):
+    for path in paths:
         rows = results[(path, "phases")]
         print(f"batch 1, newcomer's step by phase ({path}): " + ", ".join(
             f"{k} {_median([r.get(k, 0.0) for r in rows]) * 1e3:.2f}" for k in ("schedule", "forward", "logits", "sample"))

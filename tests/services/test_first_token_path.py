@@ -9,7 +9,7 @@ threshold):
 * gRPC: the router makes exactly one worker call, Decode on the decode worker that holds the prompt
   (no Prefill, no Reserve, no KV hand-off);
 * engine steps: alone, the first token comes from the first step after the Decode call reached the
-  decode worker (the engine was idle: the newcomer's tail is computed in one step, not split or
+  decode worker (the engine was idle: the newcomer's rest is computed in one step, not split or
   preceded by another); among 16 streams, from at most the second (the step running then, which a
   newcomer cannot join, and the next one, which takes it);
 * Redis: the commands naming the request are exactly the design's list, per process; the decode
@@ -123,7 +123,7 @@ def _role(client_name: str) -> str:
 def _prompts(tag: str, n: int) -> list[str]:
     words = "river stone light garden window paper engine market silver forest music winter harbor".split()
     # with the chat template, 69 words leave 10 tokens past the last full block (of 16) for streams-1 0, and
-    # tails of 0-14 among the 16: a cached prompt's step computes more than one token
+    # 0-14 among the 16 (their KV is copied from the block the fresh request left: KVManager._copy_tail)
     return [f"{tag} {i}: " + " ".join(words[(i + k) % len(words)] for k in range(69 + 7 * i)) for i in range(n)]
 
 
