@@ -1,4 +1,5 @@
-"""A second request that shares a 256+ token prefix with a finished one computes only its suffix."""
+"""A second request that shares a 256+ token prefix with a finished one computes only its suffix; a repeated
+prompt computes one token."""
 
 from __future__ import annotations
 
@@ -35,11 +36,12 @@ def test_shared_prefix_computes_only_the_suffix():
 
     bs = engine.config.block_size
     cached = outs[-1].num_cached_tokens
-    assert cached == (shared // bs) * bs >= 256
+    # the full blocks hit, and the shared tokens after them are copied from the first request's next block
+    assert cached == shared >= 256
     # the prompt pass of the second request ran only the uncached tail
     prompt_steps = rec.scheduled["second"][: len(rec.scheduled["second"]) - (len(outs) - 1)]
     assert sum(prompt_steps) == len(second) - cached
-    assert engine.block_pool.prefix_hits - hits_before == cached // bs
+    assert engine.block_pool.prefix_hits - hits_before == shared // bs
     assert engine.block_pool.num_used == 0
 
     # and the answer is what a cold engine gives
