@@ -1,13 +1,19 @@
-"""A decode-only step's decoder layers in one call into the C kernels (decode_layers_cpu.c).
+"""A CPU step's decoder layers in one call into the C kernels (decode_layers_cpu.c).
 
 At batch 1 on a small CPU, the model's Python code around its ~12 kernel calls per layer
 (module calls, argument checks, ctypes conversions, output tensors) cost about a fifth of a
-decode step, serially. ``DecodeLayers.build`` checks once per model and KV cache that every
+decode step, serially. A step with a prefill chunk paid it too: the step that computes a
+cached prompt's last few tokens (a repeated prompt's first token on the decode worker that
+holds its blocks) took twice a decode step's CPU (18.6 against 9.0 ms, gguf weights, 1
+thread; benchmarks/probes/cached_tail_step.py), and a 16-stream batch that took a newcomer
+ran its whole step on the Python path. Decode rows, prefill chunks and steps mixing both now
+take the driver; the prefill chunks' attention is the same C kernel the Python path calls. ``DecodeLayers.build`` checks once per model and KV cache that every
 layer is one the C driver can run (the CPU kernels at AVX-512 or above, bf16 activations,
 PackedLinear or bias-free GGUFLinear projections, a cache layout the kernels take); the
 driver then makes the same kernel calls with the same arguments in the same order, so a
 step's output is bitwise what the Python path computes (tests/kernels/test_decode_layers.py).
-Steps with a prefill chunk, and models or caches it does not take, stay on the Python path.
+Models or caches it does not take stay on the Python path, and so do prefill chunks where the C
+prefill attention does not apply (no AVX-512, a head size or group it does not take).
 ``PDSERVE_FUSED_DECODE=0`` turns it off.
 """
 
@@ -25,6 +31,7 @@ from kernels.gguf_linear import KINDS as GGUF_KINDS
 from kernels.gguf_linear import GGUFLinear
 from kernels.linear_cpu import _KINDS as PACKED_KINDS
 from kernels.linear_cpu import PackedLinear
+from kernels.paged_attention_cpu import PREFILL_MAX_GROUP
 
 ENV = "PDSERVE_FUSED_DECODE"
 
@@ -38,6 +45,12 @@ class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("qkv", _Linear), ("o", _Linear),
                 ("gate_up", _Linear), ("down", _Linear), ("k_cache", c_void_p), ("v_cache", c_void_p),
                 ("lora_a", c_void_p * 4), ("lora_bt", c_void_p * 4)]
+
+
+class _Rows(ctypes.Structure):  # pd_rows: a step's decode rows, then its prefill chunks
+    _fields_ = [("nd", c_int32), ("block_tables", c_void_p), ("bt_stride", c_int64), ("context_lens", c_void_p),
+                ("pf_seqs", c_int32), ("pf_block_tables", c_void_p), ("pf_bt_stride", c_int64),
+                ("pf_cu_seqlens_q", c_void_p), ("pf_context_lens", c_void_p)]
 
 
 class _Model(ctypes.Structure):
@@ -65,9 +78,11 @@ def _bf16_vector(t: torch.Tensor, size: int) -> bool:
 
 
 class DecodeLayers:
-    def __init__(self, lib, model: _Model, layers, final_norm: torch.Tensor, q_size: int, kv_size: int):
+    def __init__(self, lib, model: _Model, layers, final_norm: torch.Tensor, q_size: int, kv_size: int,
+                 prefill: bool):
         self.lib, self.model, self.layers, self.final_norm = lib, model, layers, final_norm
         self.q_size, self.kv_size = q_size, kv_size
+        self.prefill = prefill  # steps with prefill chunks too (the C prefill attention applies)
         self._lora_stacks = None  # the LoRASlots whose stacks the layers point at
 
     @classmethod
@@ -115,17 +130,19 @@ class DecodeLayers:
                or c_float(layer.post_attention_layernorm.eps).value != spec.eps
                for layer in model.layers) or model.norm.eps != model.layers[0].input_layernorm.eps:
             return None
-        return cls(lib, spec, layers, model.norm.weight, heads * head_dim, kv_heads * head_dim)
+        # what kernels/paged_attention_cpu.py's _prefill_supported asks of the C prefill attention
+        prefill = lim.vector and head_dim % 16 == 0 and heads // kv_heads <= PREFILL_MAX_GROUP
+        return cls(lib, spec, layers, model.norm.weight, heads * head_dim, kv_heads * head_dim, prefill)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor | None:
-        """The final hidden states of a decode-only step (``x``: its embeddings, overwritten), or
-        None when this step's inputs are not ones the driver takes."""
-        m = x.shape[0]
-        bt, lens, slots = meta.decode_block_tables, meta.decode_context_lens, meta.slot_mapping
-        if (m == 0 or meta.has_prefill or meta.num_decode_tokens != m or not x.is_contiguous()
-                or x.dtype != torch.bfloat16 or positions.dtype != torch.int64 or not positions.is_contiguous()
-                or slots.dtype != torch.int64 or not slots.is_contiguous() or bt is None or bt.dtype != torch.int32
-                or bt.stride(1) != 1 or bt.shape[0] != m or lens.dtype != torch.int32 or not lens.is_contiguous()):
+        """The final hidden states of a step (``x``: its embeddings, overwritten), or None when this
+        step's inputs are not ones the driver takes."""
+        m, slots = x.shape[0], meta.slot_mapping
+        if (m == 0 or not x.is_contiguous() or x.dtype != torch.bfloat16 or positions.dtype != torch.int64
+                or not positions.is_contiguous() or slots.dtype != torch.int64 or not slots.is_contiguous()):
+            return None
+        rows = self._rows(meta, m)
+        if rows is None:
             return None
         s = self.model
         if meta.lora is None:
@@ -139,12 +156,36 @@ class DecodeLayers:
         for w in widths:
             ptrs.append(scratch.data_ptr() + offset * 2)
             offset += m * w
-        rc = self.lib.pdserve_decode_layers(ctypes.addressof(s), ctypes.addressof(self.layers), self.final_norm.data_ptr(), m, x.data_ptr(),
-                                            positions.data_ptr(), slots.data_ptr(), bt.data_ptr(), bt.stride(0),
-                                            lens.data_ptr(), *ptrs)
+        rc = self.lib.pdserve_decode_layers(ctypes.addressof(s), ctypes.addressof(self.layers), self.final_norm.data_ptr(),
+                                            m, x.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+                                            ctypes.addressof(rows), *ptrs)
+        if rc == -1:  # as paged_prefill_attention_cpu reports it
+            raise MemoryError("paged prefill attention: no memory for the work list")
         if rc != 0:
             raise RuntimeError(f"the fused decode layers failed (kernel error {rc})")
         return x
+
+    def _rows(self, meta, m: int) -> _Rows | None:
+        """The step's decode rows and prefill chunks as the driver takes them (the tensors stay
+        alive in ``meta`` for the call), or None where it does not."""
+        nd = meta.num_decode_tokens
+        rows = _Rows(nd)
+        if nd:
+            bt, lens = meta.decode_block_tables, meta.decode_context_lens
+            if (bt is None or bt.dtype != torch.int32 or bt.stride(1) != 1 or bt.shape[0] != nd
+                    or lens.dtype != torch.int32 or not lens.is_contiguous() or lens.shape[0] != nd):
+                return None
+            rows.block_tables, rows.bt_stride, rows.context_lens = bt.data_ptr(), bt.stride(0), lens.data_ptr()
+        if not meta.has_prefill:
+            return rows if nd == m else None
+        bt, cu, lens = meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens
+        if (not self.prefill or nd >= m or bt.dtype != torch.int32 or bt.stride(1) != 1
+                or cu.dtype != torch.int32 or not cu.is_contiguous() or lens.dtype != torch.int32
+                or not lens.is_contiguous() or cu.shape[0] != lens.shape[0] + 1 or bt.shape[0] != lens.shape[0]):
+            return None
+        rows.pf_seqs, rows.pf_block_tables, rows.pf_bt_stride = lens.shape[0], bt.data_ptr(), bt.stride(0)
+        rows.pf_cu_seqlens_q, rows.pf_context_lens = cu.data_ptr(), lens.data_ptr()
+        return rows
 
     def _point_at_lora(self, batch) -> bool:
         """This step's adapters (a services.engine.lora_slots.LoRABatch) into the driver, which then

@@ -227,7 +227,7 @@ def _library(level: str) -> ctypes.CDLL | None:
     lib.pdserve_lora_bf16.restype = i32
     lib.pdserve_lora_bf16.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, ptr, ptr, i32, i32, ptr, ptr, ptr]
     lib.pdserve_decode_layers.restype = i32
-    lib.pdserve_decode_layers.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.pdserve_decode_layers.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     return lib
 
 

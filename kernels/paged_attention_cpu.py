@@ -115,7 +115,7 @@ def paged_prefill_attention_cpu(
 
 
 _PREFILL_FNS = {torch.float32: "paged_prefill_attention_f32", torch.bfloat16: "paged_prefill_attention_bf16"}
-_PREFILL_MAX_GROUP = 32  # query heads per KV head; PF_ROWS in paged_attention_cpu.c
+PREFILL_MAX_GROUP = 32  # query heads per KV head; PF_ROWS in paged_attention_cpu.c
 
 
 def _prefill_supported(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens) -> bool:
@@ -125,7 +125,7 @@ def _prefill_supported(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_
     if q.dtype not in _PREFILL_FNS or not _kv_fits(q, k_cache, v_cache, lim) or q.device.type != "cpu":
         return False
     heads, kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
-    return (q.dim() == 3 and k_cache.dim() == 4 and heads % kv_heads == 0 and heads // kv_heads <= _PREFILL_MAX_GROUP
+    return (q.dim() == 3 and k_cache.dim() == 4 and heads % kv_heads == 0 and heads // kv_heads <= PREFILL_MAX_GROUP
             and head_dim % 16 == 0 and head_dim <= lim.max_head_dim
             and q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
             and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1

@@ -17,6 +17,14 @@ survive longest::
 Every change to the cache is recorded as a KV event (stored / removed) in the
 code path that makes it; ``take_events`` drains them for publication to routers.
 
+Tails: for each full block, the most recent block after it that holds KV for some tokens, with
+those tokens: a cached block (the prompt's last block, filled by the output), or a request's last,
+partial block kept when it finishes (``keep_partial``: free, in the cached part of the queue, until
+it is handed out again). A request that repeats a prompt copies the KV of the tokens such a block
+shares with its own rest (``find_tail``) and computes only its last token, not the block's worth
+before it (a repeated prompt's first token: llama-server keeps a slot's whole prompt the same way).
+Tails are never published: a router's index, the spill tier and peer fetches know full blocks only.
+
 With a spill tier (``spill_tier.SpillTier``, ``--kv-spill-gb``), an evicted cached block is
 copied there before its id is handed out again, and its event says so: stored with
 ``tier="spill"`` (it left this pool for the spill tier) instead of removed. A block the spill
@@ -69,6 +77,10 @@ class BlockPool:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id
+        # the hash of a full block -> the latest block after it with KV (cached, or a kept partial one)
+        self.tails: dict[int, int] = {}
+        self.tail_of: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks  # (parent hash, tokens)
+        self.kept: list[bool] = [False] * num_blocks  # a freed partial block kept for its tail
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self._events: list[KVEvent] = []
         self.prefix_queries = 0  # blocks looked up
@@ -100,6 +112,7 @@ class BlockPool:
         evicted: list[tuple[int, int, tuple[int, ...]]] = []  # (block, hash, tokens)
         for _ in range(n):
             block, _ = self._free.popitem(last=False)
+            self._forget_tail(block)
             h = self.block_hash[block]
             if h is not None:
                 evicted.append((block, h, self.block_tokens[block]))
@@ -150,7 +163,8 @@ class BlockPool:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self._free[block] = None
-                if self.block_hash[block] is None:  # nothing to keep: reuse it before evicting anything
+                if self.block_hash[block] is None and not self.kept[block]:
+                    # nothing to keep: reuse it before evicting anything
                     self._free.move_to_end(block, last=False)
 
     # ---- prefix cache ---------------------------------------------------
@@ -215,12 +229,49 @@ class BlockPool:
             self.block_hash[block] = h
             self.block_tokens[block] = tokens
             self.cached[h] = block
+            prev = parent_hash if i == 0 else block_hashes[i - 1]
+            if prev is not None:
+                self._set_tail(prev, block, tokens)
             if self.spill is not None:
                 self.spill.discard(h)  # stored in this pool now (the event says so): one tier per block
             run_hashes.append(h)
             run_tokens.extend(tokens)
         if run_hashes:
             self._events.append(BlockStored(tuple(run_hashes), run_parent, tuple(run_tokens)))
+
+    def keep_partial(self, block: int, parent_hash: int, tokens: Sequence[int]) -> None:
+        """Keep, as the tail after ``parent_hash``, a partial block about to be freed by its only holder,
+        whose KV holds ``tokens``. Mutates: tails (``free`` then queues it with the cached blocks)."""
+        if self.enable_prefix_caching and tokens and self.ref_counts[block] == 1 and self.block_hash[block] is None:
+            self._set_tail(parent_hash, block, tuple(tokens))
+            self.kept[block] = True
+
+    def find_tail(self, parent_hash: int, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """The tail after ``parent_hash`` and how many leading ``tokens`` its KV holds (at least one), or
+        None. The block's KV stays valid until the pool hands it out (the caller copies it before that)."""
+        block = self.tails.get(parent_hash)
+        if block is None:
+            return None
+        n = 0
+        for a, b in zip(self.tail_of[block][1], tokens):
+            if a != b:
+                break
+            n += 1
+        return (block, n) if n else None
+
+    def _set_tail(self, parent_hash: int, block: int, tokens: tuple[int, ...]) -> None:
+        old = self.tails.get(parent_hash)
+        if old is not None:
+            self._forget_tail(old)
+            if self.ref_counts[old] == 0 and self.block_hash[old] is None:  # now holds nothing: reused first
+                self._free.move_to_end(old, last=False)
+        self.tails[parent_hash] = block
+        self.tail_of[block] = (parent_hash, tokens)
+
+    def _forget_tail(self, block: int) -> None:
+        tail, self.tail_of[block], self.kept[block] = self.tail_of[block], None, False
+        if tail is not None:
+            del self.tails[tail[0]]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash of free blocks; False if blocks are in use."""
@@ -233,6 +284,9 @@ class BlockPool:
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
         self.block_tokens = [None] * self.num_blocks
+        self.tails.clear()
+        self.tail_of = [None] * self.num_blocks
+        self.kept = [False] * self.num_blocks
         return True
 
     def take_events(self) -> list[KVEvent]:

@@ -17,6 +17,14 @@ the rest hit it (``waits_for_computing``)::
     running A:  [ cached ][ claimed: this step's chunk ][ claimed: later chunks ][ suffix ]
     waiting B:  [ would hit ][ claimed by A: wait until A has cached them, then hit them ][ own ]
 
+A repeated prompt's last block: when every full block of a prompt hits, the block that followed
+the last of them for an earlier request (cached, or its partial last block kept when it finished:
+``BlockPool.find_tail``) may hold KV for the start of this prompt's rest. Its KV is copied into the
+request's own block (``copy_blocks``, the runner's), and only the rest is computed::
+
+    earlier A:  [ cached ][ cached ][ b5: prompt tail + output ]
+    new B:      [ hit    ][ hit    ][ b9 <- copy of b5: its tail but the last token ][ last token: computed ]
+
 Restore from the spill tier (``--kv-spill-gb``): a waiting request whose leading blocks miss the
 pool but hit the spill tier (verified against the tokens stored with them) gets blocks for them
 at once and their KV copied back on the spill store's own thread, while the engine keeps stepping
@@ -33,6 +41,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.engine.block_hash import hash_block
@@ -60,6 +69,9 @@ class KVManager:
         self.namespace = namespace
         self._computing: dict[int, int] = {}  # hash of a claimed block -> running requests claiming it
         self._in_flight: dict[str, Restore] = {}  # request id -> its restore from the spill tier
+        # copies whole blocks' KV, [(source, destination)] (the runner's; set by the engine): a repeated
+        # prompt's last block. None: not done.
+        self.copy_blocks: Callable[[list[tuple[int, int]]], None] | None = None
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -145,7 +157,35 @@ class KVManager:
         req.num_restored_tokens = 0
         if self.pool.spill is not None and len(hits) < len(hashes):
             self._start_restore(req, hashes, len(hits))
+        elif hits and len(hits) == len(hashes) and self.copy_blocks is not None:
+            self._copy_tail(req)
         return req.num_computed_tokens
+
+    def _copy_tail(self, req: Request) -> None:
+        """After every full block hit: copy the KV of the block that followed them for an earlier request,
+        as far as its tokens begin this prompt's rest (all but the last token, computed for the logits)."""
+        start = req.num_computed_tokens
+        rest = req.all_token_ids[start:req.num_tokens - 1]
+        found = self.pool.find_tail(req.block_hashes[len(req.block_ids) - 1], rest) if rest else None
+        if found is None or not self.pool.num_free:
+            return
+        src, n = found
+        [dst] = self.pool.allocate(1)  # may be src itself (the last free block): then its KV is already there
+        self.copy_blocks([(src, dst)])
+        req.block_ids.append(dst)
+        req.num_computed_tokens += n
+        req.num_prefix_hit_tokens += n
+
+    def _keep_partial(self, req: Request) -> None:
+        """Before a request's blocks are freed: keep its partial last block's KV findable (the pool drops it
+        when it hands the block out again)."""
+        computed = min(req.num_computed_tokens, len(req.all_token_ids))
+        full, part = divmod(computed, self.block_size)
+        if not part or not full or len(req.block_ids) <= full or not self.pool.enable_prefix_caching:
+            return
+        self._extend_hashes(req, full)
+        self.pool.keep_partial(req.block_ids[full], req.block_hashes[full - 1],
+                               req.all_token_ids[full * self.block_size:computed])
 
     # ---- restore from the spill tier --------------------------------------
     def _start_restore(self, req: Request, hashes: list[int], start: int) -> None:
@@ -276,6 +316,7 @@ class KVManager:
         self._unclaim(req, req.num_cached_blocks, req.num_claimed_blocks)
         req.num_claimed_blocks = 0
         if req.block_ids:
+            self._keep_partial(req)
             self.pool.free(reversed(req.block_ids))
         req.block_ids = []
         req.num_cached_blocks = 0

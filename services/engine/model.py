@@ -134,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``."""
         x = self.embed_tokens(input_ids)
-        if not meta.has_prefill and x.device.type == "cpu":
+        if x.device.type == "cpu":
             fused = self._decode_layers(meta.kv_cache)
             if fused is not None and (out := fused(x, positions, meta)) is not None:
                 return out
@@ -145,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def _decode_layers(self, kv_cache: torch.Tensor) -> DecodeLayers | None:
-        """The C driver of decode-only steps over this cache (kernels/decode_layers_cpu.py), built once."""
+        """The C driver of CPU steps over this cache (kernels/decode_layers_cpu.py), built once."""
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape))
         if getattr(self, "_fused_key", None) != key:
             self._fused_key, self._fused = key, DecodeLayers.build(self, kv_cache)

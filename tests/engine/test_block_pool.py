@@ -337,3 +337,36 @@ def test_hashes_are_namespaced():
     assert hash_prompt_blocks(tokens, 16, "model-a") != hash_prompt_blocks(tokens, 16, "model-b")
     assert set(hash_prompt_blocks(tokens, 16, "model-a")).isdisjoint(hash_prompt_blocks(tokens, 16, "model-b"))
     assert hash_block(None, tokens[:16], "m|bfloat16|bs16") != hash_block(None, tokens[:16], "m|float32|bs16")
+
+
+# ---- tails: the block after a full block, for a repeated prompt's rest --------------------
+
+
+def test_a_cached_block_is_the_tail_of_the_block_before_it():
+    pool = BlockPool(num_blocks=6, block_size=BS)
+    tokens = list(range(2 * BS))
+    blocks, hashes = cached_sequence(pool, tokens)
+    assert pool.find_tail(hashes[0], tokens[BS:BS + 3]) == (blocks[1], 3)
+    assert pool.find_tail(hashes[0], [tokens[BS], 99]) == (blocks[1], 1)  # the common part
+    assert pool.find_tail(hashes[0], [99]) is None and pool.find_tail(hashes[1], [1]) is None
+    pool.free(list(reversed(blocks)))
+    pool.allocate(pool.num_free)  # every block handed out: evicted, and no tail any more
+    assert pool.find_tail(hashes[0], tokens[BS:BS + 3]) is None
+
+
+def test_a_kept_partial_block_outlives_uncached_ones_and_is_forgotten_when_handed_out():
+    pool = BlockPool(num_blocks=5, block_size=BS)  # 4 usable
+    head, hashes = cached_sequence(pool, list(range(BS)))
+    partial, plain = pool.allocate(2)
+    pool.keep_partial(partial, hashes[0], (7, 8))
+    pool.free([partial, plain])
+    assert pool.find_tail(hashes[0], [7, 8, 9]) == (partial, 2)
+    first, second = pool.allocate(2)
+    assert first == plain and second != partial  # blocks holding nothing go first
+    [last] = pool.allocate(1)
+    assert last == partial and pool.find_tail(hashes[0], [7, 8]) is None  # handed out: forgotten
+    pool.free([first, second, last])
+    pool.keep_partial(partial, hashes[0], (7, 8))  # a free block has no holder whose KV it keeps
+    assert pool.find_tail(hashes[0], [7, 8]) is None
+    pool.free(head)
+    assert pool.reset_prefix_cache() and pool.tails == {}

@@ -98,7 +98,8 @@ def test_prefix_cache_is_namespaced_by_adapter(adapters):
     hit, toks = cached("b1", "qv")
     assert hit == 0 and toks == _run(reference, {"r": (prompt, "qv")})["r"]
     hit, toks = cached("a2", "all8")
-    assert hit == 32 and toks == _run(reference, {"r": (prompt, "all8")})["r"]
+    # its two full blocks hit, and the rest's KV but the last token is copied from a1's next block
+    assert hit == len(prompt) - 1 and toks == _run(reference, {"r": (prompt, "all8")})["r"]
 
 
 def test_adapters_load_on_demand_into_an_lru_of_slots(adapters):
