@@ -38,6 +38,7 @@
  * Each loop is compiled once per format (lora_chunk inlined with a constant fmt).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_simd.h"
@@ -109,40 +110,107 @@ INLINE void dot4(int fmt, const uint8_t *const a[4], const uint16_t *const s[4],
     for (int i = 0; i < 4; i++) d[i] = _mm512_reduce_add_ps(_mm512_add_ps(e[i], o[i]));
 }
 
+static inline __mmask16 mask16(int left) { return left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1u); }
+
+/* x [K] bf16 -> xf fp32 for the quantized shrinks, zero up to a multiple of 32: in memory order
+ * (int8) or even/odd per 32 as the int4 bytes hold them. Widened once per row instead of once
+ * per A row: the shrink's vector ports are what bound it once the weights are a quarter the
+ * bytes */
+INLINE void widen_x(int fmt, const uint16_t *x, int K, float *xf) {
+    for (int k = 0; k < K; k += 32) {
+        __m512 e, o;
+        if (fmt == LORA_INT4) {
+            widen32m_bf16(x + k, tail_mask32(K - k), &e, &o);
+        } else {
+            e = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask16(K - k), x + k)), 16));
+            o = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask16(K - k - 16), x + k + 16)), 16));
+        }
+        _mm512_store_ps(xf + k, e), _mm512_store_ps(xf + k + 16, o);
+    }
+}
+
+/* dot4 over quantized rows against widened xf_i: int8 as 2 x 16 int8 -> int32 -> fp32 in memory
+ * order (no even/odd shifts); int4 nibbles split and offset in 128-bit lanes, each 32-element
+ * group's partial dot scaled once */
+INLINE void dot4q(int fmt, const uint8_t *const a[4], const uint16_t *const s[4], const float *const xf[4], int K,
+                  int64_t pf, float *d) {
+    __m512 e[4], o[4];
+    for (int i = 0; i < 4; i++) e[i] = o[i] = _mm512_setzero_ps();
+    const __m128i low = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+    for (int k = 0; k < K; k += 32) {
+        for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(a[i] + wbytes(fmt, k + pf)), _MM_HINT_T0);
+        if (fmt == LORA_INT8) {
+            const __mmask16 m0 = mask16(K - k), m1 = mask16(K - k - 16);
+            for (int i = 0; i < 4; i++) {
+                const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m0, a[i] + k)));
+                const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m1, a[i] + k + 16)));
+                e[i] = _mm512_fmadd_ps(w0, _mm512_load_ps(xf[i] + k), e[i]);
+                o[i] = _mm512_fmadd_ps(w1, _mm512_load_ps(xf[i] + k + 16), o[i]);
+            }
+        } else {
+            for (int i = 0; i < 4; i++) {
+                const __m128i b = _mm_loadu_si128((const __m128i *)(a[i] + k / 2));
+                const __m128i lo = _mm_sub_epi8(_mm_and_si128(b, low), eight);
+                const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), low), eight);
+                __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), _mm512_load_ps(xf[i] + k));
+                t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), _mm512_load_ps(xf[i] + k + 16), t);
+                if (k & 32)
+                    o[i] = _mm512_fmadd_ps(_mm512_set1_ps(bf16_to_f32(s[i][k / 32])), t, o[i]);
+                else
+                    e[i] = _mm512_fmadd_ps(_mm512_set1_ps(bf16_to_f32(s[i][k / 32])), t, e[i]);
+            }
+        }
+    }
+    for (int i = 0; i < 4; i++) d[i] = _mm512_reduce_add_ps(_mm512_add_ps(e[i], o[i]));
+}
+
 /* u[j] = A[j] . x for the r rows of A [r, K] (As: their int4 scales, K/32 a row): four A rows
  * per pass over x */
-INLINE void shrink(int fmt, const uint16_t *x, const uint8_t *A, const uint16_t *As, int r, int K, float *u) {
+INLINE void shrink(int fmt, const uint16_t *x, const float *xf, const uint8_t *A, const uint16_t *As, int r, int K,
+                   float *u) {
     const int64_t row = wbytes(fmt, K);
     const uint16_t *const xs[4] = {x, x, x, x};
+    const float *const xfs[4] = {xf, xf, xf, xf};
     int j = 0;
     for (; j + 4 <= r; j += 4) {
         const uint8_t *const a[4] = {A + j * row, A + (j + 1) * row, A + (j + 2) * row, A + (j + 3) * row};
         const uint16_t *const s[4] = {Q4ROW(fmt, As, j, K), Q4ROW(fmt, As, j + 1, K), Q4ROW(fmt, As, j + 2, K),
                                       Q4ROW(fmt, As, j + 3, K)};
-        dot4(fmt, a, s, xs, K, 4 * K, u + j);
+        if (fmt == LORA_BF16)
+            dot4(fmt, a, s, xs, K, 4 * K, u + j);
+        else
+            dot4q(fmt, a, s, xfs, K, 4 * K, u + j);
     }
     for (; j < r; j++) {
         const uint8_t *const a[4] = {A + j * row, A + j * row, A + j * row, A + j * row};
         const uint16_t *sj = Q4ROW(fmt, As, j, K);
         const uint16_t *const s[4] = {sj, sj, sj, sj};
         float d[4];
-        dot4(fmt, a, s, xs, K, K, d);
+        if (fmt == LORA_BF16)
+            dot4(fmt, a, s, xs, K, K, d);
+        else
+            dot4q(fmt, a, s, xfs, K, K, d);
         u[j] = d[0];
     }
 }
 
 /* u_i[j] = A[j] . x_i for m (2-4) rows x_i (stride ldx) sharing A: each A row read once for all
  * of them (a prefill's rows of one adapter); u_i at u + i * LORA_MAX_U */
-INLINE void shrink_group(int fmt, const uint16_t *x, int64_t ldx, int m, const uint8_t *A, const uint16_t *As, int r,
-                         int K, float *u) {
+INLINE void shrink_group(int fmt, const uint16_t *x, int64_t ldx, const float *xf, int64_t ldxf, int m, const uint8_t *A,
+                         const uint16_t *As, int r, int K, float *u) {
     const uint16_t *const xs[4] = {x, x + ldx, x + (m > 2 ? 2 : 1) * ldx, x + (m > 3 ? 3 : 1) * ldx};
+    const float *const xfs[4] = {xf, xf + ldxf, xf + (m > 2 ? 2 : 1) * ldxf, xf + (m > 3 ? 3 : 1) * ldxf};
     for (int j = 0; j < r; j++) {
         const uint8_t *aj = A + j * wbytes(fmt, K);
         const uint16_t *sj = Q4ROW(fmt, As, j, K);
         const uint8_t *const a[4] = {aj, aj, aj, aj};
         const uint16_t *const s[4] = {sj, sj, sj, sj};
         float d[4];
-        dot4(fmt, a, s, xs, K, 2 * K, d);
+        if (fmt == LORA_BF16)
+            dot4(fmt, a, s, xs, K, 2 * K, d);
+        else
+            dot4q(fmt, a, s, xfs, K, 2 * K, d);
         for (int i = 0; i < m; i++) u[i * LORA_MAX_U + j] = d[i];
     }
 }
@@ -220,8 +288,10 @@ INLINE void expand_group(int fmt, uint16_t *y, int64_t ldy, int m, const uint8_t
 /* The rows of chunk c (G rows from c * G): runs of one adapter share a pass over its A and B */
 INLINE void lora_chunk(int fmt, int c, int G, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy, int T, int K,
                        int N, const uint8_t *A, const uint8_t *Bt, int R, int nseg, const int32_t *bounds,
-                       const int32_t *idx, const int32_t *ranks, const void *a_scale, const void *bt_scale) {
+                       const int32_t *idx, const int32_t *ranks, const void *a_scale, const void *bt_scale,
+                       float *xf) {
     float u[LORA_GROUP * LORA_MAX_U];
+    const int64_t ldxf = (K + 31) & ~31;
     float acc[LORA_GROUP * LORA_COLS] __attribute__((aligned(64)));
     const int end = (c + 1) * G < T ? (c + 1) * G : T;
     for (int t = c * G, m; t < end; t += m) {
@@ -230,6 +300,8 @@ INLINE void lora_chunk(int fmt, int c, int G, const uint16_t *x, int64_t ldx, ui
         if (slot < 0 || ranks[slot] <= 0) continue;
         const int r = ranks[slot];
         const uint16_t *xr = x + (int64_t)t * ldx;
+        if (fmt != LORA_BF16)
+            for (int i = 0; i < m; i++) widen_x(fmt, xr + i * ldx, K, xf + i * ldxf);
         const uint8_t *As = A + wbytes(fmt, (int64_t)slot * nseg * R * K);
         const uint16_t *q4a = fmt == LORA_INT4 ? (const uint16_t *)a_scale + (int64_t)slot * nseg * R * (K / 32) : NULL;
         const uint16_t *q4b = fmt == LORA_INT4 ? (const uint16_t *)bt_scale + (int64_t)slot * R * (N / 32) : NULL;
@@ -237,9 +309,9 @@ INLINE void lora_chunk(int fmt, int c, int G, const uint16_t *x, int64_t ldx, ui
             const uint8_t *Aseg = As + wbytes(fmt, (int64_t)s * R * K);
             const uint16_t *Sseg = Q4ROW(fmt, q4a, s * R, K);
             if (m == 1)
-                shrink(fmt, xr, Aseg, Sseg, r, K, u + s * R);
+                shrink(fmt, xr, xf, Aseg, Sseg, r, K, u + s * R);
             else
-                shrink_group(fmt, xr, ldx, m, Aseg, Sseg, r, K, u + s * R);
+                shrink_group(fmt, xr, ldx, xf, ldxf, m, Aseg, Sseg, r, K, u + s * R);
         }
         if (fmt == LORA_INT8) { /* both per-row scales fold into u */
             const float *sa = (const float *)a_scale + (int64_t)slot * nseg * R;
@@ -273,17 +345,29 @@ int pdserve_lora(const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy, int T
      * of one adapter (a prefill's rows) read its A and B once; a decode batch's rows, each its own
      * adapter, are runs of one */
     const int G = T >= 16 ? LORA_GROUP : 1, chunks = (T + G - 1) / G;
-#define LORA_LOOP(F)                                                                                       \
-    _Pragma("omp parallel for schedule(static) if (T > 1)") for (int c = 0; c < chunks; c++)             \
-        lora_chunk(F, c, G, x, ldx, y, ldy, T, K, N, A, Bt, R, nseg, bounds, idx, ranks, a_scale, bt_scale)
+    /* the quantized shrinks' widened rows: LORA_GROUP per thread */
+    const size_t xf_bytes = (size_t)LORA_GROUP * (((K + 31) & ~31) * sizeof(float));
+    int failed = 0;
+#define LORA_LOOP(F)                                                                                           \
+    _Pragma("omp parallel if (T > 1)") {                                                                      \
+        float *xf = F == LORA_BF16 ? NULL : aligned_alloc(64, xf_bytes);                                      \
+        _Pragma("omp for schedule(static)") for (int c = 0; c < chunks; c++) {                                 \
+            if (F != LORA_BF16 && !xf)                                                                          \
+                failed = 1; /* every thread still reaches the loop's barrier */                                \
+            else                                                                                                \
+                lora_chunk(F, c, G, x, ldx, y, ldy, T, K, N, A, Bt, R, nseg, bounds, idx, ranks, a_scale, bt_scale, \
+                           xf);                                                                                 \
+        }                                                                                                      \
+        free(xf);                                                                                              \
+    }
     if (fmt == LORA_BF16)
-        LORA_LOOP(LORA_BF16);
+        LORA_LOOP(LORA_BF16)
     else if (fmt == LORA_INT8)
-        LORA_LOOP(LORA_INT8);
+        LORA_LOOP(LORA_INT8)
     else
-        LORA_LOOP(LORA_INT4);
+        LORA_LOOP(LORA_INT4)
 #undef LORA_LOOP
-    return 0;
+    return failed ? -3 : 0;
 #else
     (void)x; (void)ldx; (void)y; (void)ldy; (void)T; (void)K; (void)N; (void)A; (void)Bt; (void)R; (void)nseg;
     (void)bounds; (void)idx; (void)ranks; (void)fmt; (void)a_scale; (void)bt_scale;
