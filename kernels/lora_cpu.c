@@ -30,12 +30,16 @@
  * Quantized stacks (--lora-dtype, kernels/lora_quant.py has the layouts and the dequantizing
  * reference): bound by bytes, the kernel reads fewer of them and widens in registers.
  * - int8: A and B^T int8 with one fp32 scale per rank row and segment (a_scale, bt_scale
- *   [S, nseg*R]); both fold into u, so the loops are the bf16 ones with an int8 widen;
+ *   [S, nseg*R]); both fold into u; weights widen int8 -> int32 -> fp32 in memory order (x
+ *   and the expand's accumulators in memory order too), no even/odd shifts;
  * - int4: two elements a byte (element 2i in the low nibble, 2i+1 in the high, stored + 8),
- *   which is the even/odd split the loops already use; one bf16 scale per 32 elements of a row
- *   (a_scale [S, nseg*R, K/32], bt_scale [S, R, N/32]), applied as the 32 are widened. K and
- *   every segment bound are multiples of 32 (the store checks).
- * Each loop is compiled once per format (lora_chunk inlined with a constant fmt).
+ *   which is the even/odd split of the bf16 loops; one bf16 scale per 32 elements of a row
+ *   (a_scale [S, nseg*R, K/32], bt_scale [S, R, N/32]): the shrink scales each group's partial
+ *   dot, the expand the group's coefficient. K and every segment bound are multiples of 32
+ *   (the store checks). Nibbles are split and offset in 128-bit lanes, which have a third port.
+ * The quantized shrinks widen x once per row (widen_x), not once per A row: with a quarter or
+ * half the bytes, the vector ports bind sooner than memory. Each loop is compiled once per
+ * format (lora_chunk inlined with a constant fmt).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -73,37 +77,19 @@ static inline void widen32m_bf16(const uint16_t *p, __mmask32 m, __m512 *even, _
     *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
-/* weights k..k+31 of a row (row: its first byte; s: its int4 scales) as fp32 even and odd
- * elements, the mask's lanes only (int4: k and the row a multiple of 32, no mask) */
-INLINE void widen32w(int fmt, const uint8_t *row, const uint16_t *s, int64_t k, __mmask32 m, __m512 *e, __m512 *o) {
-    if (fmt == LORA_BF16) {
-        widen32m_bf16((const uint16_t *)row + k, m, e, o);
-    } else if (fmt == LORA_INT8) { /* 32 int8 -> int16 pairs: lane j holds elements 2j, 2j + 1 */
-        const __m512i v = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, row + k));
-        *e = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 16));
-        *o = _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 16));
-    } else {
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + k / 2)));
-        const __m512 sc = _mm512_set1_ps(bf16_to_f32(s[k / 32]));
-        const __m512i eight = _mm512_set1_epi32(8);
-        *e = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(v, _mm512_set1_epi32(15)), eight)));
-        *o = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight)));
-    }
-}
-
-/* d[i] = a_i . x_i over K for four pairs (the same row may appear in several; s_i: a_i's int4
- * scales), prefetching each a_i pf elements ahead */
-INLINE void dot4(int fmt, const uint8_t *const a[4], const uint16_t *const s[4], const uint16_t *const x[4], int K,
+/* d[i] = a_i . x_i over K for four pairs of bf16 rows (the same row may appear in several),
+ * prefetching each a_i pf elements ahead */
+INLINE void dot4(const uint8_t *const a[4], const uint16_t *const x[4], int K,
                  int64_t pf, float *d) {
     __m512 e[4], o[4]; /* eight independent FMA chains (the loops over i unroll into registers) */
     for (int i = 0; i < 4; i++) e[i] = o[i] = _mm512_setzero_ps();
     for (int k = 0; k < K; k += 32) {
         const __mmask32 m = tail_mask32(K - k);
-        for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(a[i] + wbytes(fmt, k + pf)), _MM_HINT_T0);
+        for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(a[i] + 2 * (k + pf)), _MM_HINT_T0);
         for (int i = 0; i < 4; i++) {
             __m512 xe, xo, ae, ao;
             widen32m_bf16(x[i] + k, m, &xe, &xo);
-            widen32w(fmt, a[i], s[i], k, m, &ae, &ao);
+            widen32m_bf16((const uint16_t *)a[i] + k, m, &ae, &ao);
             e[i] = _mm512_fmadd_ps(ae, xe, e[i]), o[i] = _mm512_fmadd_ps(ao, xo, o[i]);
         }
     }
@@ -178,7 +164,7 @@ INLINE void shrink(int fmt, const uint16_t *x, const float *xf, const uint8_t *A
         const uint16_t *const s[4] = {Q4ROW(fmt, As, j, K), Q4ROW(fmt, As, j + 1, K), Q4ROW(fmt, As, j + 2, K),
                                       Q4ROW(fmt, As, j + 3, K)};
         if (fmt == LORA_BF16)
-            dot4(fmt, a, s, xs, K, 4 * K, u + j);
+            dot4(a, xs, K, 4 * K, u + j);
         else
             dot4q(fmt, a, s, xfs, K, 4 * K, u + j);
     }
@@ -188,7 +174,7 @@ INLINE void shrink(int fmt, const uint16_t *x, const float *xf, const uint8_t *A
         const uint16_t *const s[4] = {sj, sj, sj, sj};
         float d[4];
         if (fmt == LORA_BF16)
-            dot4(fmt, a, s, xs, K, K, d);
+            dot4(a, xs, K, K, d);
         else
             dot4q(fmt, a, s, xfs, K, K, d);
         u[j] = d[0];
@@ -208,7 +194,7 @@ INLINE void shrink_group(int fmt, const uint16_t *x, int64_t ldx, const float *x
         const uint16_t *const s[4] = {sj, sj, sj, sj};
         float d[4];
         if (fmt == LORA_BF16)
-            dot4(fmt, a, s, xs, K, 2 * K, d);
+            dot4(a, xs, K, 2 * K, d);
         else
             dot4q(fmt, a, s, xfs, K, 2 * K, d);
         for (int i = 0; i < m; i++) u[i * LORA_MAX_U + j] = d[i];
@@ -221,15 +207,49 @@ INLINE void expand_rows(int fmt, float *acc, int m, const uint8_t *B, const uint
                         const float *u) {
     __m512 uv[LORA_GROUP];
     for (int i = 0; i < m; i++) uv[i] = _mm512_set1_ps(u[i]);
+    const __m128i low = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
     for (int n = 0; n < w; n += 32) {
         __m512 be, bo;
         _mm_prefetch((const char *)(B + wbytes(fmt, col + n) + 2 * ldb), _MM_HINT_T0);
-        widen32w(fmt, B, Bs, col + n, tail_mask32(w - n), &be, &bo);
-        for (int i = 0; i < m; i++) {
-            float *ai = acc + i * LORA_COLS + n;
-            _mm512_store_ps(ai, _mm512_fmadd_ps(uv[i], be, _mm512_load_ps(ai)));
-            _mm512_store_ps(ai + 16, _mm512_fmadd_ps(uv[i], bo, _mm512_load_ps(ai + 16)));
+        if (fmt == LORA_BF16) {
+            widen32m_bf16((const uint16_t *)B + col + n, tail_mask32(w - n), &be, &bo);
+        } else if (fmt == LORA_INT8) { /* memory order (acc too, see acc_load) */
+            be = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask16(w - n), B + col + n)));
+            bo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask16(w - n - 16), B + col + n + 16)));
+        } else { /* int4: the group's scale goes into the coefficients below, not onto the weights */
+            const __m128i b = _mm_loadu_si128((const __m128i *)(B + (col + n) / 2));
+            be = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(_mm_and_si128(b, low), eight)));
+            bo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), low), eight)));
         }
+        for (int i = 0; i < m; i++) {
+            const __m512 c = fmt == LORA_INT4 ? _mm512_mul_ps(uv[i], _mm512_set1_ps(bf16_to_f32(Bs[(col + n) / 32])))
+                                              : uv[i];
+            float *ai = acc + i * LORA_COLS + n;
+            _mm512_store_ps(ai, _mm512_fmadd_ps(c, be, _mm512_load_ps(ai)));
+            _mm512_store_ps(ai + 16, _mm512_fmadd_ps(c, bo, _mm512_load_ps(ai + 16)));
+        }
+    }
+}
+
+/* y's 32 columns (the mask's) into an accumulator block and back: even/odd (bf16, int4: their
+ * weights widen that way) or memory order (int8) */
+INLINE void acc_load(int fmt, const uint16_t *y, __mmask32 m, float *a) {
+    __m512 e, o;
+    if (fmt == LORA_INT8) {
+        e = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((__mmask16)m, y)), 16));
+        o = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((__mmask16)(m >> 16), y + 16)), 16));
+    } else {
+        widen32m_bf16(y, m, &e, &o);
+    }
+    _mm512_store_ps(a, e), _mm512_store_ps(a + 16, o);
+}
+
+INLINE void acc_store(int fmt, uint16_t *y, __mmask32 m, const float *a) {
+    if (fmt == LORA_INT8) {
+        _mm256_mask_storeu_epi16(y, (__mmask16)m, narrow16_bf16(_mm512_load_ps(a)));
+        _mm256_mask_storeu_epi16(y + 16, (__mmask16)(m >> 16), narrow16_bf16(_mm512_load_ps(a + 16)));
+    } else {
+        _mm512_mask_storeu_epi16(y, m, narrow32_bf16(_mm512_load_ps(a), _mm512_load_ps(a + 16)));
     }
 }
 
@@ -263,12 +283,8 @@ INLINE void expand_group(int fmt, uint16_t *y, int64_t ldy, int m, const uint8_t
         }
         for (int i = 0; i < m; i++)
             for (int q = 0; q < np; q++)
-                for (int n = 0; n < p[q].w; n += 32) {
-                    __m512 e, o;
-                    widen32m_bf16(y + i * ldy + p[q].col + n, tail_mask32(p[q].w - n), &e, &o);
-                    float *ai = acc + i * LORA_COLS + p[q].off + n;
-                    _mm512_store_ps(ai, e), _mm512_store_ps(ai + 16, o);
-                }
+                for (int n = 0; n < p[q].w; n += 32)
+                    acc_load(fmt, y + i * ldy + p[q].col + n, tail_mask32(p[q].w - n), acc + i * LORA_COLS + p[q].off + n);
         for (int j = 0; j < r; j++)
             for (int q = 0; q < np; q++) {
                 float uj[LORA_GROUP];
@@ -277,11 +293,8 @@ INLINE void expand_group(int fmt, uint16_t *y, int64_t ldy, int m, const uint8_t
             }
         for (int i = 0; i < m; i++)
             for (int q = 0; q < np; q++)
-                for (int n = 0; n < p[q].w; n += 32) {
-                    const float *ai = acc + i * LORA_COLS + p[q].off + n;
-                    _mm512_mask_storeu_epi16(y + i * ldy + p[q].col + n, tail_mask32(p[q].w - n),
-                                             narrow32_bf16(_mm512_load_ps(ai), _mm512_load_ps(ai + 16)));
-                }
+                for (int n = 0; n < p[q].w; n += 32)
+                    acc_store(fmt, y + i * ldy + p[q].col + n, tail_mask32(p[q].w - n), acc + i * LORA_COLS + p[q].off + n);
     }
 }
 
