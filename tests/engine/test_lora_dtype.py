@@ -96,3 +96,21 @@ def test_bad_settings_are_refused():
         EngineConfig(model="dummy:tiny", lora_dtype="fp8")
     with pytest.raises(ValueError, match="--lora-dtype int4 has no GPU kernels"):
         EngineConfig(model="dummy:tiny", device="cuda", lora_dtype="int4")
+
+
+def test_flag_reaches_the_workers():
+    """``--lora-dtype`` on ``pdserve up`` is passed to every worker (which builds its EngineConfig
+    from it); the default adds nothing; an unknown one is a usage error."""
+    import argparse
+
+    from services.generate import add_lora_args, lora_from_args
+    from services.up import _lora_args
+
+    parser = argparse.ArgumentParser()
+    add_lora_args(parser)
+    args = parser.parse_args(["--lora-dtype", "int8"])
+    assert lora_from_args(args)["lora_dtype"] == "int8"
+    assert _lora_args(args)[-2:] == ["--lora-dtype", "int8"]
+    assert "--lora-dtype" not in _lora_args(parser.parse_args([]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--lora-dtype", "fp8"])
