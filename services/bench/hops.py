@@ -47,6 +47,7 @@ from services.bench import results as result_files
 from services.bench.args import at_least_one as count
 from services.bench.args import counts
 from services.bench.load import OpenAIClient, OpenAIRequest, closed_loop
+from services.bench.process_watch import cpu_seconds
 from services.bench.stats import percentile, ratio
 
 _WORDS = ("river stone light garden window paper engine market silver forest music winter harbor signal "
@@ -139,17 +140,6 @@ async def _levels(args, sides: dict[str, tuple[OpenAIClient, str]]) -> dict:
     return levels
 
 
-def _cpu_seconds(procs: dict) -> dict[str, float]:
-    out = {}
-    for name, proc in procs.items():
-        try:
-            t = proc.cpu_times()
-            out[name] = t.user + t.system
-        except Exception:  # gone: counts nothing more
-            out[name] = 0.0
-    return out
-
-
 async def _batch1(args, client: OpenAIClient, stack) -> dict:
     """One user's served decode rate against the engine's batch-1 decode here, alternating; and the CPU
     time each process of the stack spent per served token (where a token's serving cost goes)."""
@@ -176,9 +166,9 @@ async def _batch1(args, client: OpenAIClient, stack) -> dict:
     texts = prompts(args.seed + 100, args.batch1_rounds)
     pdserve_decode_b1(engine, prompt, 8, "warm")
     for k, text in enumerate(texts):
-        before = _cpu_seconds(procs)
+        before = cpu_seconds(procs)
         s = await client.send(OpenAIRequest("chat", text, args.batch1_tokens, extra={"ignore_eos": True}))
-        after = _cpu_seconds(procs)
+        after = cpu_seconds(procs)
         if s.ok and s.tokens > 1:
             served.append((s.tokens - 1) / (s.e2e - s.ttft))
             served_tokens += s.tokens

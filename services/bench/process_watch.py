@@ -14,6 +14,19 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 
+def cpu_seconds(procs: dict) -> dict[str, float]:
+    """User + system CPU seconds so far of each psutil process by name (0 for one that is gone);
+    a bench takes two readings and charges the difference to the work between them."""
+    out = {}
+    for name, proc in procs.items():
+        try:
+            t = proc.cpu_times()
+            out[name] = t.user + t.system
+        except Exception:  # gone: counts nothing more
+            out[name] = 0.0
+    return out
+
+
 @dataclass
 class ProcessPeak:
     redis_connections: int = 0

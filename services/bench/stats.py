@@ -59,3 +59,23 @@ def summarize(samples, wall_s: float, slo_ttft_s: float, slo_itl_s: float) -> di
         "requests_s": len(ok) / wall_s if wall_s > 0 else 0.0,
         "goodput_req_s": len(good) / wall_s if wall_s > 0 else 0.0, "wall_s": wall_s,
     }
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
+def bootstrap_interval(values, statistic=mean, level: float = 0.9, resamples: int = 4000,
+                       seed: int = 0) -> tuple[float, float]:
+    """A percentile bootstrap interval of ``statistic`` over ``values`` (resampled with replacement,
+    seeded so a report is reproducible); (nan, nan) for fewer than two values, where there is no spread."""
+    import random
+
+    values = list(values)
+    if len(values) < 2:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    draws = [statistic(rng.choices(values, k=len(values))) for _ in range(resamples)]
+    tail = (1 - level) / 2 * 100
+    return percentile(draws, tail), percentile(draws, 100 - tail)

@@ -63,10 +63,13 @@ import random
 import signal
 import sys
 import time
+import dataclasses
+import json
 from dataclasses import asdict, dataclass, field
 
 from services.bench import results as result_files
-from services.bench.stats import percentile
+from services.bench.process_watch import cpu_seconds
+from services.bench.stats import bootstrap_interval, mean, percentile
 from services.launcher import LocalStack, StackError, StackSpec
 from services.router.policy import POLICY_NAMES
 
@@ -107,6 +110,7 @@ class RoutingBenchConfig:
     kv_cache_gb: float | None = None
     prefill_kv_cache_gb: float | None = None  # overrides kv_cache_gb on prefill workers; None: prefill_cache_blocks
     seed: int = 0
+    repeats: int = 1  # repeat r runs seed + r's workload, the policies' order reversed every other repeat
     ready_timeout_s: float = 300.0
     request_timeout_s: float = 300.0
 
@@ -117,7 +121,7 @@ class RoutingBenchConfig:
                              f"{','.join(self.policies)!r}")
         if self.prefill < 0:
             raise ValueError(f"--prefill must be >= 0, got {self.prefill}")
-        for name in ("system_prompts", "prefix_tokens", "requests", "max_tokens", "concurrency"):
+        for name in ("system_prompts", "prefix_tokens", "requests", "max_tokens", "concurrency", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.overhead_requests < 0 or self.overhead_prompt_tokens < 1:
@@ -293,6 +297,12 @@ async def run_requests(address: str, prompts: list[list[int]], tag: str, cfg: Ro
 def summarize(results: list[Result], wall_s: float, names: dict[str, str]) -> dict:
     ok = [r for r in results if not r.error]
     ttft_ms = [r.ttft_s * 1e3 for r in ok]
+    # where a first token's time goes outside the prefill worker, as the router's Finish timings split it:
+    # client <-> router (the client's TTFT less the router's), and the hand-off (the router's TTFT less the
+    # prefill worker's compute plus KV send: the router's dispatch, the KV's arrival, the decode worker's
+    # first step and its token back to the router)
+    client_hop = [r.ttft_s * 1e3 - r.router_ttft_ms for r in ok if math.isfinite(r.router_ttft_ms)]
+    handoff = [r.router_ttft_ms - r.prefill_ms for r in ok if math.isfinite(r.prefill_ms) and r.prefill_ms > 0]
     prompt = sum(r.prompt_tokens for r in ok)
     served: dict[str, int] = {n: 0 for wid, n in sorted(names.items(), key=lambda x: x[1]) if "prefill" in n}
     for r in ok:
@@ -304,10 +314,14 @@ def summarize(results: list[Result], wall_s: float, names: dict[str, str]) -> di
         "prompt_tokens": prompt, "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
         "hit_rate": round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else math.nan,
         "ttft_ms_mean": round(sum(ttft_ms) / len(ttft_ms), 1) if ttft_ms else math.nan,
-        "ttft_ms_p50": round(percentile(ttft_ms, 50), 1), "ttft_ms_p99": round(percentile(ttft_ms, 99), 1),
+        "ttft_ms_p50": round(percentile(ttft_ms, 50), 1), "ttft_ms_p90": round(percentile(ttft_ms, 90), 1),
+        "ttft_ms_p99": round(percentile(ttft_ms, 99), 1),
+        "client_hop_ms_p50": round(percentile(client_hop, 50), 2),
+        "handoff_ms_p50": round(percentile(handoff, 50), 2), "handoff_ms_p90": round(percentile(handoff, 90), 2),
         "wall_s": round(wall_s, 2), "requests_per_s": round(len(ok) / wall_s, 3),
         "output_tok_s": round(sum(r.completion_tokens for r in ok) / wall_s, 2),
         "requests_per_prefill_worker": served,
+        "ttft_ms": [round(t, 1) for t in ttft_ms],  # every request's, in send order: other statistics, a bootstrap
     }
 
 
@@ -435,11 +449,46 @@ async def measure_overhead(stack: Stack, cfg: RoutingBenchConfig, work: Workload
             "hops_ms_p50": p(hops, 50)}
 
 
+def stack_processes(stack: Stack) -> dict:
+    """psutil handles of every process the measured requests use: the stack's, its Redis server and
+    this one (the client)."""
+    import psutil
+    import redis
+
+    procs = {name: psutil.Process(p.proc.pid) for name, p in stack.local.procs.items() if p.proc is not None}
+    client = redis.Redis.from_url(stack.local.redis_url)
+    try:
+        procs["redis"] = psutil.Process(int(client.info("server")["process_id"]))
+    finally:
+        client.close()
+    procs["client"] = psutil.Process()
+    return procs
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of the machine has spent busy (/proc/stat), the hypervisor's steal included
+    (cores lost to it); guest time is already inside user time."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+
 async def measure_policy(stack: Stack, cfg: RoutingBenchConfig, work: Workload) -> dict:
     await run_requests(stack.address, work.warmup_prompts, f"warmup-{stack.policy}", cfg, len(work.warmup_prompts))
     _log(f"{stack.policy}: {len(work.prompts)} requests, {cfg.concurrency} in flight")
+    procs = stack_processes(stack)
+    before, machine_before = cpu_seconds(procs), machine_busy_seconds()
     results, wall = await run_requests(stack.address, work.prompts, f"bench-{stack.policy}", cfg, cfg.concurrency)
+    after, machine_after = cpu_seconds(procs), machine_busy_seconds()
     summary = summarize(results, wall, stack.worker_names())
+    # CPU each process spent on the measured requests (from /proc), per request: what shares the cores
+    # with the workers' compute (the simulator's front-door load, services/sim/host.py)
+    used = {name: after[name] - before[name] for name in procs}
+    summary["cpu_ms_per_request"] = {name: round(v * 1e3 / max(len(results), 1), 2) for name, v in used.items()}
+    # the machine's other tenants over the run (/proc/stat busy time less this stack's): cores they took
+    summary["stack_cores"] = round(sum(used.values()) / wall, 3)
+    summary["other_cores"] = round(max(0.0, (machine_after - machine_before - sum(used.values())) / wall), 3)
     if summary["errors"]:
         _log(f"{stack.policy}: {summary['errors']} of {len(results)} requests failed; first: {summary['first_error']}")
         if not summary["requests"]:
@@ -465,38 +514,82 @@ def bench(cfg: RoutingBenchConfig, verbose: bool = False) -> dict:
     prefill_blocks = int((cfg.prefill_kv_cache_gb or cfg.kv_cache_gb or 2.0) * 2**30) // block_bytes - 1
     _log(f"prefill KV cache: {prefill_blocks} blocks per worker ({cfg.prefill_kv_cache_gb or cfg.kv_cache_gb} GiB)")
     overhead_policy = "kv-aware" if "kv-aware" in cfg.policies else cfg.policies[0]
-    policies: dict[str, dict] = {}
+    repeats: list[dict] = []
     overhead = None
-    for policy in cfg.policies:
-        _log(f"{policy}: starting a fresh stack ({cfg.prefill} prefill + 1 decode, {cfg.transport})")
-        with Stack(cfg, policy, verbose) as stack:
-            summary = asyncio.run(measure_policy(stack, cfg, work))
-            _log(f"{policy}: hit rate {summary['hit_rate']:.3f}, p99 TTFT {summary['ttft_ms_p99']:.0f} ms, "
-                 f"{summary['requests_per_s']:.2f} req/s, errors {summary['errors']}")
-            if policy == overhead_policy and cfg.overhead_requests:
-                _log(f"{policy}: TTFT overhead, {cfg.overhead_requests} pairs of an uncached "
-                     f"{cfg.overhead_prompt_tokens}-token prompt through the idle stack and the in-process engine")
-                overhead = asyncio.run(measure_overhead(stack, cfg, work))
-            stack.check_alive()
-            trouble = stack.trouble()
-            summary["stack_warning_lines"] = len(trouble)
-            summary["stack_warnings"] = trouble[:20]
-            policies[policy] = summary
-    kv, rr = policies.get("kv-aware"), policies.get("round-robin")
+    for r in range(cfg.repeats):
+        seed = cfg.seed + r
+        if r:
+            work = make_workload(tokenizer, dataclasses.replace(cfg, seed=seed))
+        # every other repeat runs the policies in reverse order, so a drift of the machine's speed over a
+        # repeat weighs on each policy alike (the first policy of one repeat is the last of the next)
+        order = cfg.policies if r % 2 == 0 else cfg.policies[::-1]
+        policies: dict[str, dict] = {}
+        for policy in order:
+            _log(f"repeat {r + 1}/{cfg.repeats} (seed {seed}) {policy}: starting a fresh stack "
+                 f"({cfg.prefill} prefill + 1 decode, {cfg.transport})")
+            with Stack(cfg, policy, verbose) as stack:
+                summary = asyncio.run(measure_policy(stack, cfg, work))
+                _log(f"{policy}: hit rate {summary['hit_rate']:.3f}, mean TTFT {summary['ttft_ms_mean']:.0f} ms, "
+                     f"p99 {summary['ttft_ms_p99']:.0f} ms, {summary['requests_per_s']:.2f} req/s, "
+                     f"errors {summary['errors']}")
+                if r == 0 and policy == overhead_policy and cfg.overhead_requests:
+                    _log(f"{policy}: TTFT overhead, {cfg.overhead_requests} pairs of an uncached "
+                         f"{cfg.overhead_prompt_tokens}-token prompt through the idle stack and the in-process "
+                         "engine")
+                    overhead = asyncio.run(measure_overhead(stack, cfg, work))
+                # the run's figures as one line, so a long run stopped early still leaves them
+                _log(f"{policy} seed {seed}: " + json.dumps({k: v for k, v in summary.items() if k != "ttft_ms"}))
+                stack.check_alive()
+                trouble = stack.trouble()
+                summary["stack_warning_lines"] = len(trouble)
+                summary["stack_warnings"] = trouble[:20]
+                policies[policy] = summary
+        repeats.append({"seed": seed, "order": list(order), "ideal_hit_rate": ideal_hit_rate(work),
+                        "policies": {p: policies[p] for p in cfg.policies}, "ratios": repeat_ratios(policies)})
+    ratios = ratio_summary([rep["ratios"] for rep in repeats])
+    headline = {k: v["mean"] for k, v in ratios.items()}
     return {
-        "hit_rate_ratio_vs_round_robin": _ratio(kv["hit_rate"], rr["hit_rate"]) if kv and rr else None,
-        "p99_ttft_ratio_vs_round_robin": _ratio(kv["ttft_ms_p99"], rr["ttft_ms_p99"]) if kv and rr else None,
-        "mean_ttft_ratio_vs_round_robin": _ratio(kv["ttft_ms_mean"], rr["ttft_ms_mean"]) if kv and rr else None,
+        # with --repeats, the means over the repeats of each repeat's ratio
+        "hit_rate_ratio_vs_round_robin": headline.get("hit_rate"),
+        "p99_ttft_ratio_vs_round_robin": headline.get("ttft_p99"),
+        "mean_ttft_ratio_vs_round_robin": headline.get("ttft_mean"),
+        "p90_ttft_ratio_vs_round_robin": headline.get("ttft_p90"),
         "ttft_overhead_ms_p50": overhead["ttft_overhead_ms_p50"] if overhead else None,
-        "policies": policies,
+        "policies": repeats[0]["policies"],  # the first repeat's (seed --seed)
+        "repeats": repeats,
+        "ratios": ratios,
         "overhead": overhead,
-        "ideal_hit_rate": ideal_hit_rate(work),
+        "ideal_hit_rate": repeats[0]["ideal_hit_rate"],
         "config": dict(asdict(cfg), model=model_name, decode=1, threads_per_worker=1,
                        disaggregation="always", load="closed loop", prefill_kv_cache_blocks=prefill_blocks),
         "loadavg_start": [round(x, 2) for x in load_start],
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         "elapsed_s": round(time.perf_counter() - started, 1),
     }
+
+
+# kv-aware over round-robin, per repeat: the figure -> its key in a policy's summary
+RATIO_FIGURES = {"hit_rate": "hit_rate", "ttft_mean": "ttft_ms_mean", "ttft_p90": "ttft_ms_p90",
+                 "ttft_p99": "ttft_ms_p99"}
+
+
+def repeat_ratios(policies: dict[str, dict]) -> dict:
+    kv, rr = policies.get("kv-aware"), policies.get("round-robin")
+    if not (kv and rr):
+        return {}
+    return {name: _ratio(kv[key], rr[key]) for name, key in RATIO_FIGURES.items()}
+
+
+def ratio_summary(per_repeat: list[dict]) -> dict:
+    """Each ratio over the repeats: every value, their mean and its 90% bootstrap interval."""
+    out = {}
+    for name in RATIO_FIGURES:
+        values = [r[name] for r in per_repeat if r.get(name) is not None]
+        if values:
+            lo, hi = bootstrap_interval(values)
+            out[name] = {"mean": round(mean(values), 3), "values": values,
+                         "interval_90": [round(lo, 3), round(hi, 3)] if math.isfinite(lo) else None}
+    return out
 
 
 def print_table(result: dict) -> None:
@@ -513,9 +606,21 @@ def print_table(result: dict) -> None:
         v = result[key]
         print(f"{label:<40}{'n/a' if v is None else f'{v:.2f}x'}")
 
+    if len(result["repeats"]) > 1:
+        print(f"(the table: the first of {len(result['repeats'])} repeats; the ratios: means over the repeats, "
+              "90% bootstrap interval)")
+        for rep in result["repeats"][1:]:
+            print(f"  seed {rep['seed']}: " + ", ".join(
+                f"{name} {p['hit_rate']:.3f} / {p['ttft_ms_mean']:.0f} / {p['ttft_ms_p99']:.0f} ms"
+                for name, p in rep["policies"].items()))
     show("kv-aware hit rate / round-robin", "hit_rate_ratio_vs_round_robin")
-    show("kv-aware p99 TTFT / round-robin", "p99_ttft_ratio_vs_round_robin")
     show("kv-aware mean TTFT / round-robin", "mean_ttft_ratio_vs_round_robin")
+    show("kv-aware p90 TTFT / round-robin", "p90_ttft_ratio_vs_round_robin")
+    show("kv-aware p99 TTFT / round-robin", "p99_ttft_ratio_vs_round_robin")
+    for name, r in result["ratios"].items():
+        if r["interval_90"]:
+            print(f"  {name}: {r['mean']:.3f} [{r['interval_90'][0]:.3f} .. {r['interval_90'][1]:.3f}] "
+                  f"over {len(r['values'])} repeats")
     o = result["overhead"]
     if o is not None:
         print(f"TTFT p50, {o['prompt_tokens']}-token uncached prompt, {o['pairs']} pairs: disaggregated "
@@ -540,7 +645,7 @@ def run(args: argparse.Namespace) -> int:
         concurrency=args.concurrency, prefill=args.prefill, overhead_requests=args.overhead_requests,
         overhead_prompt_tokens=args.overhead_prompt_tokens, model=args.model, dtype=args.dtype,
         transport=args.transport, kv_cache_gb=args.kv_cache_gb, prefill_kv_cache_gb=args.prefill_kv_cache_gb,
-        seed=args.seed)
+        seed=args.seed, repeats=args.repeats)
 
     def on_sigterm(signum, frame):
         raise KeyboardInterrupt  # unwinds through Stack.__exit__, which stops the processes
@@ -593,6 +698,10 @@ def add_parser(sub) -> None:
                         "bf16): the prefixes compete for space and routing decides the hit rate; with room for "
                         "everything every policy ends up caching every prefix everywhere")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the policies this many times, repeat r on seed + r's workload and every other repeat "
+                        "in reverse order (drift cancels); the ratios are the means over repeats with a 90%% "
+                        "bootstrap interval")
     p.add_argument("--verbose", action="store_true", help="forward every stack process's output to stderr")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     from services.router import multiturn_bench

@@ -9,8 +9,9 @@ Runs, in one command (each part can be skipped):
    utilisation, queue depth over time; wall time of each run.
 2. **layouts**: prefill:decode splits and conditional disaggregation on and off
    (``--layout-workers`` workers, a tenth of the requests).
-3. **validation**: ``pdserve bench routing``'s setup at 2 workers on the CPU profile,
-   its ratios beside the last real run's (the calibration file's ``validation_reference``).
+3. **validation**: ``pdserve bench routing``'s setup at 2 workers on the CPU profile, on
+   every seed of the repeated real runs (the calibration file's ``validation_reference``),
+   the ratios' means on both sides with their intervals (validation.py).
 4. **autoscale**: one compressed day (``--period-s``) of a diurnal trace shaped on the
    Azure LLM inference trace 2024 (``--trace-shape coding``: peak-to-trough ~10x;
    ``conversation``: ~2.4x) with bursts (``--burst-factor``): the planner at several
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from services.bench import results as result_files
 from services.bench.stats import ratio
-from services.sim import experiments
+from services.sim import experiments, validation
 from services.sim.metrics import SLO
 from services.sim.plots import write_plots
 from services.sim.profiles import CALIBRATION, load_profile
@@ -79,8 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if "validation" in parts:
         path = Path(args.calibration) if args.calibration else CALIBRATION
         reference = json.loads(path.read_text())["validation_reference"]
-        result["validation"] = experiments.run_validation(load_profile("cpu", args.calibration), reference,
-                                                          args.seed)
+        result["validation"] = validation.run_validation(load_profile("cpu", args.calibration), reference)
     if "autoscale" in parts:
         trace = experiments.diurnal_workload(args.seed, profile, args.autoscale_rate, 1, args.period_s,
                                              args.trace_shape, args.burst_factor)
@@ -157,15 +157,17 @@ def print_table(result: dict) -> None:
               f"{row['local_prefill_share']:.2f}")
     v = result.get("validation")
     if v:
-        print(f"validation on {v['workload']}:")
-        for key, real in v["real"].items():
-            spread = v["seed_spread"].get(key)
-            seeds = f"; synthetic seeds {spread['min']} .. {spread['max']}" if spread else ""
-            print(f"  {key}: simulated {v['sim'][key]} vs real {real} ({v['relative_error'][key]:+.1%}){seeds}")
-        for policy, real in v.get("per_policy_real", {}).items():
-            s = v["per_policy"][policy]
-            print(f"  {policy}: hit rate {s['hit_rate']} vs {real['hit_rate']}, mean TTFT {s['ttft_s']['mean']} vs "
-                  f"{real['ttft_mean_s']} s, p99 TTFT {s['ttft_s']['p99']} vs {real['ttft_p99_s']} s")
+        print(f"validation against {v['source']}, seeds {v['seeds']} ({v['workload']}); kv-aware / round-robin, "
+              "means over the seeds [90% bootstrap interval]:")
+        for name, r in v["ratios_kv_over_rr"].items():
+            def show(side):
+                ci = side["interval_90"]
+                return f"{side['mean']}" + (f" [{ci[0]} .. {ci[1]}]" if ci else "")
+            print(f"  {name:<10} simulated {show(r['sim'])}  real {show(r['real'])}  error {r['error']:+.1%} "
+                  f"(per seed {show(r['per_seed_error'])})")
+        for policy, figures in v["per_policy"].items():
+            print(f"  {policy}: " + ", ".join(f"{k} {f['sim']} / {f['real']} ({f['error']:+.1%})"
+                                             for k, f in figures.items()))
     a = result.get("autoscale")
     if a:
         peak = a["static_peak"]

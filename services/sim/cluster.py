@@ -29,7 +29,7 @@ from services.router.prefix_index import PrefixIndex
 from services.router.worker_pool import WorkerPool
 from services.sim.admission import SimAdmission
 from services.sim.events import EventLoop
-from services.sim.host import SharedHost
+from services.sim.host import FrontDoor, SharedHost
 from services.sim.prefill_steps import SteppedPrefillWorker
 from services.sim.profiles import WorkerProfile
 from services.sim.workers import DecodeWorker, Job, PrefillWorker, SimWorker
@@ -89,7 +89,10 @@ class ClusterSim:
         self.series: list[dict] = []
         self._last_sample = -math.inf
         self.controller = controller  # an autoscaler with .tick(sim), called every heartbeat
-        self.host = SharedHost(config.host_cores) if config.host_cores else None
+        # the profile's front door uses a steady share of a shared host's cores (host.py)
+        self.host = SharedHost(config.host_cores - config.profile.frontdoor_busy_cores) if config.host_cores else None
+        # the router, Redis and the client on the same cores (host.py), where the profile measured them
+        self.front = FrontDoor(self.loop, self.host) if self.host and config.profile.frontdoor_cpu_s else None
         self.on_finished: Callable[[Job], None] | None = None
         for _ in range(config.prefill_workers):
             self.add_worker("prefill", announce=False)
@@ -169,6 +172,8 @@ class ClusterSim:
             self.inflight += 1
             self.queued_tokens -= job.req.num_tokens
             job.dispatched_at = self.loop.now
+            if self.front is not None:
+                self.front.submit(self.config.profile.frontdoor_cpu_s)
             self._dispatch(job)
 
     def _dispatch(self, job: Job) -> None:
@@ -209,14 +214,25 @@ class ClusterSim:
         self.loop.after(backoff, self._dispatch, job)
 
     def prefilled(self, job: Job, worker: PrefillWorker) -> None:
+        job.extra["prefilled_at"] = self.loop.now
         self.computed_tokens += job.req.num_tokens - job.cached_tokens
         self.pool.end_prefill(job.token)
         self.loop.after(self.config.profile.transfer_s(job.req.num_tokens), self._kv_arrived, job)
         self._maybe_retire(worker)
 
     def _kv_arrived(self, job: Job) -> None:
+        decode = self.workers_any(job.decode_worker)
+        # the decode worker's event loop sends the first token when the engine step under way ends (the
+        # engine thread holds the GIL through it), where the profile says the real worker does
+        wait = decode.to_step_boundary(self.loop.now) if self.config.profile.first_token_at_step else 0.0
+        if wait > 0:
+            self.loop.after(wait, self._handed_off, job, decode)
+        else:
+            self._handed_off(job, decode)
+
+    def _handed_off(self, job: Job, decode) -> None:
         self.first_token(job)
-        self.workers_any(job.decode_worker).join(job)
+        decode.join(job)
 
     def workers_any(self, worker_id: str) -> SimWorker:
         worker = self.workers.get(worker_id)

@@ -1,4 +1,4 @@
-"""The simulator's experiments: policy comparison at scale, the 2-worker validation, autoscaling.
+"""The simulator's experiments: policy comparison at scale, autoscaling (the 2-worker validation: validation.py).
 
 Each returns plain data (JSON-ready); ``bench.py`` prints and saves it, ``plots.py`` draws it.
 """
@@ -15,12 +15,7 @@ from services.sim.autoscale import SimAutoscaler
 from services.sim.cluster import ClusterConfig, ClusterSim
 from services.sim.metrics import SLO, summarize
 from services.sim.profiles import WorkerProfile
-from services.sim.workloads import (
-    ArrivalShape,
-    SimRequest,
-    WorkloadGenerator,
-    routing_bench_workload,
-)
+from services.sim.workloads import ArrivalShape, WorkloadGenerator
 
 # The comparison's policies: name -> (router policy, its options). "kv-aware-lb" is kv-aware that
 # weighs queued work as much as computed work and samples near-ties (several routers' setting).
@@ -89,83 +84,6 @@ def run_layouts(profile: WorkerProfile, requests, workers: int, slo: SLO) -> lis
             _log(f"layout {prefill}:{workers - prefill} disaggregation {disagg}: goodput {s['goodput_rps']}, "
                  f"p99 TTFT {s['ttft_s']['p99']} s, local prefills {s['local_prefill_share']}")
     return rows
-
-
-def bench_routing_requests(seed: int, block_size: int):
-    """The very requests ``pdserve bench routing --seed seed`` sends (its ``make_workload`` over the default
-    model's tokenizer), hashed as the router hashes them; None when the tokenizer cannot be loaded."""
-    from services.engine.block_hash import hash_prompt_blocks
-    from services.router.bench import RoutingBenchConfig, make_workload
-    from services.router.server import load_tokenizer
-
-    cfg = RoutingBenchConfig(seed=seed)
-    try:
-        tokenizer, model = load_tokenizer(cfg.model)
-    except Exception as exc:  # noqa: BLE001 (no model here, whatever the reason: the synthetic copy stands in)
-        _log(f"validation: the default model's tokenizer did not load ({exc}); using the synthetic workload")
-        return None
-    if tokenizer is None:
-        return None
-    work = make_workload(tokenizer, cfg)
-    return [SimRequest(i, 0.0, "standard", hash_prompt_blocks(p, block_size, model), len(p), cfg.max_tokens,
-                       "routing-bench") for i, p in enumerate(work.prompts)]
-
-
-def run_validation(profile: WorkerProfile, reference: dict, seed: int = 0, seeds: int = 6) -> dict:
-    """``pdserve bench routing``'s setup in the simulator: 2 prefill workers of 280 blocks, 1 decode
-    worker, disaggregation always, 8 requests in flight, its workload (its own 200 requests where the
-    default model's tokenizer loads); the ratios beside the real run's. ``seeds`` more runs of the
-    synthetic copy of the workload (seeds 0 ..) give the spread one run of 200 requests has."""
-    real = reference["ratios"]
-    exact = bench_routing_requests(seed, profile.block_size)
-    main = _validation_run(profile, exact if exact is not None else routing_bench_workload(seed, profile.block_size))
-    spread = [_validation_run(profile, routing_bench_workload(s, profile.block_size))["sim"] for s in range(seeds)]
-    return {"sim": main["sim"], "real": real, "source": reference["source"],
-            "workload": f"bench routing's own requests (seed {seed})" if exact is not None
-            else f"synthetic copy of bench routing's workload (seed {seed})",
-            "relative_error": {k: round(main["sim"][k] / real[k] - 1, 3) for k in real},
-            "per_policy": main["per_policy"],
-            "per_policy_real": reference.get("per_policy", {}),
-            "per_policy_error": _per_policy_error(main["per_policy"], reference.get("per_policy", {})),
-            "seed_spread": {k: {"min": min(s[k] for s in spread), "max": max(s[k] for s in spread),
-                                "median": sorted(s[k] for s in spread)[len(spread) // 2]} for k in real} if spread else {},
-            "model": {"host_cores": profile.host_cores, "prefill_step_tokens": profile.prefill_step_tokens,
-                      "prefill_chunk_tokens": profile.prefill_chunk_tokens}}
-
-
-def _per_policy_error(sim: dict, real: dict) -> dict:
-    """Each policy's own figures against the real run's (relative): a ratio can agree by two errors cancelling."""
-    out = {}
-    for policy, r in real.items():
-        s = sim.get(policy)
-        if s is not None:
-            out[policy] = {"hit_rate": round(s["hit_rate"] / r["hit_rate"] - 1, 3),
-                           "ttft_mean_s": round(s["ttft_s"]["mean"] / r["ttft_mean_s"] - 1, 3),
-                           "ttft_p99_s": round(s["ttft_s"]["p99"] / r["ttft_p99_s"] - 1, 3)}
-    return out
-
-
-def _validation_run(profile: WorkerProfile, requests) -> dict:
-    prof = profile.with_kv_blocks(280)
-    out = {}
-    for policy in ("kv-aware", "least-load", "round-robin"):
-        reqs = copy.deepcopy(requests)
-        sim = ClusterSim(ClusterConfig(prof, 2, 1, policy=policy, disaggregation="always", closed_loop=8,
-                                       host_cores=profile.host_cores), reqs)
-        # the decode worker keeps the default 2 GiB cache: only the prefill workers' caches are sized
-        decode = next(w for w in sim.workers.values() if w.role == "decode")
-        decode.profile = profile
-        decode.info.kv_blocks_total = profile.kv_blocks
-        sim.run()
-        out[policy] = summarize(sim, SLO(10.0, 1.0))
-    sim_ratios = {
-        "hit_rate_ratio_kv_vs_rr": round(out["kv-aware"]["hit_rate"] / out["round-robin"]["hit_rate"], 3),
-        "p99_ttft_ratio_kv_vs_rr": round(out["kv-aware"]["ttft_s"]["p99"] / out["round-robin"]["ttft_s"]["p99"], 3),
-        "mean_ttft_ratio_kv_vs_rr": round(out["kv-aware"]["ttft_s"]["mean"] / out["round-robin"]["ttft_s"]["mean"],
-                                          3),
-    }
-    return {"sim": sim_ratios, "per_policy": {p: {"hit_rate": s["hit_rate"], "ttft_s": s["ttft_s"]}
-                                               for p, s in out.items()}}
 
 
 # The diurnal shapes of the Azure LLM inference trace 2024 (a week of May 2024; DynamoLLM, Stojkovic et al.,

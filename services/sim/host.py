@@ -13,15 +13,27 @@ at the new speed). The router, gateway and Redis are not modelled (their CPU is 
 beside a prefill's, but not zero). ``ClusterConfig.host_cores`` 0 (the default, and
 every run of the policy comparison and the autoscaler) gives each worker its own
 hardware and leaves those runs as they were.
+
+The front door (``FrontDoor``): the router, Redis and the client run on those cores too.
+``pdserve bench routing`` measures each process's CPU per request from /proc
+(``cpu_ms_per_request``); the profile's ``frontdoor_cpu_s`` is their sum per request and
+``frontdoor_busy_cores`` what they use whether requests come or not (heartbeats,
+registry reads, polls), which the host's cores lose for good. Each
+dispatched request hands the front door that much work; while it has work it is one
+more runnable thread beside the computing workers (it slows them, and they it). Its
+latency on a request's path is not charged here: the profile's hand-off latency
+(``transfer.latency_s``, measured under the same load) holds the hops.
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 
 class SharedHost:
-    def __init__(self, cores: int):
-        if cores < 1:
-            raise ValueError(f"cores must be >= 1, got {cores}")
+    def __init__(self, cores: float):
+        if not cores > 0:
+            raise ValueError(f"cores must be > 0, got {cores}")
         self.cores = cores
         self.computing: list = []  # workers computing now, in the order they started (deterministic)
 
@@ -47,3 +59,52 @@ class SharedHost:
                 if w is not worker:
                     w.speed = new
                     w.retime(now)
+
+
+class FrontDoor:
+    """The router, Redis and the client as one thread on the shared host: a queue of CPU work in seconds
+    (at full speed), done at the host's speed; ``busy_s`` is the work it was given."""
+
+    def __init__(self, loop, host: SharedHost):
+        self.loop = loop
+        self.host = host
+        self.queue: deque[float] = deque()
+        self.busy_s = 0.0
+        self.speed = 1.0
+        self._work = 0.0
+        self._since = 0.0
+        self._version = 0
+
+    def submit(self, cpu_s: float) -> None:
+        if cpu_s <= 0:
+            return
+        self.busy_s += cpu_s
+        self.queue.append(cpu_s)
+        if len(self.queue) == 1 and self not in self.host.computing:
+            self._start(self.loop.now)
+
+    def _start(self, now: float) -> None:
+        self._work, self._since = self.queue[0], now
+        if self in self.host.computing:
+            self.retime(now)
+        else:
+            self.host.set_computing(self, True, now)
+            self.retime(now)
+
+    def settle(self, now: float) -> None:
+        self._work -= (now - self._since) * self.speed
+        self._since = now
+
+    def retime(self, now: float) -> None:
+        self._version += 1
+        self.loop.after(max(0.0, self._work) / self.speed, self._done, self._version)
+
+    def _done(self, version: int) -> None:
+        if version != self._version:
+            return
+        now = self.loop.now
+        self.queue.popleft()
+        if self.queue:
+            self._start(now)
+        else:
+            self.host.set_computing(self, False, now)

@@ -47,8 +47,23 @@ class SteppedPrefillWorker(PrefillWorker):
     def report(self, info) -> None:
         info.num_running = len(self.active)
         info.num_waiting = len(self.queue)
-        info.queued_prefill_tokens = self.queued_tokens
+        info.queued_prefill_tokens = self.uncomputed_tokens()
         info.kv_blocks_used = sum(job.blocks for job in self.active)
+
+    def uncomputed_tokens(self) -> int:
+        """The engine's load signal (``Scheduler.queued_prefill_tokens``): prompt tokens not computed yet,
+        a waiting request's prefix that is cached here or being computed for another not counted. The
+        whole prompt overstated a hot prefix's holder (1,040 tokens for a 24-token hit), so the router's
+        kv-aware cost sent its requests to the other worker, which computed the prefix again."""
+        bs, waiting = self.profile.block_size, 0
+        for job in self.queue:
+            hit = 0
+            for h in job.req.hashes:
+                if h not in self.cache and h not in self.computing:
+                    break
+                hit += 1
+            waiting += job.req.num_tokens - hit * bs
+        return waiting + sum(job.extra["left"] for job in self.active)
 
     def idle(self) -> bool:
         return not self.active and not self.queue

@@ -23,6 +23,7 @@ way to the first token.)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,16 @@ class WorkerProfile:
     prefill_step_tokens: int = 0
     prefill_chunk_tokens: int = 0
     host_cores: int = 0  # cores of the machine the profile's real runs shared (the validation's host, host.py)
+    # CPU seconds per request of the processes beside the workers on that host (router, Redis, client;
+    # host.py FrontDoor), measured by pdserve bench routing from /proc; only with host_cores
+    frontdoor_cpu_s: float = 0.0
+    frontdoor_busy_cores: float = 0.0  # and what they use whether requests come or not (heartbeats, polls)
+    # a served worker's CPU over the engine's own compute (gRPC, the KV send, its event loop), per role,
+    # measured by bench routing (/proc) against the modelled compute of the same requests; the validation's
+    worker_cpu_factor: dict = field(default_factory=dict, compare=False)
+    # a disaggregated request's first token leaves the decode worker when its step under way ends (the cpu
+    # profile: pdserve's decode worker, whose engine thread holds the GIL through a step); else on arrival
+    first_token_at_step: bool = False
     source: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +86,14 @@ class WorkerProfile:
         last = min(tokens, self.transfer_chunk_tokens)
         return self.transfer_latency_s + last * self.kv_bytes_per_token / self.transfer_bytes_per_s
 
+    def served(self) -> WorkerProfile:
+        """The costs of a served worker on the profile's host: the engine's, times ``worker_cpu_factor``."""
+        f, d = self.worker_cpu_factor.get("prefill", 1.0), self.worker_cpu_factor.get("decode", 1.0)
+        return dataclasses.replace(
+            self, prefill_base_s=self.prefill_base_s * f, prefill_per_token_s=self.prefill_per_token_s * f,
+            prefill_per_token_context_s=self.prefill_per_token_context_s * f, decode_base_s=self.decode_base_s * d,
+            decode_per_seq_s=self.decode_per_seq_s * d, decode_per_seq_context_s=self.decode_per_seq_context_s * d)
+
     def with_kv_blocks(self, kv_blocks: int) -> WorkerProfile:
         fields = {k: v for k, v in self.__dict__.items()}
         fields["kv_blocks"] = kv_blocks
@@ -96,7 +115,11 @@ def load_profiles(path: str | Path | None = None) -> dict[str, WorkerProfile]:
             transfer_chunk_tokens=p["transfer"]["chunk_tokens"], max_num_seqs=p["max_num_seqs"],
             cold_start_s=p["cold_start_s"], warm_start_s=p["warm_start_s"],
             prefill_step_tokens=p.get("prefill_step_tokens", 0), prefill_chunk_tokens=p.get("prefill_chunk_tokens", 0),
-            host_cores=p.get("host_cores", 0), source=p.get("source", {}))
+            host_cores=p.get("host_cores", 0), frontdoor_cpu_s=p.get("frontdoor_cpu_s", 0.0),
+            frontdoor_busy_cores=p.get("frontdoor_busy_cores", 0.0),
+            worker_cpu_factor=p.get("worker_cpu_factor", {}),
+            first_token_at_step=p.get("first_token_at_step", False),
+            source=p.get("source", {}))
     return out
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import heapq
+import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -220,6 +221,14 @@ class DecodeWorker(SimWorker):
     def step_s(self) -> float:
         return self.profile.decode_step_s(len(self.batch), self.sum_ctx)
 
+    def to_step_boundary(self, now: float) -> float:
+        """Seconds until the step under way ends (0 when idle or between steps)."""
+        self._advance(now)
+        if not self.batch:
+            return 0.0
+        left = math.ceil(self.steps - 1e-9) - self.steps
+        return left * self.step_s() / self.speed if left > 1e-9 else 0.0
+
     def _advance(self, now: float) -> None:
         dt = now - self.last
         if self.stall_until > self.last:
@@ -229,7 +238,7 @@ class DecodeWorker(SimWorker):
             k = dt * self.speed / step
             self.steps += k
             self.sum_ctx += len(self.batch) * k
-            self.busy_s += dt
+            self.busy_s += dt * self.speed  # compute: at a shared host's speed, the wall time is longer
         self.last = now
 
     def local_prefill(self, job: Job) -> None:

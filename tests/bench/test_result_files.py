@@ -40,3 +40,15 @@ def test_percentile_interpolates_and_ratio_refuses_nonsense():
     assert percentile([5], 99) == 5
     assert math.isnan(percentile([], 50))
     assert ratio(3, 2) == 1.5 and ratio(1, 0) is None and ratio(None, 1) is None and ratio(math.nan, 1) is None
+
+
+def test_a_bootstrap_interval_holds_the_mean_and_narrows_with_agreeing_values():
+    from services.bench.stats import bootstrap_interval, mean
+
+    spread = [0.10, 0.30, 0.15, 0.25, 0.20, 0.12]
+    lo, hi = bootstrap_interval(spread)
+    assert min(spread) <= lo < mean(spread) < hi <= max(spread)
+    assert bootstrap_interval(spread) == (lo, hi)  # seeded: the same report twice
+    tight = bootstrap_interval([0.20, 0.21, 0.19, 0.20, 0.21, 0.19])
+    assert tight[1] - tight[0] < (hi - lo) / 5
+    assert all(math.isnan(x) for x in bootstrap_interval([0.2]))  # one value: no spread to show

@@ -73,8 +73,22 @@ def test_every_request_is_served_once_by_a_prefill_worker(report):
         assert sum(p["requests_per_prefill_worker"].values()) == REQUESTS, name
         for key in ("ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "requests_per_s", "output_tok_s"):
             assert _finite(p[key]) and p[key] > 0, f"{name}: {key} = {p[key]!r}"
-        assert p["ttft_ms_p50"] <= p["ttft_ms_p99"]
+        assert p["ttft_ms_p50"] <= p["ttft_ms_p90"] <= p["ttft_ms_p99"]
         assert p["output_tok_s"] == pytest.approx(2 * p["requests_per_s"], rel=0.01)  # max_tokens 2, EOS ignored
+        assert len(p["ttft_ms"]) == REQUESTS
+        # CPU per request from /proc: every process of the stack, Redis and the client; the workers computed
+        cpu = p["cpu_ms_per_request"]
+        assert {"prefill-0", "prefill-1", "decode-0", "router", "redis", "client"} <= set(cpu), name
+        assert cpu["prefill-0"] + cpu["prefill-1"] > 0 and cpu["decode-0"] > 0 and cpu["router"] > 0, name
+        assert 0 < p["stack_cores"] and 0 <= p["other_cores"] <= (os.cpu_count() or 1), name
+
+
+def test_one_repeat_gives_its_ratios_as_the_headline(report):
+    (rep,) = report["repeats"]
+    assert rep["seed"] == 0 and rep["order"] == POLICIES and rep["policies"] == report["policies"]
+    assert report["mean_ttft_ratio_vs_round_robin"] == rep["ratios"]["ttft_mean"]
+    assert report["ratios"]["ttft_p90"]["values"] == [rep["ratios"]["ttft_p90"]]
+    assert report["ratios"]["ttft_p90"]["interval_90"] is None  # one value has no spread
 
 
 def test_policies_see_the_same_prompts_and_caches_report_hits(report):

@@ -12,7 +12,9 @@ BS = 16
 
 
 def cpu(steps: int = 0, chunk: int = 0):
-    return dataclasses.replace(load_profile("cpu"), prefill_step_tokens=steps, prefill_chunk_tokens=chunk)
+    # without the front door's measured load, which the tests that want it set themselves
+    return dataclasses.replace(load_profile("cpu"), prefill_step_tokens=steps, prefill_chunk_tokens=chunk,
+                               frontdoor_cpu_s=0.0, frontdoor_busy_cores=0.0)
 
 
 def request(i: int, tokens: int, first_hash: int) -> SimRequest:
@@ -64,3 +66,79 @@ def test_the_synthetic_routing_workload_uses_every_prompt_equally_often_as_the_b
     for r in reqs:
         counts[r.hashes[0]] = counts.get(r.hashes[0], 0) + 1
     assert sorted(counts.values()) == [25] * 8
+
+
+def test_the_front_door_takes_its_share_of_a_shared_core():
+    reqs = [request(0, 512, 0)]
+    prefill = cpu().prefill_s(512, 512)
+    alone = run(cpu(), [dataclasses.replace(reqs[0])], host_cores=1)[0].first_token_at
+    assert alone == pytest.approx(prefill + cpu().transfer_s(512))
+    front = prefill / 4  # CPU seconds the router, Redis and the client spend on the request
+    profile = dataclasses.replace(cpu(), frontdoor_cpu_s=front)
+    shared = run(profile, [dataclasses.replace(reqs[0])], host_cores=1)[0].first_token_at
+    # both at half speed until the front door's work is done (2 x front), then the prefill alone
+    assert shared == pytest.approx(prefill + front + cpu().transfer_s(512))
+    # with a core each, the front door slows nobody
+    assert run(profile, [dataclasses.replace(reqs[0])], host_cores=2)[0].first_token_at == pytest.approx(alone)
+
+
+def test_the_front_doors_steady_load_takes_cores_from_the_workers():
+    reqs = [request(0, 512, 0), request(1, 512, 1000)]
+    profile = dataclasses.replace(cpu(), frontdoor_busy_cores=1.0)
+    both = run(profile, [dataclasses.replace(r) for r in reqs], prefill=2, host_cores=2)
+    # two prefills on the one core left: half speed each
+    expected = 2 * cpu().prefill_s(512, 512) + cpu().transfer_s(512)
+    assert [both[i].first_token_at for i in (0, 1)] == pytest.approx([expected, expected])
+
+
+def test_a_run_whose_machine_was_busy_is_simulated_on_the_cores_left():
+    from services.sim.validation import simulate_bench
+
+    reqs = routing_bench_workload(0, BS)
+    quiet = simulate_bench(load_profile("cpu"), reqs, ["round-robin"])["round-robin"]
+    busy = simulate_bench(load_profile("cpu"), reqs, ["round-robin"], {"round-robin": 1.0})["round-robin"]
+    # round-robin's prefill workers are always computing: on half the cores, about half the throughput
+    assert busy["requests_per_s"] < 0.7 * quiet["requests_per_s"]
+    assert busy["ttft_s"]["mean"] > 1.4 * quiet["ttft_s"]["mean"]
+
+
+def test_a_queued_prefix_hit_loads_its_worker_by_its_uncached_tokens_only():
+    from services.sim.workers import Job
+
+    p = cpu(1024, 512)
+    sim = ClusterSim(ClusterConfig(p, 1, 1, policy="round-robin", disaggregation="always", closed_loop=1),
+                     [request(0, 1024, 0)])
+    sim.run()  # the 1,024-token prefix is cached on the prefill worker
+    worker = next(w for w in sim.workers.values() if w.role == "prefill")
+    worker._step_work = [("busy", 1)]  # mid-step: new requests wait in the queue
+    hit, miss = Job(request(1, 1024 + 32, 0)), Job(request(2, 256, 9000))
+    worker.submit(hit)
+    worker.submit(miss)
+    # as the engine's Scheduler.queued_prefill_tokens: the hit's 32 tokens past the prefix, the miss's 256
+    assert worker.heartbeat(sim.loop.now).queued_prefill_tokens == 32 + 256
+
+
+def test_a_first_token_leaves_the_decode_worker_when_its_step_under_way_ends():
+    from services.sim.workers import Job
+
+    p = dataclasses.replace(cpu(), first_token_at_step=True)
+    sim = ClusterSim(ClusterConfig(p, 1, 1, policy="round-robin", disaggregation="always"), [])
+    decode = next(w for w in sim.workers.values() if w.role == "decode")
+    running = Job(request(0, 64, 0))
+    running.req.out_tokens = 1000
+    running.blocks = 8
+    decode.reserve(running)
+    decode.join(running)
+    step = decode.step_s()
+    sim.loop.at(2.25 * step, lambda: None)
+    sim.loop.run(2.25 * step)  # a quarter into the third step
+    # (a step grows a little with the context: within 0.1%)
+    assert decode.to_step_boundary(sim.loop.now) == pytest.approx(0.75 * step, rel=1e-3)
+    newcomer = Job(request(1, 64, 500))
+    newcomer.blocks, newcomer.decode_worker = 8, decode.worker_id
+    decode.reserve(newcomer)
+    sim._kv_arrived(newcomer)
+    sim.loop.run(2.9 * step)
+    assert newcomer.first_token_at == -1.0  # still waiting for the step to end
+    sim.loop.run(3.1 * step)
+    assert newcomer.first_token_at == pytest.approx(3 * step, rel=1e-3)
