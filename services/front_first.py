@@ -20,11 +20,15 @@ torch processes on 2 cores, paired): wake delay p99 3.3-3.8 ms against 4.4-5.3
 ms with the default slice. Whether it brings bench frontdoor's p99 to 20 ms
 is not yet measured on a quiet machine (BENCHMARKS.md).
 
-Opt-in (``pdserve up --front-first``, ``StackSpec.front_first``): in the two
-bench frontdoor runs with it (load 3-10) 102-136 of 1,500 streams ended with
-the gateway's Redis pool exhausted, against none in the run without it beside
-them, so it stays off until a quiet comparison says otherwise. A kernel that refuses or ignores a setting is said once per
-process and the stack runs as before.
+Opt-in (``pdserve up --front-first``, ``StackSpec.front_first``). In the two
+bench frontdoor runs with it (load 8-9) 102-136 of 1,500 streams ended with
+``No connection available`` from the gateway's Redis pool. What failed them
+was redis-py's pool, which lets newcomers overtake a waiting command until its
+timeout fails it, however busy the pool is on average (now first come, first
+served: services/fair_pool.py), and a stream that had sent its 200 ended on
+it (now it waits: gateway/pool_wait.py). A kernel
+that refuses or ignores a setting is said once per process and the stack runs
+as before.
 """
 
 from __future__ import annotations

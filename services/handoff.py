@@ -96,15 +96,25 @@ async def reserve_for_transfer(async_engine: AsyncEngine, owner: EngineBlockOwne
         raise
 
 
-async def decode_after_transfer(async_engine: AsyncEngine, request_id: str,
-                                completion: Completion) -> AsyncIterator[RequestOutput]:
-    """The reserved blocks hold the prompt's KV: decode from the first token, streaming outputs."""
+async def decode_after_transfer(async_engine: AsyncEngine, request_id: str, completion: Completion,
+                                choices: list[tuple[str, SamplingParams]] = ()) -> AsyncIterator[RequestOutput]:
+    """The reserved blocks hold the prompt's KV: decode from the first token, streaming outputs (with
+    ``choices``, the other choices' too: forked off that KV with the first tokens the prefill side sent)."""
     engine = async_engine.engine
     logprobs = completion.meta.get("first_logprobs")
     first_logprobs = TokenLogprobs.from_json(logprobs) if logprobs else None
-    async for out in async_engine.stream(
-            request_id, lambda: engine.start_decode(request_id, completion.first_token, first_logprobs)):
-        yield out
+    firsts = completion.meta.get("choices") or []
+    if len(firsts) != len(choices):
+        raise TransferError(f"{request_id}: the prefill side sent {len(firsts)} choices' first tokens, "
+                            f"expected {len(choices)}")
+    forked = [(cid, p, token, TokenLogprobs.from_json(lp) if lp else None)
+              for (cid, p), (token, lp) in zip(choices, firsts)]
+    stream = async_engine.stream_many(
+        [request_id, *(c for c, _ in choices)],
+        lambda: engine.start_decode(request_id, completion.first_token, first_logprobs, choices=forked))
+    async with contextlib.aclosing(stream):
+        async for out in stream:
+            yield out
 
 
 @dataclass(frozen=True)
@@ -115,8 +125,14 @@ class PrefillResult:
 
 async def prefill_and_send(async_engine: AsyncEngine, sender: Sender,
                            target: TransferDescriptor | Awaitable[TransferDescriptor], prompt: list[int],
-                           params: SamplingParams, priority: int = 0, request_id: str | None = None) -> PrefillResult:
+                           params: SamplingParams, priority: int = 0, request_id: str | None = None,
+                           choices: list[tuple[str, SamplingParams]] = ()) -> PrefillResult:
     """Prefill ``prompt`` and write its KV into the descriptor's blocks as chunks finish.
+
+    ``choices``: the request's other choices (request id, params): the prompt is computed once
+    (``add_choices(prefill_only=True)``) and each choice's first token, sampled here from the same
+    logits row, travels with the last blocks (``meta["choices"]``: [token, logprobs or None] each),
+    for the decode side's ``start_decode(..., choices=)``.
 
     ``target``: the descriptor, or an awaitable of it while the decode side is still
     reserving (then ``request_id`` names the request): computing starts at once and
@@ -136,9 +152,21 @@ async def prefill_and_send(async_engine: AsyncEngine, sender: Sender,
         # closed on every exit, so a prefill left behind (the decode side's reservation failed, the
         # call was cancelled) is aborted and its blocks freed now, not whenever the GC collects the
         # stream: an idle worker may not collect it for a long time (a chaos run saw 14 blocks held)
-        stream = async_engine.generate(prompt, params, request_id=rid, priority=priority, prefill_only=True)
+        if choices:
+            ids, every = [rid, *(c for c, _ in choices)], [params, *(p for _, p in choices)]
+            stream = async_engine.stream_many(ids, lambda: engine.add_choices(ids, prompt, every, priority,
+                                                                              prefill_only=True))
+        else:
+            stream = async_engine.generate(prompt, params, request_id=rid, priority=priority, prefill_only=True)
+        firsts: dict[str, list] = {}  # a choice's [first token, its logprobs as JSON or None]
         async with contextlib.aclosing(stream):
             async for out in stream:
+                if out.request_id != rid:  # a choice's first token (it holds no blocks: choice 0's are sent)
+                    if out.finish_reason != "prefilled":
+                        raise TransferError(f"choice {out.request_id} of {rid} ended early: {out.finish_reason}")
+                    lp = out.logprobs[0] if out.logprobs else None
+                    firsts[out.request_id] = [out.new_token_ids[0], lp.to_json() if lp is not None else None]
+                    continue
                 if out.finished and out.finish_reason != "prefilled":
                     raise TransferError(f"prefill of {rid} ended early: {out.finish_reason}")
                 prefilled = out.finished  # from here its blocks are held until released (finally)
@@ -160,6 +188,11 @@ async def prefill_and_send(async_engine: AsyncEngine, sender: Sender,
                     # the first token's logprobs travel with it: the decode side reports that token
                     logprobs = out.logprobs[0] if out.logprobs else None
                     meta = {"first_logprobs": logprobs.to_json()} if logprobs is not None else None
+                    if choices:  # sampled in the step that finished choice 0's prompt: all here by now
+                        missing = [c for c, _ in choices if c not in firsts]
+                        if missing:
+                            raise TransferError(f"choices {missing} of {rid} have no first token")
+                        meta = {**(meta or {}), "choices": [firsts[c] for c, _ in choices]}
                     waited_from = time.perf_counter()
                     await sender.finish(desc, first, meta, blocks=blocks[sent:ready], dst_offset=sent)
                     waited += time.perf_counter() - waited_from

@@ -39,7 +39,7 @@ async def connect_redis(url: str, *, max_connections: int = REDIS_MAX_CONNECTION
     from the first command some time later; a malformed URL is redis-py's ValueError.
 
     The client opens at most ``max_connections`` connections: a command that finds them all
-    busy waits for one (up to ``pool_timeout_s``, then redis-py's ConnectionError, which the
+    busy waits for one, in arrival order (up to ``pool_timeout_s``, then redis-py's ConnectionError, which the
     gateway answers as 503 + Retry-After) instead of failing at once as redis-py's default
     pool does. ``name`` (CLIENT SETNAME, suffixed with the pid) tells the processes apart in
     Redis's CLIENT LIST.
@@ -58,8 +58,12 @@ async def connect_redis(url: str, *, max_connections: int = REDIS_MAX_CONNECTION
     # a pooled connection that Redis closed (a restart, a failover, CLIENT KILL) fails its next command:
     # reconnect and send it again, twice at most (the queue's writes are idempotent on the request id)
     retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), 2)
-    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=pool_timeout_s,
-                                                    retry=retry, **extra)
+    from services.fair_pool import FairConnectionPool
+
+    # first come, first served: redis-py's own blocking pool lets newcomers overtake a waiting command until it
+    # times out (fair_pool.py)
+    pool = FairConnectionPool.from_url(url, max_connections=max_connections, timeout=pool_timeout_s, retry=retry,
+                                       **extra)
     client = aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes it
     try:
         await asyncio.wait_for(client.ping(), REDIS_CONNECT_TIMEOUT_S)

@@ -166,6 +166,11 @@ class EngineStatsExporter:
             gauge.labels(self.role, self.worker_id).set(stats[key])
         for key, counter in self._COUNTERS:
             self._last[key] = self._add(counter.labels(self.role, self.worker_id), stats, key, self._last[key])
+        if self.role == "decode":  # its local prefills (n > 1's forked choices count once); prefill workers
+            # count theirs per request (prefill/server.py)
+            self._last["prompt_tokens_computed"] = self._add(PROMPT_TOKENS.labels(self.role, self.worker_id), stats,
+                                                             "prompt_tokens_computed",
+                                                             self._last.get("prompt_tokens_computed", 0.0))
         labels = (self.role, self.worker_id)
         KV_TIER_BLOCKS.labels(*labels, "pool").set(stats["kv_blocks_total"])
         KV_TIER_BLOCKS_USED.labels(*labels, "pool").set(stats["kv_blocks_used"])

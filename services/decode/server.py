@@ -9,7 +9,8 @@ Ownership of a reservation (see services.handoff)::
     Decode cancelled (router gone) -> transfer cancelled, or request aborted
 
 Decode with ``local_prefill`` runs the whole request here (conditional
-disaggregation), with no reservation.
+disaggregation), with no reservation. A request of n choices runs as one forked
+generation either way (services/decode/choices.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from services import hops, phases, telemetry
 from services.engine.sampling_params import SamplingParams
 from services.errors import InvalidRequestError, ReservationLostError
 from services.grpc_codec import abort_with, check_deadline, chunk_from_output, load_message, sampling_from_proto
+from services.choice_requests import choice_targets
+from services.decode.choices import relay_choices
 from services.decode.step_results import StepResultWriter
 from services.handoff import EngineBlockOwner, decode_after_transfer, reserve_for_transfer
 from services.worker import WorkerRuntime, add_worker_parser, run_worker
@@ -41,6 +44,7 @@ class _Reservation:
     params: SamplingParams
     num_prompt_tokens: int
     results_to: str
+    request: worker_pb2.WorkerRequest | None = None  # n choices (decode/choices.py): their ids and streams
     reserved_at: float = field(default_factory=time.perf_counter)
 
 
@@ -91,6 +95,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         raise InvalidRequestError(f"request {req.request_id!r} already has a reservation",
                                                   param="request_id")
                     params = sampling_from_proto(req.sampling)
+                    if req.choices > 1:
+                        choice_targets(req)  # a bad list is refused before anything is reserved
                     timeout = (request.transfer_timeout_s if request.HasField("transfer_timeout_s")
                                else self.rt.config.transfer_timeout_s)
                     if timeout <= 0:
@@ -100,7 +106,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             except Exception as exc:
                 await abort_with(context, exc)
             rid = req.request_id
-            self.reservations[rid] = _Reservation(pending, params, len(req.token_ids), req.results_to)
+            self.reservations[rid] = _Reservation(pending, params, len(req.token_ids), req.results_to,
+                                                  req if req.choices > 1 else None)
             asyncio.get_running_loop().call_later(timeout + _CLAIM_GRACE_S, self._expire, rid, pending)
             return worker_pb2.ReserveResponse(descriptor=pending.descriptor.to_bytes(),
                                               num_blocks=pending.descriptor.num_blocks)
@@ -133,6 +140,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 if request.local_prefill:
                     async with self.rt.admit():
                         check_deadline(req.deadline)
+                        if req.choices > 1:  # n choices, one forked generation
+                            async for msg in relay_choices(self, req, started):
+                                yield msg
+                            return
                         params = sampling_from_proto(req.sampling)
                         outputs = self.rt.aengine.generate(list(req.token_ids), params, request_id=rid,
                                                            priority=req.priority)
@@ -168,6 +179,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 phases.observe("kv_transfer_wait", completion.seconds, role="decode")
                 telemetry.KV_TRANSFER_BYTES.labels(role="decode").inc(completion.nbytes)
                 claimed = True
+                if res.request is not None:  # n choices, forked off the KV received once
+                    async for msg in relay_choices(self, res.request, started, completion):
+                        yield msg
+                    return
                 outputs = decode_after_transfer(self.rt.aengine, rid, completion)
                 async for msg in self._relay(rid, outputs, started, res.results_to):
                     yield msg

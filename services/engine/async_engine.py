@@ -184,12 +184,32 @@ class AsyncEngine:
 
     async def stream(self, request_id: str, start: Callable[[], object]) -> AsyncIterator[RequestOutput]:
         """Run ``start`` on the engine thread (it creates ``request_id``), then stream its outputs."""
+        async with contextlib.aclosing(self.stream_many([request_id], start)) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def generate_choices(self, request_ids: list[str], prompt_token_ids: list[int],
+                               params: list[SamplingParams], priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """``n`` choices of one prompt as one forked generation (``Engine.add_choices``): every choice's outputs,
+        as they come, each naming its request id, until all have finished."""
+        stream = self.stream_many(request_ids, lambda: self.engine.add_choices(request_ids, prompt_token_ids,
+                                                                               params, priority))
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                yield out
+
+    async def stream_many(self, request_ids: list[str], start: Callable[[], object]) -> AsyncIterator[RequestOutput]:
+        """Run ``start`` on the engine thread (it creates every one of ``request_ids``), then stream their outputs
+        on one queue until each has finished; leaving early aborts those not finished."""
         q: asyncio.Queue = asyncio.Queue()
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already streaming", param="request_id")
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        taken = [rid for rid in request_ids if rid in self._streams]
+        if taken:
+            raise InvalidRequestError(f"request id {taken[0]!r} is already streaming", param="request_id")
+        loop = asyncio.get_running_loop()
+        for rid in request_ids:
+            self._streams[rid] = (loop, q)
         added = False  # set on the engine thread once ``start`` succeeded
-        finished = False
+        running = set(request_ids)
 
         def run_start() -> None:
             nonlocal added
@@ -198,16 +218,19 @@ class AsyncEngine:
 
         try:
             await self.call(run_start)
-            while not finished:
+            while running:
                 out = await q.get()
-                finished = out.finished
+                if out.finished:
+                    running.discard(out.request_id)
                 yield out
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
+            for rid in request_ids:
+                self._streams.pop(rid, None)
+            if running:
                 # Queued behind run_start (commands run in order), so a consumer that left
                 # before its request was even added still aborts it; a failed start aborts nothing.
-                self.submit(lambda: added and self.engine.abort(request_id))
+                left = list(running)
+                self.submit(lambda: added and [self.engine.abort(rid) for rid in left])
 
     def submit(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` on the engine thread between steps, without waiting for it."""

@@ -17,9 +17,9 @@ fresh generator with its seed), so the outputs are today's; only the prompt's co
 Disaggregated, the same in two engines: the prefill worker's ``add_choices(prefill_only=True)``
 computes the prompt once and samples every choice's first token from choice 0's row; the KV is
 sent once, into the decode worker's reservation for choice 0, and ``start_decode(..., choices=)``
-forks the others off it there (``fork_decoded``). Carrying the choices through the queue message,
-the router and the worker API to these two calls is not built yet: the gateway fans n > 1 out into
-n requests (services/gateway/choices.py).
+forks the others off it there (``fork_decoded``). The served path reaches these calls through one
+queue entry of n choices, the router (services/router/choices.py) and the workers
+(services/decode/choices.py, services/handoff.py).
 
 Failure and cancellation: a choice aborted before the fork is dropped from it. Choice 0 ending
 before its prompt is done (aborted) turns the waiting choices into ordinary

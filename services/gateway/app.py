@@ -104,7 +104,7 @@ async def _generate(core: GatewayCore, request: Request, kind: str) -> Response:
 
     a = await admit(core, request, kind, parse)
     if a.req.candidates > 1:
-        records = await choices.admit_children(core, a.tenant, a.req, a.admission)
+        records = choices.records_of(a.req, a.admission)
         if a.req.stream:
             return choices.stream_response(core, a, records, kind)
         return await choices.json_response(core, request, a, records, kind)

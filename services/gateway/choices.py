@@ -1,11 +1,11 @@
-"""``n`` > 1 and ``best_of``: one request fanned out into child requests, their outputs merged into one response.
+"""``n`` > 1 and ``best_of``: one request of several choices, their outputs merged into one response.
 
-Each choice is a child request through the normal admission path (``core.submit``), so queueing,
-rate limits, routing and cancellation treat it like any other; choice i is seeded with seed + i
-when the request has a seed (as vLLM V1 does). The children's prompts are identical, so their
-full prompt blocks are shared through the prefix cache; the last partial block is not (a true
-fork with copy-on-write is future work). Greedy children may coalesce into one generation
-(coalescing.py): their choices are then identical, as they would be anyway.
+The request is admitted once (``core.submit``: one queue entry carrying ``choices``, one rate-limit
+charge for every choice) and runs as one forked generation: the prompt computed once, the choices
+sharing its KV blocks (services/engine/choices.py); choice i is seeded with seed + i when the
+request has a seed (as vLLM V1 does). Each choice has its own request id and result stream
+(``choice_id``; router/choices.py says why), followed, counted and cancelled as a request's is,
+so everything below merges per-choice streams.
 
 The merged response numbers its choices ``index`` 0..n-1, keeps each choice's ``finish_reason``
 and logprobs, and counts the prompt once in ``usage`` and the completion tokens of every choice
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import logging
 from collections.abc import AsyncIterator
 
@@ -31,37 +30,17 @@ from services.gateway.core import HEARTBEAT, Admission, GatewayCore
 from services.gateway.http_admission import Admitted
 from services.gateway.http_errors import as_pdserve, error_body, error_response, event_error
 from services.gateway.openai_format import ResponseAggregate, StreamFormatter, usage
-from services.gateway.request_record import RequestRecord
+from services.gateway.request_record import RequestRecord, choice_records
 from services.gateway.responses import collect, sse_stream, wait_disconnect
 from services.queue.results import CHUNK, ERROR, FINAL
 
 log = logging.getLogger(__name__)
-_INT64 = 1 << 64
 
 
-def child_request(req, i: int):
-    """Choice i's request: the parent's, with seed + i (wrapped into int64)."""
-    child = copy.copy(req)
-    child.sampling = dict(req.sampling)
-    if child.sampling.get("seed") is not None and i:
-        child.sampling["seed"] = (child.sampling["seed"] + i + (1 << 63)) % _INT64 - (1 << 63)
-    return child
-
-
-async def admit_children(core: GatewayCore, tenant, req, first: Admission) -> list[RequestRecord]:
-    """The first choice was admitted already (``first``); the others join it here (no idempotency key:
-    a retry of an n > 1 request starts afresh). A refused child detaches those already queued."""
-    records = [first.record]
-    try:
-        for i in range(1, req.candidates):
-            admission = await core.submit(tenant, child_request(req, i), tier=first.tier,
-                                          deadline=first.record.deadline)
-            records.append(admission.record)
-    except Exception:
-        for record in records:
-            core.detach(record, False, False)
-        raise
-    return records
+def records_of(req, first: Admission) -> list[RequestRecord]:
+    """Every choice's record: ``first`` was admitted as the request's one queue entry, with ``choices`` (a retry
+    with its Idempotency-Key attached to it, and so to every choice it has)."""
+    return choice_records(first.record, req.candidates)
 
 
 async def attach_all(core: GatewayCore, records: list[RequestRecord]) -> None:

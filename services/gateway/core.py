@@ -53,10 +53,11 @@ from services.gateway.coalescing import Coalescer, Role
 from services.gateway.config import GatewayConfig
 from services.gateway.delivery import ResultDelivery, id_key
 from services.gateway.idempotency import IdempotencyKeys, validate_key
+from services.gateway.pool_wait import patiently
 from services.gateway.protocol import GenerationRequest
 from services.gateway.rate_limit import RateLimiter, RateStatus
 from services.gateway.readiness import DecodeWorkers
-from services.gateway.request_record import RequestRecord, RequestRecords
+from services.gateway.request_record import RequestRecord, RequestRecords, choice_records
 from services.engine.structured_output import StructuredOutput
 from services.gateway.response_format import GrammarCheck
 from services.gateway.cached_read import CachedRead
@@ -273,7 +274,9 @@ class GatewayCore:
             await self.workers.check()
         await self.load.check(len(token_ids))
         output_budget = req.max_tokens if req.max_tokens is not None else max_len - len(token_ids)
-        cost = len(token_ids) + output_budget
+        # every choice (best_of: every candidate) is charged its prompt and output budget, as when each
+        # was a request of its own: the shared prompt saves compute, not the tenant's budget
+        cost = (len(token_ids) + output_budget) * req.candidates
         rate = await self.limiter.take(tenant, cost)
         try:
             admission = await self._admit(tenant, req, token_ids, model, served.name, tier, deadline,
@@ -293,8 +296,11 @@ class GatewayCore:
                                tools=req.tool_choice.dumps() if req.tool_choice is not None else "")
         queued = QueuedRequest(record.request_id, tenant.name, tier, base, token_ids, req.sampling, deadline,
                                traceparent, session_key=req.session_key,
-                               cascade=self.cascade.to_json() if model == AUTO else "")
-        key = self.coalescer.key(tenant.name, tier, model, token_ids, req.sampling)
+                               cascade=self.cascade.to_json() if model == AUTO else "", choices=req.candidates)
+        # n > 1 is one forked generation with a result stream per choice: it coalesces with nothing
+        key = self.coalescer.key(tenant.name, tier, model, token_ids, req.sampling) if req.candidates == 1 else None
+        if req.candidates > 1:  # the other choices' records, before anything can be queued under their ids
+            await self.records.save(*choice_records(record, req.candidates)[1:])
         if idempotency_key is None:
             if key is not None and await self._claim_and_lead(record, queued, key):
                 return Admission(record, tier, attached=False, rate=rate, coalesced=True)
@@ -424,14 +430,13 @@ class GatewayCore:
     async def follow(self, record: RequestRecord, last_id: str = "0") -> AsyncIterator[tuple[str, str, Any]]:
         """``(entry_id, type, data)`` after ``last_id`` up to the terminal event, with heartbeats between."""
         rid = record.stream_id  # a coalesced follower reads its leader's results
-        deadline = record.deadline or time.time() + self.config.default_timeout_s
-        give_up = deadline + self.config.deadline_grace_s
+        give_up = self._give_up(record)
         if id_key(last_id) != (0, 0):  # resuming after the terminal event: nothing is left (a fresh stream,
             # from 0-0, asks Redis nothing here: its subscription's catch-up reads whatever is there already)
             last = await self.reader.last_event(rid)
             if last is not None and last[1] in TERMINAL and id_key(last[0]) <= id_key(last_id):
                 return
-        async with self.delivery.subscribe(rid, last_id) as sub:
+        async with self.delivery.subscribe(rid, last_id, until=give_up) as sub:
             while True:
                 _honour_cancellation()
                 wait = min(self.config.sse_heartbeat_s, give_up - time.time())
@@ -440,7 +445,7 @@ class GatewayCore:
                 events = await sub.next(wait)
                 exists, status = True, None
                 if not events:  # quiet for a while: anything the delivery stream missed, and is it still there?
-                    exists, status = await self.delivery.quiet_check(sub)
+                    exists, status = await patiently(lambda: self.delivery.quiet_check(sub), give_up)
                     events = await sub.next(0)
                 for entry_id, kind, data in events:
                     if kind in TERMINAL and record.coalesce:  # done: later twins are computed afresh
@@ -453,6 +458,11 @@ class GatewayCore:
                 if not exists and status != "queued":
                     raise NotFoundError(f"the results of request {rid} expired (or it was never queued)")
                 yield "", HEARTBEAT, None
+
+    def _give_up(self, record: RequestRecord) -> float:
+        """When a client of ``record`` stops waiting for results (and for a busy pool: pool_wait.py)."""
+        deadline = record.deadline or time.time() + self.config.default_timeout_s
+        return deadline + self.config.deadline_grace_s
 
     async def text_before(self, request_id: str, last_id: str) -> int:
         """Characters of output up to and including ``last_id`` (completions' logprobs text_offset on resume)."""
@@ -469,9 +479,9 @@ class GatewayCore:
 
     async def attach(self, record: RequestRecord) -> None:
         """Count a client reading the request (on the record of the generation it shares, for a follower)."""
-        if not record.source:
-            await self.records.add_reader(record.request_id, 1)
-        elif not await self.records.join(record.source):
+        if not record.source:  # queued already: a busy pool is waited out (pool_wait.py)
+            await patiently(lambda: self.records.add_reader(record.request_id, 1), self._give_up(record))
+        elif not await patiently(lambda: self.records.join(record.source), self._give_up(record)):
             raise ServiceUnavailableError(f"the identical request {record.source} that this one shares was "
                                           "cancelled (all its clients left) as this one joined; send it again")
 
@@ -483,7 +493,7 @@ class GatewayCore:
         generation = record.stream_id
         try:
             if counted:
-                await self.records.add_reader(generation, -1)
+                await patiently(lambda: self.records.add_reader(generation, -1), self._give_up(record))
             if finished:
                 return
             if self.config.disconnect_grace_s:
@@ -502,7 +512,8 @@ class GatewayCore:
 
     async def _release_key(self, record: RequestRecord) -> None:
         try:
-            await self.coalescer.release(record.coalesce, record.stream_id)
+            await patiently(lambda: self.coalescer.release(record.coalesce, record.stream_id),
+                            self._give_up(record))
         except Exception as exc:  # its TTL ends it anyway
             log.warning("request %s: releasing its coalescing key failed: %s", record.request_id, exc)
 

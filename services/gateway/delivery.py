@@ -43,6 +43,7 @@ from typing import Any
 
 from services import hops
 from services.gateway import fanout_probe
+from services.gateway.pool_wait import patiently
 from services.queue.keys import delivery_tag, inbox_stream, result_stream, state_key
 from services.queue.message import text
 from services.queue.results import decode_event
@@ -158,16 +159,17 @@ class ResultDelivery:
     # -- subscriptions ------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def subscribe(self, request_id: str, last_id: str = "0"):
-        """A ``Subscription`` to the request's events after ``last_id``, caught up from its stream."""
+    async def subscribe(self, request_id: str, last_id: str = "0", until: float = 0.0):
+        """A ``Subscription`` to the request's events after ``last_id``, caught up from its stream; a busy pool
+        is waited out until the wall-clock ``until`` (pool_wait.py)."""
         self.start()
         sub = Subscription(request_id, last_id)
         own = delivery_tag(request_id) == self.tag
         if own:
             self._subs.setdefault(request_id, set()).add(sub)
         try:
-            await self._batched(sub, status=False)  # registered first: whatever is written from now on
-            # reaches it one way or the other
+            # registered first: whatever is written from now on reaches it one way or the other
+            await patiently(lambda: self._batched(sub, status=False), until)
             if not own:
                 self._foreign.add(sub)
                 self._foreign_wake.set()

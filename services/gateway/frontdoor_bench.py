@@ -53,6 +53,7 @@ from services.bench.stats import percentile as pct
 from services.gateway import fanout_probe, frontdoor_probe
 from services.loop_lag import LoopLag
 from services.queue.config import DEFAULT_TIERS
+from services import up_defaults
 
 _WORDS = ("river stone light garden window paper engine market silver forest music winter harbor signal "
           "letter mountain yellow planet bridge candle orange theory coffee island rocket").split()
@@ -203,9 +204,10 @@ async def _bench(args, stack) -> dict:
                      "latency_streams": args.latency_streams, "latency_requests": args.latency_requests,
                      "latency_max_tokens": args.latency_max_tokens,
                      "model": args.model, "dtype": args.dtype, "threads_per_worker": args.threads,
+                     "quantization": args.quantization,
                      "seed": args.seed, "front_first": args.front_first, "worker_nice": args.worker_nice, "front_nice": args.front_nice, "front_realtime": args.front_realtime, "worker_policy": args.worker_policy,
-                     "worker_autogroup_nice": args.worker_autogroup_nice, "front_slice_us": args.front_slice_us,
-                     "gateway_args": args.gateway_arg, "stack": "pdserve up defaults: 1 prefill, 1 decode, router, gateway"}
+                     "engine_nice": args.engine_nice, "front_slice_us": args.front_slice_us,
+                     "gateway_args": args.gateway_arg, "stack": getattr(args, "stack", None)}
     return out
 
 
@@ -216,10 +218,17 @@ def run(args) -> int:
         raise ValueError("clients and max-tokens must be >= 1, latency-streams >= 0")
     if args.latency_requests and args.latency_requests < args.latency_streams:
         raise ValueError("latency-requests must be at least latency-streams (every client sends one)")
-    spec = StackSpec(prefill=1, decode=1, model=args.model, dtype=args.dtype, threads=args.threads,
+    if args.engine_nice is not None and not 0 <= args.engine_nice <= 19:
+        raise ValueError(f"engine-nice must be 0-19; got {args.engine_nice}")
+    choice = _up_choice(args)
+    args.engine_nice = choice.engine_nice
+    spec = StackSpec(prefill=choice.prefill, decode=choice.decode, model=args.model, dtype=args.dtype,
+                     quantization=choice.quantization, threads=choice.threads, router_args=choice.router_args,
                      transport=args.transport, gateway=True, gateway_args=list(args.gateway_arg),
-                     front_first=args.front_first)
-    _log("starting the stack (pdserve up defaults: embedded Redis, 1 prefill, 1 decode, router, gateway)")
+                     front_first=choice.front_first, engine_nice=choice.engine_nice)
+    args.stack = (f"pdserve up defaults: embedded Redis, {choice.prefill} prefill, {choice.decode} decode, router, "
+                  f"gateway; chose: {choice.summary()}")
+    _log(f"starting the stack ({args.stack})")
     started = time.perf_counter()
     args.probe_dir = None if args.no_probe else tempfile.mkdtemp(prefix="pdserve-fanout-probe-")
     if args.probe_dir:
@@ -241,6 +250,23 @@ def run(args) -> int:
     return 0
 
 
+def _up_choice(args):
+    """What `pdserve up` would run here for what the flags leave open (services/up_defaults.py): the bench
+    measures the stack a user gets."""
+    from pathlib import Path
+
+    from services.engine.model_source import default_model_path
+    from services.errors import ModelNotFoundError
+
+    try:
+        path = Path(args.model).expanduser() if args.model else default_model_path()
+    except ModelNotFoundError:
+        path = None  # the workers say so, with how to install it
+    gguf = up_defaults.gguf_servable(path) if args.quantization is None else (False, "")
+    return up_defaults.choose(os.cpu_count() or 1, threads=args.threads, quantization=args.quantization, gguf=gguf,
+                              front_first=args.front_first, engine_nice=args.engine_nice)
+
+
 def _schedule(args, stack) -> None:
     """The scheduling knobs on top of the stack's own (``--scheduling``): the workers', then the light
     processes' (gateway, router, embedded Redis, and this process: the clients and, spawned later, the tap)."""
@@ -256,8 +282,6 @@ def _schedule(args, stack) -> None:
             sched_priority.renice(pid, args.worker_nice)
         if args.worker_policy != "other":
             sched_priority.set_policy(pid, _POLICIES[args.worker_policy])
-        if args.worker_autogroup_nice:
-            sched_priority.set_autogroup_nice(pid, args.worker_autogroup_nice)
     for pid in light:
         if args.front_nice:
             sched_priority.renice(pid, args.front_nice)
@@ -265,7 +289,7 @@ def _schedule(args, stack) -> None:
             sched_priority.realtime(pid)
         if args.front_slice_us:
             sched_priority.set_slice(pid, int(args.front_slice_us * 1000))
-    names = ("worker_nice", "worker_policy", "worker_autogroup_nice", "front_nice", "front_realtime", "front_slice_us")
+    names = ("worker_nice", "worker_policy", "front_nice", "front_realtime", "front_slice_us")
     knobs = {k: getattr(args, k) for k in names if getattr(args, k) not in (0, "other", False)}
     if knobs:
         _log(f"  scheduling knobs: {knobs}")
@@ -328,7 +352,9 @@ def add_parser(sub) -> None:
     p.add_argument("--latency-max-tokens", type=int, default=16)
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: pdserve up's)")
+    p.add_argument("--quantization", default=None, choices=["none", "int8", "gguf"],
+                   help="the workers' weights, as `pdserve up --quantization` (default: pdserve up's choice)")
     p.add_argument("--transport", default="ucx", choices=["ucx", "tcp"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gateway-arg", action="append", default=[], metavar="FLAG",
@@ -349,9 +375,9 @@ def add_parser(sub) -> None:
     p.add_argument("--worker-policy", default="other", choices=["other", "batch", "idle"],
                    help="the workers' threads' scheduling policy (SCHED_OTHER, SCHED_BATCH, SCHED_IDLE; lowering "
                         "needs no privilege)")
-    p.add_argument("--worker-autogroup-nice", type=int, default=0,
-                   help="niceness of each worker's autogroup (kernel.sched_autogroup_enabled: every child of the "
-                        "stack runs in a session, so a task group, of its own; 0: as started)")
+    p.add_argument("--engine-nice", "--worker-autogroup-nice", type=int, default=None, metavar="N",
+                   help="niceness 0-19 of each worker's autogroup, as `pdserve up --engine-nice` (default: pdserve "
+                        f"up's, {up_defaults.ENGINE_NICE}; 0: the kernel's default scheduling)")
     p.add_argument("--front-slice-us", type=float, default=0,
                    help="the gateway, router, Redis and load generator ask for slices this long (EEVDF custom "
                         "slice, Linux 6.12+, no privilege; 0: the kernel's default)")

@@ -126,7 +126,7 @@ class GatewayGenerationServicer(generate_pb2_grpc.GenerationServicer):
                 if req.candidates > 1:
                     outcome = None  # counted by _choices
                     first = await core.submit(tenant, req, tier=tier, deadline=deadline, traceparent=traceparent)
-                    records = await choices.admit_children(core, tenant, req, first)
+                    records = choices.records_of(req, first)
                     async for reply in self._choices(context, req, records, request.request_id or first.request_id):
                         yield reply
                     return

@@ -38,7 +38,7 @@ from services.session_key import validate_session_key
 
 _INT64 = (-(2 ** 63), 2 ** 63 - 1)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-MAX_N = 8  # default cap on choices per request (n, best_of), gateway --max-n: each is a child request (choices.py)
+MAX_N = 8  # default cap on choices per request (n, best_of), gateway --max-n: one forked generation (choices.py)
 _NUMBER_PARAMS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty")
 
 

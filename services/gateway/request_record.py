@@ -8,13 +8,16 @@ cancelled only when its last reader left and nobody re-attached within the grace
 period (core.py). A coalesced follower (coalescing.py) has a record of its own
 that names the leader as its ``source``; its readers are counted on the
 leader's record, beside the leader's own, since they share one generation.
+An ``n`` > 1 request has one record per choice (``choice_records``), each for the
+result stream of its choice (services/queue/message.py ``choice_id``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from services.queue.message import text_fields
+from services.queue.message import choice_id, text_fields
 
 CHAT, COMPLETION = "chat", "completion"
 
@@ -86,11 +89,12 @@ class RequestRecords:
         self._join = redis.register_script(_JOIN)
         self._mark_cancelled = redis.register_script(_MARK_CANCELLED)
 
-    async def save(self, record: RequestRecord) -> None:
-        key = record_key(record.request_id)
+    async def save(self, *records: RequestRecord) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping=record.to_fields())
-            pipe.expire(key, self.ttl_s)
+            for record in records:
+                key = record_key(record.request_id)
+                pipe.hset(key, mapping=record.to_fields())
+                pipe.expire(key, self.ttl_s)
             await pipe.execute()
 
     async def load(self, request_id: str) -> RequestRecord | None:
@@ -112,3 +116,9 @@ class RequestRecords:
     async def mark_cancelled(self, request_id: str) -> bool:
         """True, and nobody can join it any more, when nobody reads the request; False when someone does."""
         return bool(await self._mark_cancelled(keys=[record_key(request_id)]))
+
+
+def choice_records(first: RequestRecord, n: int) -> list[RequestRecord]:
+    """The records of an n-choice request's choices, ``first`` (choice 0's) first: the same request but for
+    the id, so each choice's stream is followed, counted and cancelled on its own."""
+    return [first, *(dataclasses.replace(first, request_id=choice_id(first.request_id, i)) for i in range(1, n))]

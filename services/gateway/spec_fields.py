@@ -84,8 +84,8 @@ _PENALTIES = {
     "stop": _h("up to 16 strings; the output ends before the first", _STOP),
     "presence_penalty": _h("", {**_NUM, "minimum": -2, "maximum": 2}),
     "frequency_penalty": _h("", {**_NUM, "minimum": -2, "maximum": 2}),
-    "n": _h("choices per request, 1 to the gateway's `--max-n` (default 8; above is a 400): each a child request through admission, choice "
-            "i seeded with seed + i; full prompt blocks are shared through the prefix cache; the gRPC API's "
+    "n": _h("choices per request, 1 to the gateway's `--max-n` (default 8; above is a 400): one request, its prompt "
+            "computed once and forked into the choices (choice i seeded with seed + i); the gRPC API's "
             "GenerateRequest.n the same",
             {**_INT, "minimum": 1, "maximum": 8}),
     "stream_options": _h("include_usage (a last chunk with usage); include_obfuscation true is a 400 "

@@ -31,6 +31,7 @@ utilisation / target)), with HPA's default 300 s scale-down stabilisation and no
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -59,6 +60,10 @@ class Signals:
     ttft_attainment: float | None = None  # fraction of the window's requests within the TTFT SLO
     itl_attainment: float | None = None
     requests_in_window: int = 0
+    # of prefill_workers / decode_workers, those ordered and still starting (not yet serving); the live
+    # reader counts registered workers only and leaves these 0
+    prefill_starting: int = 0
+    decode_starting: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,8 +84,12 @@ class PlannerConfig:
     boost: float = 1.25
     boost_every_s: float = 30.0  # at most one boost per role this often
     down_after_s: float = 300.0
-    down_step: float = 0.1
-    warm_fraction: float = 0.1
+    down_step: float = 0.25
+    # the warm pool covers the jump in demand the SLO must survive for a cold start: demand x
+    # burst_factor served at burst_utilisation needs this many more workers than are running
+    burst_factor: float = 1.5
+    burst_utilisation: float = 0.9
+    warm_fraction: float = 0.0  # and at least this share of the active workers
     warm_min: int = 1
     idle_to_zero_s: float = 900.0
     lookahead_s: float = 0.0  # 0: react to the demand now; else read it this far ahead on its rising trend
@@ -90,9 +99,11 @@ class PlannerConfig:
     max_workers: int = 10_000
 
     def __post_init__(self) -> None:
-        for name in ("target_utilisation", "kv_target", "slo_target", "down_step"):
+        for name in ("target_utilisation", "kv_target", "slo_target", "down_step", "burst_utilisation"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1]")
+        if self.burst_factor < 1:
+            raise ValueError("burst_factor must be >= 1 (1: no burst to survive)")
         if self.boost < 1 or self.lag_target_s <= 0 or self.down_after_s < 0 or self.idle_to_zero_s <= 0:
             raise ValueError("boost >= 1, lag_target_s > 0, down_after_s >= 0 and idle_to_zero_s > 0 needed")
         if self.lookahead_s < 0 or not self.trend_window_s > 0:
@@ -107,32 +118,38 @@ class Planner:
     capacity: Capacity
     _below_since: dict = field(default_factory=dict)
     _last_traffic: float | None = None  # idle is counted from the first decision
-    _history: list = field(default_factory=list)
-    _boosted_at: dict = field(default_factory=dict)  # (now, prefill tokens/s, KV blocks, sequences) for the trend
+    _history: deque = field(default_factory=deque)  # (now, prefill tokens/s, KV blocks, sequences) for the trend
+    _boosted_at: dict = field(default_factory=dict)
+    _needs: dict = field(default_factory=dict)  # per role: (now, need) over the last down_after_s
 
     def _ahead(self, s: Signals) -> tuple[float, float, float]:
-        """The demand ``lookahead_s`` ahead: now plus its rising slope over the trend window (never below now)."""
+        """The demand now (the median of the last three windows), plus its rise over ``lookahead_s`` when the
+        least-squares slope over ``trend_window_s`` rises by more than its noise (raw while the history is short)."""
         now = (s.prefill_tokens_per_s, float(s.kv_blocks_used), float(s.running_seqs))
         c = self.config
-        if c.lookahead_s <= 0:
-            return now
         self._history.append((s.now, *now))
         while self._history[0][0] < s.now - c.trend_window_s:
-            self._history.pop(0)
+            self._history.popleft()
         span = s.now - self._history[0][0]
-        if span < c.trend_window_s / 2:  # too short a history: one window's noise is not a trend
+        if span < c.trend_window_s / 2 or len(self._history) < 4:  # one window's noise is not a trend
             return now
-        # least-squares slope over the window: a window's demand is noisy (+-30% at 10 s ticks), and the
-        # slope of two points times a cold start would turn that noise into workers
+        # not the last window alone: a window's demand is noisy (+-60% at 0.2 s windows), and the
+        # hysteresis holds what the noise orders (once 51 prefill workers for 15). The level is the median
+        # of the last three windows; the least-squares slope over the window only counts beyond twice its
+        # standard error: noise times a cold start is not a trend
         ts = [h[0] for h in self._history]
-        mean_t = sum(ts) / len(ts)
+        n = len(ts)
+        mean_t = sum(ts) / n
         var = sum((t - mean_t) ** 2 for t in ts)
         ahead = []
-        for i, v in enumerate(now, start=1):
+        for i in range(1, len(now) + 1):
             ys = [h[i] for h in self._history]
-            mean_y = sum(ys) / len(ys)
+            mean_y = sum(ys) / n
             slope = sum((t - mean_t) * (y - mean_y) for t, y in zip(ts, ys)) / var
-            ahead.append(v + max(0.0, slope) * c.lookahead_s)
+            residual = sum((y - mean_y - slope * (t - mean_t)) ** 2 for t, y in zip(ts, ys))
+            rising = slope > 2 * math.sqrt(residual / (n - 2) / var)
+            level = sorted(ys[-3:])[1]  # the median of the last three windows: one window's spike is not a step
+            ahead.append(max(0.0, level + (slope * c.lookahead_s if rising else 0.0)))
         return tuple(ahead)
 
     def decide(self, s: Signals) -> Decision:
@@ -141,61 +158,81 @@ class Planner:
             self._last_traffic = s.now
         if s.now - self._last_traffic >= c.idle_to_zero_s:
             self._below_since.clear()
+            self._needs.clear()
             self._history.clear()
             return Decision(0, 0, c.warm_min, "idle: scaled to zero")
 
-        def counts(tokens_per_s, kv_blocks, seqs):
-            return (math.ceil(tokens_per_s / (cap.prefill_tokens_per_s * c.target_utilisation)),
-                    max(math.ceil(kv_blocks / (cap.kv_blocks * c.kv_target)),
-                        math.ceil(seqs / (cap.max_num_seqs * c.target_utilisation))))
+        def counts(tokens_per_s, kv_blocks, seqs, utilisation=c.target_utilisation, kv_target=c.kv_target):
+            return (math.ceil(tokens_per_s / (cap.prefill_tokens_per_s * utilisation)),
+                    max(math.ceil(kv_blocks / (cap.kv_blocks * kv_target)),
+                        math.ceil(seqs / (cap.max_num_seqs * utilisation))))
 
+        now_demand = (s.prefill_tokens_per_s, s.kv_blocks_used, s.running_seqs)
         prefill, decode = counts(*self._ahead(s))
         reasons = []
-        if (prefill, decode) != counts(s.prefill_tokens_per_s, s.kv_blocks_used, s.running_seqs):
+        if (prefill, decode) != counts(*now_demand):
             reasons.append("rising demand")
-        lag_s = s.queued_prefill_tokens / (cap.prefill_tokens_per_s * max(s.prefill_workers, 1))
+        ready = max(s.prefill_workers - s.prefill_starting, 0)
+        lag_s = s.queued_prefill_tokens / (cap.prefill_tokens_per_s * max(ready, 1))
         if lag_s > c.lag_target_s:
             # workers to clear the backlog by the time they serve: lag_target_s ahead, or lookahead_s
-            # (a cold start) when set; more would arrive after it is gone and idle out the hysteresis
+            # (a cold start) when set; more would arrive after it is gone and idle out the hysteresis.
+            # Those already starting count: they were ordered for this backlog, and ordering them again
+            # on every tick of their cold start was the runaway (a burst once ordered 30 workers)
             drain_s = max(c.lag_target_s, c.lookahead_s)
-            prefill = max(prefill, s.prefill_workers) + math.ceil(
-                s.queued_prefill_tokens / (cap.prefill_tokens_per_s * drain_s))
+            backlog = math.ceil(s.queued_prefill_tokens / (cap.prefill_tokens_per_s * drain_s))
+            prefill = max(prefill, ready + max(backlog, s.prefill_starting))
             reasons.append(f"queue lag {lag_s:.1f} s")
         judged = s.requests_in_window >= c.slo_min_requests
         if judged and s.ttft_attainment is not None and s.ttft_attainment < c.slo_target:
-            prefill = max(prefill, self._boost("prefill", s.now, s.prefill_workers))
+            prefill = max(prefill, self._boost("prefill", s.now, s.prefill_workers, s.prefill_starting))
             reasons.append(f"TTFT attainment {s.ttft_attainment:.3f}")
             # a first token also waits for KV room on a decode worker: with their KV at target, the
             # missed TTFTs are theirs too
             if s.kv_blocks_used >= cap.kv_blocks * c.kv_target * max(s.decode_workers, 1):
-                decode = max(decode, self._boost("decode", s.now, s.decode_workers))
+                decode = max(decode, self._boost("decode", s.now, s.decode_workers, s.decode_starting))
                 reasons.append("KV at target")
         if judged and s.itl_attainment is not None and s.itl_attainment < c.slo_target:
-            decode = max(decode, self._boost("decode", s.now, s.decode_workers))
+            decode = max(decode, self._boost("decode", s.now, s.decode_workers, s.decode_starting))
             reasons.append(f"ITL attainment {s.itl_attainment:.3f}")
         prefill = self._hysteresis("prefill", s.now, s.prefill_workers, max(prefill, c.min_prefill))
         decode = self._hysteresis("decode", s.now, s.decode_workers, max(decode, c.min_decode))
         prefill = min(prefill, c.max_workers)
         decode = min(decode, c.max_workers - prefill)
-        warm = max(c.warm_min, math.ceil(c.warm_fraction * (prefill + decode)))
+        # the warm pool: what a burst of burst_factor now would need beyond the workers decided, per role
+        # (the target utilisation's own headroom absorbs part of it), so the burst is served in a warm
+        # start while cold starts catch up
+        burst = counts(*(d * c.burst_factor for d in now_demand), utilisation=c.burst_utilisation,
+                       kv_target=c.burst_utilisation)
+        warm = max(0, burst[0] - prefill) + max(0, burst[1] - decode)
+        warm = max(warm, c.warm_min, math.ceil(c.warm_fraction * (prefill + decode)))
         return Decision(prefill, decode, warm, "; ".join(reasons) or "demand")
 
-    def _boost(self, role: str, now: float, current: int) -> int:
-        """``current * boost``, at most once per ``boost_every_s``: the workers a boost orders are still
-        starting for a cold start, and a boost on every tick meanwhile compounds (1.25 ** 12 in 2 min)."""
-        if now - self._boosted_at.get(role, -math.inf) < self.config.boost_every_s:
+    def _boost(self, role: str, now: float, current: int, starting: int) -> int:
+        """``current * boost``, at most once per ``boost_every_s`` and never while workers of the role are
+        still starting: the misses are from before they serve, and a boost on every tick of a cold start
+        compounds (1.25 ** 12 in 2 min)."""
+        if starting or now - self._boosted_at.get(role, -math.inf) < self.config.boost_every_s:
             return current
         self._boosted_at[role] = now
         return math.ceil(current * self.config.boost)
 
     def _hysteresis(self, role: str, now: float, current: int, need: int) -> int:
+        """Up at once. Down once ``need`` stayed below ``current`` for ``down_after_s``, then to the highest
+        need of the last ``down_after_s`` (a burst's workers leave one window after it, not one step a
+        tick), by at most ``down_step`` of ``current`` per tick."""
+        needs = self._needs.setdefault(role, deque())
+        needs.append((now, need))
+        while needs[0][0] < now - self.config.down_after_s:
+            needs.popleft()
         if need >= current:
             self._below_since.pop(role, None)
             return need
         since = self._below_since.setdefault(role, now)
         if now - since < self.config.down_after_s:
             return current
-        return max(need, current - max(1, math.floor(current * self.config.down_step)))
+        floor = max(n for _, n in needs)
+        return max(floor, need, current - max(1, math.floor(current * self.config.down_step)))
 
 
 @dataclass

@@ -27,6 +27,7 @@ from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from services import hops, telemetry
 from services.grpc_channels import Channels
 from services.handoff import EngineBlockOwner, parse_descriptor, prefill_and_send
+from services.choice_requests import choice_params, choice_targets
 from services.peer_fetch import fetch_prefix, serve_fetch
 from services.errors import InvalidRequestError
 from services.grpc_codec import abort_with, check_deadline, load_message, sampling_from_proto
@@ -78,8 +79,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     if request.HasField("fetch") and request.fetch.num_blocks:
                         _check_fetch_source(request.fetch)
                         await self._fetch(req, request.fetch)
+                    choices = []
+                    if req.choices > 1:  # n choices: the prompt once, each choice's first token (decode/choices.py)
+                        ids, _ = choice_targets(req)
+                        choices = list(zip(ids[1:], choice_params(params, req.choices)[1:]))
                     result = await prefill_and_send(self.rt.aengine, self.sender, target, list(req.token_ids),
-                                                    params, req.priority, request_id=req.request_id)
+                                                    params, req.priority, request_id=req.request_id,
+                                                    choices=choices)
                     elapsed = time.perf_counter() - started
                     hops.mark(hops.client_id(req.request_id), "prefill.done")
             except Exception as exc:

@@ -20,6 +20,10 @@ Fields (schema ``v`` = 1)::
     enqueued_at  unix seconds as a float (queue-wait metric, deadline bookkeeping)
     session_key  optional: the client's session-affinity key (services/session_key.py); absent = none
     cascade      optional: ``model: "auto"``'s tiers and signal, JSON (services/cascade.py); absent = none
+    choices      optional: n > 1 (or best_of's candidates), as one forked generation; absent = 1.
+                 Choice 0 is ``request_id`` with ``sampling``; choice i has its own request id and
+                 result stream, ``choice_id(request_id, i)``, and ``choice_sampling(sampling, i)``
+                 (seed + i)
 
 Unknown fields are ignored, so the queue can add delivery metadata
 (``attempts``, ``last_error``, ``last_worker``) beside them.
@@ -40,6 +44,8 @@ from services.session_key import validate_session_key
 
 SCHEMA_VERSION = "1"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MAX_CHOICES = 128
+_INT64 = 1 << 64
 _FIELDS = ("request_id", "tenant", "tier", "model", "token_ids", "sampling", "deadline", "traceparent",
            "enqueued_at")
 
@@ -68,6 +74,7 @@ class QueuedRequest:
     enqueued_at: float = field(default_factory=time.time)
     session_key: str = ""  # "" for none; a routing hint (services/router/affinity.py)
     cascade: str = ""  # "" for none; else CascadeSpec.to_json() (services/cascade.py)
+    choices: int = 1  # n > 1: one forked generation of that many choices (choice_id, choice_sampling)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not _REQUEST_ID.fullmatch(self.request_id):
@@ -90,6 +97,15 @@ class QueuedRequest:
                 raise InvalidRequestError(f"{name} must be a finite number >= 0", param=name)
             setattr(self, name, float(value))
         self.session_key = validate_session_key(self.session_key, "session_key")
+        if type(self.choices) is not int or not 1 <= self.choices <= MAX_CHOICES:
+            raise InvalidRequestError(f"choices must be an integer in [1, {MAX_CHOICES}]", param="choices")
+        if self.choices > 1 and len(choice_id(self.request_id, self.choices - 1)) > 128:
+            raise InvalidRequestError("request_id is too long for its choices' ids", param="request_id")
+
+    @property
+    def choice_ids(self) -> list[str]:
+        """Every choice's request id (and result stream), choice 0's first."""
+        return [choice_id(self.request_id, i) for i in range(self.choices)]
 
     @property
     def prompt_tokens(self) -> int:
@@ -113,6 +129,7 @@ class QueuedRequest:
             # written only when set: entries without a key stay as they were, and read back the same
             **({"session_key": self.session_key} if self.session_key else {}),
             **({"cascade": self.cascade} if self.cascade else {}),
+            **({"choices": str(self.choices)} if self.choices > 1 else {}),
         }
 
     @classmethod
@@ -132,8 +149,30 @@ class QueuedRequest:
             raise InvalidRequestError(f"queue entry has invalid JSON: {exc}") from None
         try:
             deadline, enqueued_at = float(f["deadline"]), float(f["enqueued_at"])
+            choices = int(f.get("choices", "1"))
         except ValueError:
-            raise InvalidRequestError("queue entry has a non-numeric deadline or enqueued_at") from None
+            raise InvalidRequestError("queue entry has a non-numeric deadline, enqueued_at or choices") from None
         return cls(request_id=f["request_id"], tenant=f["tenant"], tier=f["tier"], model=f["model"],
                    token_ids=token_ids, sampling=sampling, deadline=deadline, traceparent=f["traceparent"],
-                   enqueued_at=enqueued_at, session_key=f.get("session_key", ""), cascade=f.get("cascade", ""))
+                   enqueued_at=enqueued_at, session_key=f.get("session_key", ""), cascade=f.get("cascade", ""),
+                   choices=choices)
+
+
+def choice_id(request_id: str, i: int) -> str:
+    """Choice i's request id: the request's own for choice 0, ``<id>-<i>`` for the others (in the same gateway's
+    delivery slot, keys.py; an attempt's worker id appends ``.<attempt>`` to it, dispatch.py)."""
+    return request_id if i == 0 else f"{request_id}-{i}"
+
+
+def choice_sampling(sampling: dict, i: int) -> dict:
+    """Choice i's sampling parameters: the request's, with seed + i (wrapped into int64) when it has a seed, as
+    vLLM V1 seeds its choices."""
+    out = dict(sampling)
+    if out.get("seed") is not None and i:
+        out["seed"] = choice_seed(out["seed"], i)
+    return out
+
+
+def choice_seed(seed: int, i: int) -> int:
+    """Choice i's seed: seed + i, wrapped into int64."""
+    return (seed + i + (1 << 63)) % _INT64 - (1 << 63)

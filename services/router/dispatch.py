@@ -20,6 +20,10 @@ A failed attempt is retried on other workers, up to ``max_attempts``:
   sampled output continues from a fresh random stream; a structured-output request's
   grammar replays the streamed tokens first).
 
+An n > 1 request's one forked attempt (``generate_choices``, placed like any other with room for
+its choices' copies of the partial last block) is not retried here: router/choices.py runs its
+unfinished choices on alone.
+
 Bad input (INVALID_ARGUMENT) is never retried. Each attempt has its own worker
 request id (``<id>.<attempt>``, numbered on across redeliveries), so a failed attempt
 still being torn down on a worker never collides with its retry, and the result
@@ -102,6 +106,15 @@ class _AttemptFailed(Exception):
     def no_room(self) -> bool:
         """Every decode worker is full (or gone) for now: wait, it is nobody's fault."""
         return (self.wait or isinstance(self.error, CapacityError)) and self.retryable
+
+
+class ChoicesFailed(Exception):
+    """A forked attempt at n choices failed: ``retryable`` ones run again as one request per choice."""
+
+    def __init__(self, error: PdserveError, retryable: bool):
+        super().__init__(error.message)
+        self.error = error
+        self.retryable = retryable
 
 
 class _PrefillFailed(Exception):
@@ -236,9 +249,28 @@ class Dispatcher:
         finally:
             telemetry.REQUESTS.labels(role="router", outcome=outcome).inc()
 
+    async def generate_choices(self, wrids: list[str], token_ids: list[int], params: SamplingParams, priority: int,
+                               deadline: float, results_to: list[str], session_key: str = "", model: str = ""
+                               ) -> AsyncIterator[tuple[int, common_pb2.Finish]]:
+        """One attempt at an n-choice request as one forked generation (router/choices.py): the choices' worker
+        request ids and result streams, choice 0's first; each choice's (index, Finish) as it ends. Raises
+        ``ChoicesFailed`` (retryable or not) when the attempt fails."""
+        check_deadline(deadline)
+        started = time.perf_counter()
+        try:
+            async for item in self._attempt(wrids[0], token_ids, params, priority, deadline, set(), set(),
+                                            results_to[0], session_key, model, choices=(wrids[1:], results_to[1:])):
+                if isinstance(item, tuple):
+                    i, finish = item
+                    finish.usage.prompt_tokens = len(token_ids)
+                    finish.timings.e2e_ms = (time.perf_counter() - started) * 1e3
+                    yield i, finish
+        except _AttemptFailed as failed:
+            raise ChoicesFailed(failed.error, failed.retryable) from None
+
     async def _attempt(self, wrid: str, prompt: list[int], params: SamplingParams, priority: int, deadline: float,
                        avoid_prefill: set[str], avoid_decode: set[str], results_to: str = "", session_key: str = "",
-                       model: str = ""):
+                       model: str = "", choices: tuple[list[str], list[str]] | None = None):
         decode_workers = self.pool.decode_workers(model)
         if not decode_workers and model and len(self.pool.models()) <= 1 and model not in self.pool.models():
             # one model served under another name than the request's (a gateway given the model's path,
@@ -267,7 +299,9 @@ class Dispatcher:
         try:
             placement = place(self.policy, self.policy_config, self.config.disaggregation, self.pool, self.index,
                               decode_workers, prefill_workers, hashes, len(prompt), block_size, avoid_decode,
-                              session_key)
+                              session_key,
+                              # n choices hold a copy of the prompt's partial last block each beside the shared ones
+                              extra_blocks=0 if choices is None else len(choices[0]))
         except PdserveError as exc:
             blocks_needed = -(-len(prompt) // block_size)
             fits_somewhere = blocks_needed <= max(w.kv_blocks_total for w in decode_workers)
@@ -277,6 +311,10 @@ class Dispatcher:
         client_id = hops.client_id(wrid)
         hops.mark(client_id, "router.placed", local=placement.prefill is None)
         request = worker_request(wrid, prompt, params, priority, deadline, results_to)
+        if choices is not None:
+            request.choices = 1 + len(choices[0])
+            request.choice_ids.extend(choices[0])
+            request.choice_results_to.extend(choices[1] if results_to else ())
         decode_stub = worker_pb2_grpc.DecodeWorkerStub(self.channels.get(decode.address))
         metadata = telemetry.grpc_metadata()
 
@@ -287,7 +325,7 @@ class Dispatcher:
                 hops.mark(client_id, "router.sent")
                 call = decode_stub.Decode(worker_pb2.DecodeRequest(request=request, local_prefill=True),
                                           metadata=metadata)
-                async for item in self._relay(call, decode, None):
+                async for item in self._relay(call, decode, None, 1 if choices is None else request.choices):
                     if isinstance(item, common_pb2.Finish):
                         yield _Served("", decode.worker_id, item.usage.cached_prompt_tokens, 0.0)
                     yield item
@@ -337,7 +375,7 @@ class Dispatcher:
             # out its transfer timeout: cancel the call, which frees the reservation.
             prefill_task.add_done_callback(
                 lambda t: t.cancelled() or t.exception() is None or call.cancel())
-            async for item in self._relay(call, decode, prefill_task):
+            async for item in self._relay(call, decode, prefill_task, 1 if choices is None else request.choices):
                 if isinstance(item, common_pb2.Finish):
                     finished = True
                     result = None
@@ -376,17 +414,21 @@ class Dispatcher:
         except grpc.aio.AioRpcError as exc:
             raise _PrefillFailed(exc, worker) from None
 
-    async def _relay(self, call, decode: WorkerInfo, prefill_task: asyncio.Task | None):
-        """The decode stream's chunks and finish; a failure becomes _AttemptFailed naming whom to blame."""
+    async def _relay(self, call, decode: WorkerInfo, prefill_task: asyncio.Task | None, finishes: int = 1):
+        """The decode stream's chunks and finish; a failure becomes _AttemptFailed naming whom to blame.
+        ``finishes`` > 1: a call of that many choices, each Finish yielded as (its choice's index, Finish)."""
 
+        tagged = finishes > 1
         try:
             async for msg in call:
                 kind = msg.WhichOneof("kind")
                 if kind == "chunk":
                     yield msg.chunk
                 elif kind == "finish":
-                    yield msg.finish
-                    return
+                    yield (msg.index, msg.finish) if tagged else msg.finish
+                    finishes -= 1
+                    if not finishes:
+                        return
         except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
             # The decode stream also fails when the prefill side aborts the transfer: blame the cause.
             cause = _prefill_failure(prefill_task)

@@ -33,14 +33,15 @@ class Placement:
 def place(policy: RoutingPolicy, policy_config: RouterPolicyConfig, disaggregation: str, pool: WorkerPool,
           index: PrefixIndex, decode_workers: Sequence[WorkerInfo], prefill_workers: Sequence[WorkerInfo],
           hashes: Sequence[int], num_tokens: int, block_size: int, avoid_decode: Iterable[str] = (),
-          session_key: str = "") -> Placement:
+          session_key: str = "", extra_blocks: int = 0) -> Placement:
     """Choose the workers for a prompt of ``num_tokens`` tokens whose full blocks hash to ``hashes``.
 
     ``disaggregation``: auto (conditional) | always | never. ``session_key``: the request's
     affinity key ("" for none), for the decode choice (see policy.py). Raises what ``choose_decode`` raises
-    (NoWorkerError, CapacityError) when no decode worker can take the prompt.
+    (NoWorkerError, CapacityError) when no decode worker can take the prompt. ``extra_blocks``: blocks the
+    decode worker needs beside the prompt's (n choices' copies of its partial last block).
     """
-    blocks_needed = -(-num_tokens // block_size)
+    blocks_needed = -(-num_tokens // block_size) + extra_blocks
     decode = policy.choose_decode(decode_workers, blocks_needed, pool, exclude=avoid_decode,
                                   session_key=session_key, block_hashes=hashes, index=index)
     if not prefill_workers or disaggregation == "never":

@@ -34,9 +34,10 @@ from services.queue import QueueConfig, QueueConsumer
 from services.queue.cancel import CANCEL_CHANNEL, is_cancelled
 from services.queue.consumer import Delivery
 from services.queue.keys import result_stream, tier_stream
-from services.queue.results import CHUNK, ResultWriter, decode_event
+from services.queue.results import CHUNK, ResultReader, ResultWriter, decode_event
 from services.cascade import CascadeSpec
 from services.router.cascade import run_cascade
+from services.router.choices import run_choices
 from services.router.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class QueueWorker:
         self.config = config or QueueConfig()
         self.consumer = QueueConsumer(redis, consumer=consumer, config=self.config)
         self.results = ResultWriter(redis, self.config.result_ttl_s)
+        self.reader = ResultReader(redis)
+        self.choice_of: dict[str, str] = {}  # choice i's request id (i >= 1) -> its request's, while it runs
         self.max_inflight = max_inflight
         self.running: dict[str, tuple[Delivery, asyncio.Task]] = {}
         self._room = asyncio.Event()
@@ -95,11 +98,15 @@ class QueueWorker:
         hops.mark(d.request_id, "router.read")
         task = asyncio.create_task(self._handle(d), name=f"request-{d.request_id}")
         self.running[d.request_id] = (d, task)
+        for rid in d.request.choice_ids[1:]:  # cancelling any choice cancels the generation they share
+            self.choice_of[rid] = d.request_id
         if len(self.running) >= self.max_inflight:
             self._room.clear()
 
         def done(_t: asyncio.Task) -> None:
             self.running.pop(d.request_id, None)
+            for rid in d.request.choice_ids[1:]:
+                self.choice_of.pop(rid, None)
             self._room.set()
 
         task.add_done_callback(done)
@@ -130,7 +137,7 @@ class QueueWorker:
                     if msg.get("type") != "message":
                         continue
                     rid = msg["data"].decode() if isinstance(msg["data"], bytes) else msg["data"]
-                    entry = self.running.get(rid)
+                    entry = self.running.get(self.choice_of.get(rid, rid))
                     if entry is not None:
                         log.info("request %s cancelled by its client", rid)
                         entry[1].cancel()
@@ -166,6 +173,9 @@ class QueueWorker:
                 # trip off every request's first token; a set flag cancels this task, as a PUBLISH would.
                 extra = {}
                 with self._cancelled_by_flag(req.request_id):
+                    if req.choices > 1:  # n choices: router/choices.py writes their events and acks
+                        await run_choices(self, d, params, queue_ms, (d.delivery_count - 1) * ATTEMPTS_PER_DELIVERY)
+                        return
                     if req.cascade:
                         outcome = await run_cascade(self.dispatcher, self.results, CascadeSpec.from_json(req.cascade),
                                                     req.request_id, req.token_ids, params, self._priority(d.tier),
@@ -186,17 +196,10 @@ class QueueWorker:
                                 fence=lambda wrid: self.results.fence(req.request_id, wrid), attempt_base=base,
                                 model=req.model):
                             finish = item  # results mode: only the Finish comes back
-                await self._final(d, {**extra,
-                    "finish_reason": finish.finish_reason,
-                    "usage": {"prompt_tokens": finish.usage.prompt_tokens,
-                              "completion_tokens": finish.usage.completion_tokens,
-                              "cached_prompt_tokens": finish.usage.cached_prompt_tokens},
-                    "timings": {"queue_ms": queue_ms, "ttft_ms": queue_ms + finish.timings.ttft_ms,
-                                "e2e_ms": queue_ms + finish.timings.e2e_ms, "prefill_ms": finish.timings.prefill_ms},
-                    "prefill_worker": finish.prefill_worker, "decode_worker": finish.decode_worker})
+                await self._final(d, {**extra, **self.final_event(finish, queue_ms)})
             except asyncio.CancelledError:
                 # the client left (or this router is stopping: then the entry stays pending for another)
-                if await _quietly(is_cancelled(self.redis, req.request_id)):
+                if req.choices == 1 and await _quietly(is_cancelled(self.redis, req.request_id)):
                     await asyncio.shield(self._final(d, {"finish_reason": "abort", "usage": {},
                                                          "timings": {"queue_ms": queue_ms}}))
                 raise
@@ -232,6 +235,17 @@ class QueueWorker:
         finally:
             running = False
             check.cancel()
+
+    @staticmethod
+    def final_event(finish, queue_ms: float) -> dict:
+        """A request's final event (results.py) from its Finish and its time in the queue."""
+        return {"finish_reason": finish.finish_reason,
+                "usage": {"prompt_tokens": finish.usage.prompt_tokens,
+                          "completion_tokens": finish.usage.completion_tokens,
+                          "cached_prompt_tokens": finish.usage.cached_prompt_tokens},
+                "timings": {"queue_ms": queue_ms, "ttft_ms": queue_ms + finish.timings.ttft_ms,
+                            "e2e_ms": queue_ms + finish.timings.e2e_ms, "prefill_ms": finish.timings.prefill_ms},
+                "prefill_worker": finish.prefill_worker, "decode_worker": finish.decode_worker}
 
     async def _final(self, d: Delivery, final: dict) -> None:
         await self.results.finish(d.request_id, final)

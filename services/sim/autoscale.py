@@ -33,7 +33,8 @@ def capacity_of(profile: WorkerProfile) -> Capacity:
 
 class SimAutoscaler:
     def __init__(self, kind: str, profile: WorkerProfile, slo: SLO, interval_s: float = 10.0,
-                 planner_config: PlannerConfig | None = None, threshold: float = 0.7):
+                 planner_config: PlannerConfig | None = None, threshold: float = 0.7,
+                 threshold_window_s: float = 300.0):
         if kind not in ("planner", "threshold"):
             raise ValueError(f"unknown autoscaler {kind!r}")
         self.kind = kind
@@ -41,7 +42,7 @@ class SimAutoscaler:
         self.slo = slo
         self.interval_s = interval_s
         self.planner = Planner(planner_config or PlannerConfig(), capacity_of(profile))
-        self.rule = ThresholdRule(target=threshold)
+        self.rule = ThresholdRule(target=threshold, down_after_s=threshold_window_s)
         self.warm = 0  # standbys ready (model loaded, not registered)
         self._warming: list[float] = []  # standbys still loading: when each is ready
         self.warm_target = self.planner.config.warm_min if kind == "planner" else 0
@@ -96,7 +97,9 @@ class SimAutoscaler:
                 itl_attainment=sum(itl(j) <= self.slo.itl_s for j in jobs) / len(jobs) if jobs else None,
                 # dispatched, unfinished requests count as traffic: one waiting for a worker of a model
                 # scaled to zero is in neither the queue nor a batch
-                requests_in_window=len(jobs) + len(sim.admission) + sim.inflight)
+                requests_in_window=len(jobs) + len(sim.admission) + sim.inflight,
+                prefill_starting=sum(w.ready_at > now for w in active["prefill"]),
+                decode_starting=sum(w.ready_at > now for w in active["decode"]))
             d = self.planner.decide(signals)
             targets, self.warm_target = {"prefill": d.prefill, "decode": d.decode}, d.warm
             reason = d.reason

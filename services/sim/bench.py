@@ -12,12 +12,14 @@ Runs, in one command (each part can be skipped):
 3. **validation**: ``pdserve bench routing``'s setup at 2 workers on the CPU profile, on
    every seed of the repeated real runs (the calibration file's ``validation_reference``),
    the ratios' means on both sides with their intervals (validation.py).
-4. **autoscale**: one compressed day (``--period-s``) of a diurnal trace shaped on the
+4. **autoscale**: one day of a diurnal trace compressed to ``--period-s`` (every time the
+   autoscalers measure against the day compressed with it: day_scale.py), shaped on the
    Azure LLM inference trace 2024 (``--trace-shape coding``: peak-to-trough ~10x;
    ``conversation``: ~2.4x) with bursts (``--burst-factor``): the planner at several
    target utilisations (and without its trend lookahead, and without a warm pool), the
    HPA-like threshold rule, and static provisioning searched down to the smallest meeting
-   99% (prefill and decode sized apart); SLO attainment against worker-hours. Then the
+   99% (prefill and decode sized apart); SLO attainment against worker-hours, beside perfect
+   foresight's (the day's mean rate over its peak). Then the
    headline planner and the static search again on ``--check-trace`` (another shape and
    seed): a planner tuned to one trace would show it there.
 
@@ -36,6 +38,7 @@ from pathlib import Path
 from services.bench import results as result_files
 from services.bench.stats import ratio
 from services.sim import experiments, validation
+from services.sim.day_scale import DayScale
 from services.sim.metrics import SLO
 from services.sim.plots import write_plots
 from services.sim.profiles import CALIBRATION, load_profile
@@ -82,28 +85,34 @@ def run(args: argparse.Namespace) -> int:
         reference = json.loads(path.read_text())["validation_reference"]
         result["validation"] = validation.run_validation(load_profile("cpu", args.calibration), reference)
     if "autoscale" in parts:
-        trace = experiments.diurnal_workload(args.seed, profile, args.autoscale_rate, 1, args.period_s,
-                                             args.trace_shape, args.burst_factor)
-        _log(f"autoscale: {len(trace)} requests, {args.trace_shape} day of {args.period_s:.0f} s, seed {args.seed}")
-        auto = experiments.run_autoscale(profile, trace, slo, planner_targets=args.planner_targets,
+        scale = DayScale(args.period_s)
+        trace, arrivals = experiments.diurnal_day(args.seed, profile, args.autoscale_rate, scale, args.trace_shape,
+                                                  args.burst_factor)
+        _log(f"autoscale: {len(trace)} requests, {args.trace_shape} day compressed {scale.k:.0f}x to "
+             f"{args.period_s:.0f} s (cold start {scale.s(profile.cold_start_s):.2f} s, tick {scale.tick_s:.2f} s), "
+             f"seed {args.seed}")
+        auto = experiments.run_autoscale(profile, trace, slo, scale, planner_targets=args.planner_targets,
                                          threshold_targets=args.threshold_targets,
-                                         headline_target=args.headline_target)
+                                         headline_target=args.headline_target, ablations=not args.no_ablations)
         auto.update(requests=len(trace), trace_shape=args.trace_shape, seed=args.seed,
-                    burst_factor=args.burst_factor, period_s=args.period_s, rate=args.autoscale_rate)
+                    burst_factor=args.burst_factor, period_s=args.period_s, rate=args.autoscale_rate,
+                    ideal_worker_hours_vs_static=experiments.ideal_ratio(arrivals))
         result["autoscale"] = auto
         result["autoscale_slo_attainment"] = auto["headline_run"]["slo_attainment"]
         result["autoscale_worker_hours_vs_static"] = ratio(auto["headline_run"]["worker_hours"],
                                                            auto["static_peak"]["worker_hours"])
+        result["autoscale_ideal_worker_hours_vs_static"] = auto["ideal_worker_hours_vs_static"]
         if args.check_trace:
             shape, _, seed = args.check_trace.partition(":")
             seed = int(seed or args.seed + 1)
-            trace = experiments.diurnal_workload(seed, profile, args.autoscale_rate, 1, args.period_s, shape,
-                                                 args.burst_factor)
+            trace, arrivals = experiments.diurnal_day(seed, profile, args.autoscale_rate, scale, shape,
+                                                      args.burst_factor)
             _log(f"autoscale check: {len(trace)} requests, {shape} day, seed {seed}")
-            check = experiments.run_autoscale(profile, trace, slo, planner_targets=[args.headline_target],
+            check = experiments.run_autoscale(profile, trace, slo, scale, planner_targets=[args.headline_target],
                                               threshold_targets=[], headline_target=args.headline_target,
                                               ablations=False)
             check.update(requests=len(trace), trace_shape=shape, seed=seed,
+                         ideal_worker_hours_vs_static=experiments.ideal_ratio(arrivals),
                          worker_hours_vs_static=ratio(check["headline_run"]["worker_hours"],
                                                       check["static_peak"]["worker_hours"]))
             result["autoscale_check"] = check
@@ -119,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 HEADLINE = ("workers", "requests", "wall_s", "cpu_s", "hit_rate_ratio_kv_vs_rr", "goodput_ratio_kv_vs_rr",
-            "autoscale_slo_attainment", "autoscale_worker_hours_vs_static", "validation")
+            "autoscale_slo_attainment", "autoscale_worker_hours_vs_static", "autoscale_ideal_worker_hours_vs_static",
+            "validation")
 
 
 def _log(msg: str) -> None:
@@ -171,8 +181,9 @@ def print_table(result: dict) -> None:
     a = result.get("autoscale")
     if a:
         peak = a["static_peak"]
-        print(f"autoscale ({a['requests']} requests, {a['trace_shape']} day, seed {a['seed']}): static peak "
-              f"{peak['prefill']}+{peak['decode']} workers = {peak['worker_hours']} worker-h")
+        print(f"autoscale ({a['requests']} requests, {a['trace_shape']} day compressed {a['day_scale']['k']:.0f}x, "
+              f"seed {a['seed']}): static peak {peak['prefill']}+{peak['decode']} workers = {peak['worker_hours']} "
+              f"worker-h; perfect foresight {a['ideal_worker_hours_vs_static']} of it")
         for r in a["planner"]:
             print(f"  planner {r['variant']}: SLO {r['slo_attainment']:.4f}, {r['worker_hours']} worker-h "
                   f"({r['worker_hours'] / peak['worker_hours']:.2f} of static peak), peak {r['peak']}")
@@ -185,7 +196,8 @@ def print_table(result: dict) -> None:
     if c:
         print(f"check ({c['requests']} requests, {c['trace_shape']} day, seed {c['seed']}): planner SLO "
               f"{c['headline_run']['slo_attainment']:.4f} at {c['worker_hours_vs_static']} of static peak "
-              f"({c['static_peak']['prefill']}+{c['static_peak']['decode']})")
+              f"({c['static_peak']['prefill']}+{c['static_peak']['decode']}); perfect foresight "
+              f"{c['ideal_worker_hours_vs_static']}")
 
 
 def _floats(text: str) -> list[float]:
@@ -208,8 +220,11 @@ def add_parser(sub) -> None:
     p.add_argument("--calibration", default=None, help=f"calibration file (default {CALIBRATION.name} in services/sim)")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
     p.add_argument("--itl-slo", type=float, default=0.05, help="seconds")
-    p.add_argument("--period-s", type=float, default=1800.0, help="the autoscale trace's compressed 'day' (one is run)")
-    p.add_argument("--autoscale-rate", type=float, default=16.0, help="mean session starts per second over the day")
+    p.add_argument("--period-s", type=float, default=1800.0,
+                   help="the autoscale trace's day compressed to this (one is run); cold start, tick, hysteresis, "
+                        "lookahead and bursts are compressed by the same 86,400 / period_s")
+    p.add_argument("--autoscale-rate", type=float, default=32.0,
+                   help="mean session starts per second over the day (32: ~25 workers at peak on h100)")
     p.add_argument("--trace-shape", default="coding", choices=list(experiments.TRACE_SHAPES),
                    help="the day's shape: Azure 2024 coding (peak-to-trough ~10x) or conversation (~2.4x)")
     p.add_argument("--burst-factor", type=float, default=1.5, help="load multiplier of the two 120 s bursts")
@@ -218,6 +233,8 @@ def add_parser(sub) -> None:
     p.add_argument("--planner-targets", type=_floats, default=[0.6, 0.7, 0.8])
     p.add_argument("--threshold-targets", type=_floats, default=[0.5, 0.7])
     p.add_argument("--headline-target", type=float, default=0.7, help="the planner run the headline figures use")
+    p.add_argument("--no-ablations", action="store_true",
+                   help="skip the planner without lookahead and without warm pool (a shorter run)")
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots there")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -12,7 +12,9 @@ What is modelled: the workers (workers.py, costs from profiles.py), the
 transports (a KV transfer is a delay), and the Dispatcher's waiting: a request
 with no room on the decode worker it chose waits and retries with the
 Dispatcher's backoff (20 ms doubling to 0.5 s), on the same stale view a real
-router has until the next heartbeat.
+router has until the next heartbeat; one sent to a worker that deregistered since
+(drained or gone) is refused, and the Dispatcher marks that worker failed and
+tries again at once.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from services.router.placement import begin_decode, begin_prefill, place
 from services.router.policy import RouterPolicyConfig, policy_from_config
 from services.router.prefix_index import PrefixIndex
 from services.router.worker_pool import WorkerPool
+from services.router.worker_pool import log as worker_pool_log
 from services.sim.admission import SimAdmission
 from services.sim.events import EventLoop
 from services.sim.host import FrontDoor, SharedHost
@@ -189,12 +192,24 @@ class ClusterSim:
         except (CapacityError, NoWorkerError):
             self._wait(job)
             return
-        # A worker that deregistered (drained) since the last refresh refuses the call: retry later
+        # A worker that deregistered (drained, or gone) since the last refresh refuses the call UNAVAILABLE:
+        # the Dispatcher marks it failed and tries again at once elsewhere (dispatch.py _failure)
         decode = self.workers.get(placement.decode.worker.worker_id)
         prefill = self.workers.get(placement.prefill.worker.worker_id) if placement.prefill else None
+        gone = [p.worker.worker_id for p, w in ((placement.decode, decode), (placement.prefill, prefill))
+                if p is not None and (w is None or w.draining)]
+        if gone:
+            # (quietly: production warns once per failed worker; here every drained worker would)
+            disabled, worker_pool_log.disabled = worker_pool_log.disabled, True
+            try:
+                for worker_id in gone:
+                    self.pool.mark_failed(worker_id)
+            finally:
+                worker_pool_log.disabled = disabled
+            self.loop.after(0.0, self._dispatch, job)
+            return
         job.blocks = -(-(req.num_tokens + req.out_tokens) // bs)
-        if decode is None or (placement.prefill is not None and (prefill is None or prefill.draining)) \
-                or not decode.reserve(job):  # or the heartbeat was stale: RESOURCE_EXHAUSTED
+        if not decode.reserve(job):  # the heartbeat was stale: RESOURCE_EXHAUSTED, retry after a backoff
             self._wait(job)
             return
         job.decode_worker = decode.worker_id

@@ -13,6 +13,7 @@ import time
 from services.planner.policy import PlannerConfig
 from services.sim.autoscale import SimAutoscaler
 from services.sim.cluster import ClusterConfig, ClusterSim
+from services.sim.day_scale import DayScale
 from services.sim.metrics import SLO, summarize
 from services.sim.profiles import WorkerProfile
 from services.sim.workloads import ArrivalShape, WorkloadGenerator
@@ -95,14 +96,23 @@ def run_layouts(profile: WorkerProfile, requests, workers: int, slo: SLO) -> lis
 TRACE_SHAPES = {"coding": 0.82, "conversation": 0.41}
 
 
-def diurnal_workload(seed: int, profile: WorkerProfile, rate: float, periods: float, period_s: float,
-                     shape: str = "coding", burst_factor: float = 1.5):
+def diurnal_day(seed: int, profile: WorkerProfile, rate: float, scale: DayScale, shape: str = "coding",
+                burst_factor: float = 1.5) -> tuple[list, ArrivalShape]:
+    """One day of the ``shape`` trace compressed to ``scale.period_s`` (its bursts too), and its arrival shape."""
     if shape not in TRACE_SHAPES:
         raise ValueError(f"unknown trace shape {shape!r}; choose from {', '.join(TRACE_SHAPES)}")
-    arrivals = ArrivalShape(rate=rate, duration_s=periods * period_s, period_s=period_s,
+    arrivals = ArrivalShape(rate=rate, duration_s=scale.period_s, period_s=scale.period_s,
                             diurnal_amplitude=TRACE_SHAPES[shape], bursts_per_period=2,
-                            burst_factor=burst_factor, burst_s=120.0)
-    return WorkloadGenerator(seed, profile.block_size).sessions(arrivals)
+                            burst_factor=burst_factor, burst_s=scale.burst_s)
+    return WorkloadGenerator(seed, profile.block_size).sessions(arrivals), arrivals
+
+
+def ideal_ratio(arrivals: ArrivalShape, steps: int = 100_000) -> float:
+    """Perfect foresight's worker-hours over static peak's: the day's mean arrival rate over its highest
+    (bursts included), workers fractional and started the instant they are needed. No autoscaler can
+    do better; rounding to whole workers and Poisson noise put every real one above it."""
+    rates = [arrivals.rate_at(arrivals.duration_s * (i + 0.5) / steps) for i in range(steps)]
+    return round(sum(rates) / len(rates) / max(rates), 3)
 
 
 def _fresh(requests):
@@ -111,9 +121,11 @@ def _fresh(requests):
     return [dataclasses.replace(r) for r in requests]
 
 
-def _autoscaled(profile, requests, slo, kind, planner_config=None, threshold=0.7):
-    sim = ClusterSim(ClusterConfig(profile, 1, 1), _fresh(requests))
-    scaler = SimAutoscaler(kind, profile, slo, planner_config=planner_config, threshold=threshold)
+def _autoscaled(profile, requests, slo, scale: DayScale, kind, planner_config=None, threshold=0.7):
+    """``profile``: with its start-up times already compressed by ``scale``."""
+    sim = ClusterSim(ClusterConfig(profile, 1, 1, heartbeat_s=scale.heartbeat_s), _fresh(requests))
+    scaler = SimAutoscaler(kind, profile, slo, interval_s=scale.tick_s, planner_config=planner_config,
+                           threshold=threshold, threshold_window_s=scale.hpa_window_s)
     scaler.attach(sim)
     sim.run()
     s = summarize(sim, slo)
@@ -123,8 +135,8 @@ def _autoscaled(profile, requests, slo, kind, planner_config=None, threshold=0.7
             "decisions": scaler.decisions, "series": sim.series}
 
 
-def _static(profile, requests, slo, prefill: int, decode: int):
-    sim = ClusterSim(ClusterConfig(profile, prefill, decode), _fresh(requests)).run()
+def _static(profile, requests, slo, prefill: int, decode: int, heartbeat_s: float = 1.0):
+    sim = ClusterSim(ClusterConfig(profile, prefill, decode, heartbeat_s=heartbeat_s), _fresh(requests)).run()
     s = summarize(sim, slo)
     run = {"workers": prefill + decode, "prefill": prefill, "decode": decode, "slo_attainment": s["slo_attainment"],
            "worker_hours": round((prefill + decode) * sim.loop.now / 3600, 3), "ttft_s": s["ttft_s"],
@@ -133,7 +145,8 @@ def _static(profile, requests, slo, prefill: int, decode: int):
     return run
 
 
-def static_peak(profile, requests, slo, hint: tuple[int, int], goal: float = 0.99) -> tuple[dict, list[dict]]:
+def static_peak(profile, requests, slo, hint: tuple[int, int], goal: float = 0.99,
+                heartbeat_s: float = 1.0) -> tuple[dict, list[dict]]:
     """The smallest static provisioning meeting ``goal``, prefill and decode sized apart (a fixed split
     would charge static for the role it over-provisions): from ``hint`` (grown by a quarter until it
     meets the goal), bisect the prefill count with that decode count, then the decode count. Every
@@ -141,7 +154,7 @@ def static_peak(profile, requests, slo, hint: tuple[int, int], goal: float = 0.9
     runs: list[dict] = []
 
     def meets(p: int, d: int) -> bool:
-        runs.append(_static(profile, requests, slo, p, d))
+        runs.append(_static(profile, requests, slo, p, d, heartbeat_s))
         return runs[-1]["slo_attainment"] >= goal
 
     p, d = max(1, hint[0]), max(1, hint[1])
@@ -169,37 +182,45 @@ def static_peak(profile, requests, slo, hint: tuple[int, int], goal: float = 0.9
     return best, runs
 
 
-# The planner's knobs swept for the trade-off curve, and two ablations at the headline target.
-def planner_variants(profile: WorkerProfile, targets) -> dict[str, PlannerConfig]:
-    out = {f"target {t}": PlannerConfig(target_utilisation=t, lookahead_s=profile.cold_start_s) for t in targets}
-    return out
+# The planner's knobs swept for the trade-off curve, and two ablations at the headline target; each in a
+# real day's seconds (lookahead: one real cold start), then compressed with the day.
+def planner_variants(profile: WorkerProfile, scale: DayScale, targets, headline_target: float,
+                     ablations: bool) -> dict[str, PlannerConfig]:
+    out = {f"target {t}": PlannerConfig(target_utilisation=t) for t in targets}
+    if ablations:
+        out["no lookahead"] = dataclasses.replace(out[f"target {headline_target}"], lookahead_s=0.0)
+        out["no warm pool"] = PlannerConfig(target_utilisation=headline_target, warm_min=0, burst_factor=1.0)
+    return {name: scale.planner(c, None if name == "no lookahead" else profile.cold_start_s)
+            for name, c in out.items()}
 
 
-def run_autoscale(profile: WorkerProfile, requests, slo: SLO, planner_targets, threshold_targets,
+def run_autoscale(profile: WorkerProfile, requests, slo: SLO, scale: DayScale, planner_targets, threshold_targets,
                   headline_target: float, ablations: bool = True) -> dict:
     """The planner at several target utilisations (and, at the headline target, without its trend
     lookahead and without a warm pool), the HPA-like threshold rule at several targets, and static
-    provisioning searched from the planner's peak down to the smallest meeting 99%: the trade-off curve."""
+    provisioning searched from the planner's peak down to the smallest meeting 99%: the trade-off curve.
+    ``profile``: the real one; its start-up times are compressed with the day here."""
+    day = scale.profile(profile)
     planner = []
-    configs = planner_variants(profile, planner_targets)
-    if ablations:
-        configs["no lookahead"] = PlannerConfig(target_utilisation=headline_target)
-        configs["no warm pool"] = PlannerConfig(target_utilisation=headline_target,
-                                                lookahead_s=profile.cold_start_s, warm_min=0, warm_fraction=0.0)
-    for name, config in configs.items():
-        run = _autoscaled(profile, requests, slo, "planner", config)
+    for name, config in planner_variants(profile, scale, planner_targets, headline_target, ablations).items():
+        run = _autoscaled(day, requests, slo, scale, "planner", config)
         run.update(variant=name, target_utilisation=config.target_utilisation, lookahead_s=config.lookahead_s,
-                   warm_fraction=config.warm_fraction, warm_min=config.warm_min)
+                   burst_factor=config.burst_factor, warm_min=config.warm_min)
         planner.append(run)
         _log(f"planner {name}: attainment {run['slo_attainment']}, {run['worker_hours']} worker-h, "
              f"peak {run['peak']}")
     threshold = []
     for target in threshold_targets:
-        run = _autoscaled(profile, requests, slo, "threshold", threshold=target)
+        run = _autoscaled(day, requests, slo, scale, "threshold", threshold=target)
         run["target"] = target
         threshold.append(run)
         _log(f"threshold rule target {target}: attainment {run['slo_attainment']}, {run['worker_hours']} worker-h")
     headline = next(r for r in planner if r["variant"] == f"target {headline_target}")
-    peak, static = static_peak(profile, requests, slo, (headline["peak"]["prefill"], headline["peak"]["decode"]))
+    peak, static = static_peak(day, requests, slo, (headline["peak"]["prefill"], headline["peak"]["decode"]),
+                               heartbeat_s=scale.heartbeat_s)
     return {"static": static, "static_peak": peak, "planner": planner, "threshold": threshold,
-            "headline_run": headline}
+            "headline_run": headline,
+            "day_scale": {"period_s": scale.period_s, "k": round(scale.k, 3), "tick_s": round(scale.tick_s, 4),
+                          "heartbeat_s": round(scale.heartbeat_s, 4), "burst_s": round(scale.burst_s, 4),
+                          "cold_start_s": round(day.cold_start_s, 4), "warm_start_s": round(day.warm_start_s, 4),
+                          "real_cold_start_s": profile.cold_start_s}}

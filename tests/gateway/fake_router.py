@@ -10,19 +10,23 @@ stream slowly, fail mid-stream, or notice a cancellation.
 Per request, ``plan(request)`` (a ``QueuedRequest``) returns a ``Plan``; by
 default every request streams ``DEFAULT_PIECES``. A cancelled request (the
 gateway set the cancel flag) stops between chunks with a final ``abort``, as the
-real router does.
+real router does. An entry of n choices (``QueuedRequest.choices``) is served as the
+router serves one that cannot fork: each choice as a request of its own (its id and
+seed, ``choice_id`` / ``choice_sampling``), all seen, planned and written apart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.queue import QueueConsumer, QueuedRequest, ResultWriter
 from services.queue.cancel import is_cancelled
+from services.queue.message import choice_sampling
 
 DEFAULT_PIECES = ("Hello", ",", " wor", "ld", "!")
 
@@ -41,7 +45,8 @@ class Plan:
 class FakeRouter:
     redis: object
     plan: Callable[[QueuedRequest], Plan] = field(default=lambda _req: Plan())
-    seen: list[QueuedRequest] = field(default_factory=list)
+    seen: list[QueuedRequest] = field(default_factory=list)  # per choice (an entry of n choices: n of them)
+    entries: list[QueuedRequest] = field(default_factory=list)  # the queue entries read
     tiers_seen: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
@@ -83,7 +88,13 @@ class FakeRouter:
                 task.add_done_callback(self._tasks.discard)
 
     async def _serve(self, d) -> None:
-        req = d.request
+        self.entries.append(d.request)
+        choices = [dataclasses.replace(d.request, request_id=rid, sampling=choice_sampling(d.request.sampling, i),
+                                       choices=1) for i, rid in enumerate(d.request.choice_ids)]
+        await asyncio.gather(*(self._serve_one(d, req) for req in choices))
+        await self.consumer.ack(d)
+
+    async def _serve_one(self, d, req: QueuedRequest) -> None:
         self.seen.append(req)
         self.tiers_seen.append(d.tier)
         plan = self.plan(req)
@@ -95,11 +106,9 @@ class FakeRouter:
             if await is_cancelled(self.redis, req.request_id):
                 self.cancelled.append(req.request_id)
                 await self.writer.finish(req.request_id, {"finish_reason": "abort", "usage": {}, "timings": {}})
-                await self.consumer.ack(d)
                 return
             if plan.error_after is not None and i == plan.error_after:
                 await self.writer.error(req.request_id, *plan.error)
-                await self.consumer.ack(d)
                 return
             chunk = {"token_ids": [100 + i], "text": piece}
             if want_logprobs:
@@ -116,7 +125,6 @@ class FakeRouter:
             "timings": {"ttft_ms": 1.0, "e2e_ms": 2.0, "queue_ms": 0.5, "prefill_ms": 0.5},
             "prefill_worker": "fake-prefill", "decode_worker": "fake-decode"})
         self.finished.append(req.request_id)
-        await self.consumer.ack(d)
 
     async def stop(self) -> None:
         self.stopping = True

@@ -52,6 +52,19 @@ class PeakWatch:
         self._thread.join(5)
 
 
+async def take_all(pool) -> list:
+    """Every connection the gateway's pool may open, checked out: its next command waits past the pool timeout."""
+    taken = []
+    while pool.can_get_connection():
+        taken.append(await pool.get_connection())
+    return taken
+
+
+async def give_back(pool, taken: list) -> None:
+    for conn in taken:
+        await pool.release(conn)
+
+
 def each_event_once(ids: list[str], pieces: int) -> bool:
     """The SSE ids of one whole stream: the opening chunk (0-0), one event per piece, the final event,
     then [DONE] repeating the final's id; nothing else twice, nothing missing."""
@@ -147,26 +160,41 @@ def test_a_busy_pool_is_a_503_with_retry_after_and_no_traceback(gateway, caplog)
     h = gateway(redis_max_connections=4, redis_pool_timeout_s=0.3)
     pool = h.core.redis.connection_pool
 
-    async def take_all():
-        taken = []
-        while pool.can_get_connection():
-            taken.append(await pool.get_connection())
-        return taken
-
-    async def give_back(taken):
-        for conn in taken:
-            await pool.release(conn)
-
     with httpx.Client(base_url=h.url, timeout=10) as http, caplog.at_level(logging.INFO):
         assert http.post("/v1/chat/completions", json={**CHAT, "stream": False}).status_code == 200
-        taken = h.call(take_all)
+        taken = h.call(lambda: take_all(pool))
         for body in ({**CHAT, "stream": False}, CHAT):
             r = http.post("/v1/chat/completions", json=body)
             assert r.status_code == 503, r.text
             assert r.headers["Retry-After"] == "1" and r.json()["error"]["type"] == "service_unavailable"
-        h.call(lambda: give_back(taken))
+        h.call(lambda: give_back(pool, taken))
         assert http.post("/v1/chat/completions", json={**CHAT, "stream": False}).status_code == 200
     assert not [rec for rec in caplog.records if rec.exc_info or rec.levelno >= logging.ERROR]
+
+
+def test_a_stream_that_sent_its_200_waits_out_a_busy_pool_instead_of_ending_with_an_error(gateway, caplog):
+    # bench frontdoor on a loaded machine: the pool stayed busy past its timeout and streams that had
+    # answered 200 ended with a 503 error event; queued already, they are to wait for a connection
+    h = gateway(redis_max_connections=4, redis_pool_timeout_s=0.2, sse_heartbeat_s=0.1)
+    release = asyncio.Event()
+    h.router.plan = lambda req: Plan(pieces=PIECES, hold=release)
+    pool = h.core.redis.connection_pool
+
+    with httpx.Client(base_url=h.url, timeout=30) as http, caplog.at_level(logging.INFO):
+        with http.stream("POST", "/v1/chat/completions", json=CHAT) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for line in lines:
+                if line == ": keep-alive":  # queued, and its quiet checks running every 0.1 s
+                    break
+            taken = h.call(lambda: take_all(pool))
+            time.sleep(1.0)  # five pool timeouts: each quiet check meanwhile finds no connection
+            h.call(lambda: give_back(pool, taken))
+            h.loop.call_soon_threadsafe(release.set)
+            rest = events(lines)
+    assert rest[-1].done and not [e for e in rest if not e.done and "error" in e.json]
+    assert chat_text(rest) == "".join(PIECES)
+    assert not [rec for rec in caplog.records if rec.exc_info or rec.levelno >= logging.WARNING]
 
 
 def test_grpc_streams_share_the_bounded_pool(gateway, sync_redis):

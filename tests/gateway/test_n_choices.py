@@ -1,4 +1,4 @@
-"""``n`` > 1 and ``best_of`` through the official ``openai`` client: one request fanned out into child requests."""
+"""``n`` > 1 and ``best_of`` through the official ``openai`` client: one queue entry of n choices, one stream each."""
 
 from __future__ import annotations
 
@@ -124,3 +124,29 @@ def test_the_cap_is_the_gateways_max_n(gateway):
         assert http.post("/v1/completions", json={"prompt": "Hi", "best_of": 3}).json()["error"]["param"] == "best_of"
         assert len(http.post("/v1/chat/completions", json={"messages": MSG, "n": 2}).json()["choices"]) == 2
     assert len(h.router.seen) == 2  # the refused requests queued nothing
+
+
+def test_n3_is_one_queue_entry_charged_for_every_choice(gateway):
+    """One request against the tenant's request budget; every choice's prompt and max_tokens against its tokens,
+    as when each choice was a request of its own."""
+    h = gateway(keys={"sk-tpm-000000000001": {"tenant": "tpm", "rpm": 10, "tpm": 1000}})
+    with httpx.Client(base_url=h.url, timeout=10) as http:
+        headers = {"Authorization": "Bearer sk-tpm-000000000001"}
+        r = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 7, "n": 3}, headers=headers)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3
+        assert r.headers["x-ratelimit-remaining-tokens"] == str(1000 - 3 * (3 + 7))
+        assert r.headers["x-ratelimit-remaining-requests"] == "9"
+    [entry] = h.router.entries
+    assert entry.choices == 3 and len(h.router.seen) == 3
+
+
+def test_a_retry_with_its_idempotency_key_attaches_to_every_choice(gateway):
+    h = gateway()
+    with httpx.Client(base_url=h.url, timeout=10) as http:
+        body = {"prompt": "Hi", "n": 2, "seed": 4, "temperature": 1.0, "max_tokens": 5}
+        first = http.post("/v1/completions", json=body, headers={"Idempotency-Key": "n2-once"})
+        again = http.post("/v1/completions", json=body, headers={"Idempotency-Key": "n2-once"})
+    assert first.status_code == again.status_code == 200
+    assert [c["text"] for c in again.json()["choices"]] == [c["text"] for c in first.json()["choices"]] == [EXPECTED] * 2
+    assert first.headers["x-request-id"] == again.headers["x-request-id"]
+    assert len(h.router.entries) == 1 and len(h.router.seen) == 2  # nothing queued again

@@ -34,6 +34,9 @@ def test_fields_round_trip_with_str_and_bytes_keys():
     (lambda f: f.update(deadline="soon"), "non-numeric deadline"),
     (lambda f: f.update(v="2"), "schema version '2'"),
     (lambda f: f.update(request_id="a b{c}"), "request_id"),
+    (lambda f: f.update(choices="two"), "non-numeric deadline, enqueued_at or choices"),
+    (lambda f: f.update(choices="0"), "choices must be an integer"),
+    (lambda f: f.update(choices="129"), "choices must be an integer"),
 ])
 def test_malformed_entries_are_detected_with_a_reason(mutate, names):
     fields = _request().to_fields()
@@ -69,3 +72,15 @@ def test_config_defaults():
     assert cfg.tiers == ("interactive", "standard", "batch")
     assert cfg.weights == {"interactive": 8, "standard": 3, "batch": 1}
     assert QueueConfig(tiers=("gold", "lead"), weights={"gold": 5, "lead": 1}).weights["gold"] == 5
+
+
+def test_an_entry_of_n_choices_names_each_choice_and_its_seed():
+    from services.queue.message import choice_sampling
+
+    req = _request(choices=3)
+    assert QueuedRequest.from_fields(req.to_fields()) == req
+    assert "choices" not in _request().to_fields()  # one choice: the entry is written as before
+    assert req.choice_ids == ["chatcmpl-1", "chatcmpl-1-1", "chatcmpl-1-2"]
+    assert [choice_sampling(req.sampling, i)["seed"] for i in range(3)] == [5, 6, 7]
+    assert choice_sampling({"seed": 2**63 - 1}, 1)["seed"] == -2**63  # wraps within int64
+    assert "seed" not in choice_sampling({"temperature": 1.0}, 2)

@@ -113,3 +113,22 @@ def test_the_servable_block_types_are_the_kernels():
     from kernels.gguf_linear import KINDS
 
     assert set(up_defaults.GGUF_SERVABLE) == set(KINDS)
+
+
+def test_bench_frontdoor_measures_the_stack_pdserve_up_chooses():
+    # its figures are quoted as `pdserve up`'s: it ran a bf16 stack at the kernel's scheduling before,
+    # while `pdserve up` chose GGUF weights, local prefill and the workers' autogroups at niceness 19
+    from services.cli import build_parser
+    from services.gateway import frontdoor_bench
+
+    def bench(*flags: str) -> up_defaults.Choice:
+        return frontdoor_bench._up_choice(build_parser(["bench", "frontdoor"]).parse_args(["bench", "frontdoor",
+                                                                                            *flags]))
+
+    for bench_flags, up_flags in (((), ()), (("--engine-nice", "0", "--front-first"), ("--engine-nice", "0",
+                                                                                         "--front-first"))):
+        ours, theirs = bench(*bench_flags), up.choice_from_args(_args(*up_flags))
+        assert (ours.prefill, ours.decode, ours.threads, ours.quantization, ours.router_args, ours.engine_nice,
+                ours.front_first) == (theirs.prefill, theirs.decode, theirs.threads, theirs.quantization,
+                                      theirs.router_args, theirs.engine_nice, theirs.front_first)
+    assert bench().engine_nice == up_defaults.ENGINE_NICE

@@ -13,10 +13,11 @@ from services.planner.policy import (
 CAP = Capacity(prefill_tokens_per_s=10_000, kv_blocks=1000, max_num_seqs=100)
 
 
-def signals(t, prefill=2, decode=2, tokens_per_s=0.0, queued=0.0, kv=0, running=0, ttft=None, itl=None, reqs=10):
+def signals(t, prefill=2, decode=2, tokens_per_s=0.0, queued=0.0, kv=0, running=0, ttft=None, itl=None, reqs=10,
+            prefill_starting=0):
     return Signals(now=t, prefill_workers=prefill, decode_workers=decode, prefill_tokens_per_s=tokens_per_s,
                    queued_prefill_tokens=queued, kv_blocks_used=kv, running_seqs=running, ttft_attainment=ttft,
-                   itl_attainment=itl, requests_in_window=reqs)
+                   itl_attainment=itl, requests_in_window=reqs, prefill_starting=prefill_starting)
 
 
 def planner(**config):
@@ -151,3 +152,60 @@ def test_missed_ttfts_with_decode_kv_full_add_decode_workers():
     d = planner(boost=1.5, kv_target=0.7).decide(signals(0, prefill=4, decode=4, tokens_per_s=1000, kv=1000,
                                                          ttft=0.8, reqs=50))
     assert d.decode == 4  # KV has room: the misses are the prefill's
+
+
+def test_workers_still_starting_are_not_ordered_again_for_the_same_backlog():
+    # 100,000 tokens queued on 2 ready workers: 10 more clear it in lag_target_s (1 s)
+    p = planner()
+    assert p.decide(signals(0, prefill=2, tokens_per_s=1000, queued=100_000)).prefill == 12
+    # next tick those 10 are still starting and the backlog is the same: nothing more is ordered
+    # (the old rule added 10 on every tick of a cold start: a burst once ordered 30 workers)
+    d = p.decide(signals(10, prefill=12, tokens_per_s=1000, queued=100_000, prefill_starting=10))
+    assert d.prefill == 12
+    # the backlog grew by half: only the workers beyond those starting
+    d = p.decide(signals(20, prefill=12, tokens_per_s=1000, queued=150_000, prefill_starting=10))
+    assert d.prefill == 2 + 15
+
+
+def test_no_slo_boost_while_the_last_ordered_workers_start():
+    p = planner(boost=1.5, boost_every_s=0)
+    d = p.decide(signals(0, prefill=4, tokens_per_s=1000, ttft=0.9, reqs=50, prefill_starting=2))
+    assert d.prefill == 4  # the misses are from before those 2 serve
+    assert p.decide(signals(10, prefill=4, tokens_per_s=1000, ttft=0.9, reqs=50)).prefill == 6
+
+
+def test_the_warm_pool_covers_the_burst_the_slo_must_survive():
+    # 60,000 tokens/s at target 0.8: 8 prefill workers; a 1.5x burst served at 90% needs 10: 2 warm.
+    # 3,000 KV blocks at kv_target 0.75: 4 decode workers; 4,500 at 90%: 5: 1 warm
+    p = planner(target_utilisation=0.8, kv_target=0.75, burst_factor=1.5, burst_utilisation=0.9, warm_min=1)
+    d = p.decide(signals(0, tokens_per_s=60_000, kv=3000))
+    assert (d.prefill, d.decode, d.warm) == (8, 4, 3)
+    # twice the demand: 20 - 15 and 10 - 8 (the pool follows the burst's need, not a share of the actives)
+    d = planner(target_utilisation=0.8, kv_target=0.75).decide(signals(0, tokens_per_s=120_000, kv=6000))
+    assert (d.prefill, d.decode, d.warm) == (15, 8, 7)
+    # no burst to survive: warm_min only
+    assert planner(burst_factor=1.0, warm_min=1).decide(signals(0, tokens_per_s=60_000, kv=3000)).warm == 1
+
+
+def test_after_a_burst_the_count_falls_to_the_last_windows_need_at_once():
+    p = planner(down_after_s=60, down_step=1.0, target_utilisation=0.5)
+    current = p.decide(signals(0, prefill=2, tokens_per_s=10_000)).prefill  # 2
+    current = p.decide(signals(10, prefill=current, tokens_per_s=100_000)).prefill  # the burst: 20
+    assert current == 20
+    counts = {}
+    for t in range(20, 160, 10):  # back to 10,000 tokens/s (2 workers), with a smaller rise at 50-60 s (12)
+        demand = 60_000 if t in (50, 60) else 10_000
+        current = p.decide(signals(t, prefill=current, tokens_per_s=demand)).prefill
+        counts[t] = current
+    assert all(counts[t] == 20 for t in range(20, 80, 10))  # held for down_after_s after the burst
+    assert counts[80] == 12  # then at once to the highest need of the last window (the rise), not to 2
+    assert counts[150] == 2  # and to 2 once the rise is a window old
+
+
+def test_one_noisy_window_in_a_long_history_orders_nothing():
+    p = planner(target_utilisation=0.5, trend_window_s=60, lookahead_s=30)
+    for t in range(0, 60, 5):
+        d = p.decide(signals(t, prefill=2, tokens_per_s=10_000))
+    # one window of 5x (prompts counted as they finish come in clumps): the median of three ignores it
+    d = p.decide(signals(60, prefill=d.prefill, tokens_per_s=50_000))
+    assert d.prefill == 2

@@ -106,13 +106,14 @@ def test_one_tick_reads_redis_and_metrics_and_publishes_the_decision(redis_url):
     assert (s.prefill_workers, s.decode_workers) == (1, 1)
     assert s.queued_prefill_tokens == 12_000 and s.kv_blocks_used == 1900
     rec = records[0]
-    # 12 s of queued prefill work on one worker: lag adds ceil(12 / 1) workers to demand's 4
-    assert rec["prefill"] == 4 + 12 and "queue lag" in rec["reason"]
+    # 12 s of queued prefill work on one worker: the ready one plus ceil(12 / 1) to clear it in 1 s (demand's 4
+    # are among them)
+    assert rec["prefill"] == 1 + 12 and "queue lag" in rec["reason"]
     assert "TTFT attainment 0.667" in rec["reason"]
     assert rec["decode"] == 4  # 1900 / (1000 * 0.5)
     assert json.loads(printed.strip()) == rec
     stored = {k.decode(): v.decode() for k, v in r.hgetall("pd:planner:m").items()}
-    assert (stored["prefill"], stored["decode"]) == ("16", "4")
+    assert (stored["prefill"], stored["decode"]) == ("13", "4")
 
 
 def test_cli_rejects_bad_flags():

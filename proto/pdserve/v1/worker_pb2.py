@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x9c\x01\n\rWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x10\n\x08\x64\x65\x61\x64line\x18\x05 \x01(\x01\x12\x12\n\nresults_to\x18\x06 \x01(\t\"t\n\x0eReserveRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.WorkerRequest\x12\x1f\n\x12transfer_timeout_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x15\n\x13_transfer_timeout_s\"9\n\x0fReserveResponse\x12\x12\n\ndescriptor\x18\x01 \x01(\x0c\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"R\n\rDecodeRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.WorkerRequest\x12\x15\n\rlocal_prefill\x18\x02 \x01(\x08\"k\n\x12TokenChunkOrFinish\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x12$\n\x06\x66inish\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.FinishH\x00\x42\x06\n\x04kind\"x\n\x0ePrefillRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.WorkerRequest\x12\x12\n\ndescriptor\x18\x02 \x01(\x0c\x12&\n\x05\x66\x65tch\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.FetchSource\"2\n\x0b\x46\x65tchSource\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"G\n\x0c\x46\x65tchRequest\x12\x10\n\x08\x66\x65tch_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ndescriptor\x18\x03 \x01(\x0c\":\n\rFetchResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\"l\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\x03 \x01(\x04\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xea\x01\n\nWorkerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x03 \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x32\x90\x02\n\rPrefillWorker\x12\x44\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse(\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.WorkerLoad\x12<\n\x05\x46\x65tch\x12\x18.pdserve.v1.FetchRequest\x1a\x19.pdserve.v1.FetchResponse2\x96\x02\n\x0c\x44\x65\x63odeWorker\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12\x45\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1e.pdserve.v1.TokenChunkOrFinish0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xdc\x01\n\rWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x10\n\x08\x64\x65\x61\x64line\x18\x05 \x01(\x01\x12\x12\n\nresults_to\x18\x06 \x01(\t\x12\x0f\n\x07\x63hoices\x18\x07 \x01(\r\x12\x12\n\nchoice_ids\x18\x08 \x03(\t\x12\x19\n\x11\x63hoice_results_to\x18\t \x03(\t\"t\n\x0eReserveRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.WorkerRequest\x12\x1f\n\x12transfer_timeout_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x15\n\x13_transfer_timeout_s\"9\n\x0fReserveResponse\x12\x12\n\ndescriptor\x18\x01 \x01(\x0c\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"R\n\rDecodeRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.WorkerRequest\x12\x15\n\rlocal_prefill\x18\x02 \x01(\x08\"z\n\x12TokenChunkOrFinish\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x12$\n\x06\x66inish\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.FinishH\x00\x12\r\n\x05index\x18\x03 \x01(\rB\x06\n\x04kind\"x\n\x0ePrefillRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.WorkerRequest\x12\x12\n\ndescriptor\x18\x02 \x01(\x0c\x12&\n\x05\x66\x65tch\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.FetchSource\"2\n\x0b\x46\x65tchSource\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"G\n\x0c\x46\x65tchRequest\x12\x10\n\x08\x66\x65tch_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ndescriptor\x18\x03 \x01(\x0c\":\n\rFetchResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\"l\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\x03 \x01(\x04\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xea\x01\n\nWorkerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x03 \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x32\x90\x02\n\rPrefillWorker\x12\x44\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse(\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.WorkerLoad\x12<\n\x05\x46\x65tch\x12\x18.pdserve.v1.FetchRequest\x1a\x19.pdserve.v1.FetchResponse2\x96\x02\n\x0c\x44\x65\x63odeWorker\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12\x45\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1e.pdserve.v1.TokenChunkOrFinish0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,35 +33,35 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.worker_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERREQUEST']._serialized_start=65
-  _globals['_WORKERREQUEST']._serialized_end=221
-  _globals['_RESERVEREQUEST']._serialized_start=223
-  _globals['_RESERVEREQUEST']._serialized_end=339
-  _globals['_RESERVERESPONSE']._serialized_start=341
-  _globals['_RESERVERESPONSE']._serialized_end=398
-  _globals['_DECODEREQUEST']._serialized_start=400
-  _globals['_DECODEREQUEST']._serialized_end=482
-  _globals['_TOKENCHUNKORFINISH']._serialized_start=484
-  _globals['_TOKENCHUNKORFINISH']._serialized_end=591
-  _globals['_PREFILLREQUEST']._serialized_start=593
-  _globals['_PREFILLREQUEST']._serialized_end=713
-  _globals['_FETCHSOURCE']._serialized_start=715
-  _globals['_FETCHSOURCE']._serialized_end=765
-  _globals['_FETCHREQUEST']._serialized_start=767
-  _globals['_FETCHREQUEST']._serialized_end=838
-  _globals['_FETCHRESPONSE']._serialized_start=840
-  _globals['_FETCHRESPONSE']._serialized_end=898
-  _globals['_PREFILLRESPONSE']._serialized_start=900
-  _globals['_PREFILLRESPONSE']._serialized_end=1008
-  _globals['_ABORTREQUEST']._serialized_start=1010
-  _globals['_ABORTREQUEST']._serialized_end=1044
-  _globals['_ABORTRESPONSE']._serialized_start=1046
-  _globals['_ABORTRESPONSE']._serialized_end=1078
-  _globals['_GETLOADREQUEST']._serialized_start=1080
-  _globals['_GETLOADREQUEST']._serialized_end=1096
-  _globals['_WORKERLOAD']._serialized_start=1099
-  _globals['_WORKERLOAD']._serialized_end=1333
-  _globals['_PREFILLWORKER']._serialized_start=1336
-  _globals['_PREFILLWORKER']._serialized_end=1608
-  _globals['_DECODEWORKER']._serialized_start=1611
-  _globals['_DECODEWORKER']._serialized_end=1889
+  _globals['_WORKERREQUEST']._serialized_end=285
+  _globals['_RESERVEREQUEST']._serialized_start=287
+  _globals['_RESERVEREQUEST']._serialized_end=403
+  _globals['_RESERVERESPONSE']._serialized_start=405
+  _globals['_RESERVERESPONSE']._serialized_end=462
+  _globals['_DECODEREQUEST']._serialized_start=464
+  _globals['_DECODEREQUEST']._serialized_end=546
+  _globals['_TOKENCHUNKORFINISH']._serialized_start=548
+  _globals['_TOKENCHUNKORFINISH']._serialized_end=670
+  _globals['_PREFILLREQUEST']._serialized_start=672
+  _globals['_PREFILLREQUEST']._serialized_end=792
+  _globals['_FETCHSOURCE']._serialized_start=794
+  _globals['_FETCHSOURCE']._serialized_end=844
+  _globals['_FETCHREQUEST']._serialized_start=846
+  _globals['_FETCHREQUEST']._serialized_end=917
+  _globals['_FETCHRESPONSE']._serialized_start=919
+  _globals['_FETCHRESPONSE']._serialized_end=977
+  _globals['_PREFILLRESPONSE']._serialized_start=979
+  _globals['_PREFILLRESPONSE']._serialized_end=1087
+  _globals['_ABORTREQUEST']._serialized_start=1089
+  _globals['_ABORTREQUEST']._serialized_end=1123
+  _globals['_ABORTRESPONSE']._serialized_start=1125
+  _globals['_ABORTRESPONSE']._serialized_end=1157
+  _globals['_GETLOADREQUEST']._serialized_start=1159
+  _globals['_GETLOADREQUEST']._serialized_end=1175
+  _globals['_WORKERLOAD']._serialized_start=1178
+  _globals['_WORKERLOAD']._serialized_end=1412
+  _globals['_PREFILLWORKER']._serialized_start=1415
+  _globals['_PREFILLWORKER']._serialized_end=1687
+  _globals['_DECODEWORKER']._serialized_start=1690
+  _globals['_DECODEWORKER']._serialized_end=1968
 # @@protoc_insertion_point(module_scope)

@@ -8,20 +8,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "priority", "deadline", "results_to")
+    __slots__ = ("request_id", "token_ids", "sampling", "priority", "deadline", "results_to", "choices", "choice_ids", "choice_results_to")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     RESULTS_TO_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_RESULTS_TO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     priority: int
     deadline: float
     results_to: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., deadline: _Optional[float] = ..., results_to: _Optional[str] = ...) -> None: ...
+    choices: int
+    choice_ids: _containers.RepeatedScalarFieldContainer[str]
+    choice_results_to: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., deadline: _Optional[float] = ..., results_to: _Optional[str] = ..., choices: _Optional[int] = ..., choice_ids: _Optional[_Iterable[str]] = ..., choice_results_to: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request", "transfer_timeout_s")
@@ -48,12 +54,14 @@ class DecodeRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[WorkerRequest, _Mapping]] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class TokenChunkOrFinish(_message.Message):
-    __slots__ = ("chunk", "finish")
+    __slots__ = ("chunk", "finish", "index")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     chunk: _common_pb2.TokenChunk
     finish: _common_pb2.Finish
-    def __init__(self, chunk: _Optional[_Union[_common_pb2.TokenChunk, _Mapping]] = ..., finish: _Optional[_Union[_common_pb2.Finish, _Mapping]] = ...) -> None: ...
+    index: int
+    def __init__(self, chunk: _Optional[_Union[_common_pb2.TokenChunk, _Mapping]] = ..., finish: _Optional[_Union[_common_pb2.Finish, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request", "descriptor", "fetch")
