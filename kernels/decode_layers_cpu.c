@@ -65,9 +65,9 @@ typedef struct {
     const uint16_t *input_norm, *post_norm; /* bf16 RMSNorm weights */
     pd_linear qkv, o, gate_up, down;
     char *k_cache, *v_cache; /* this layer's [blocks, block_size, kv_heads, head_dim] views */
-    /* LoRA stacks of qkv, o, gate_up, down (lora_cpu.c): A [S, nseg*R, K], Bt [S, R, N]; NULL before
-     * the engine's first adapter */
-    const uint16_t *lora_a[4], *lora_bt[4];
+    /* LoRA stacks of qkv, o, gate_up, down (lora_cpu.c): A [S, nseg*R, K], Bt [S, R, N] and their
+     * scales (quantized stacks; else NULL); NULL before the engine's first adapter */
+    const void *lora_a[4], *lora_bt[4], *lora_as[4], *lora_bs[4];
 } pd_layer;
 
 typedef struct {
@@ -79,20 +79,20 @@ typedef struct {
     /* this step's adapters: a slot per row (-1: none), the slots' ranks, the stacks' padded rank;
      * lora_idx NULL: no row has one */
     const int32_t *lora_idx, *lora_ranks;
-    int32_t lora_rank;
+    int32_t lora_rank, lora_fmt; /* the stacks' format: lora_cpu.c's LORA_BF16 / INT8 / INT4 */
 } pd_model;
 
-int pdserve_lora_bf16(const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy, int T, int K, int N,
-                      const uint16_t *A, const uint16_t *Bt, int R, int nseg, const int32_t *bounds,
-                      const int32_t *idx, const int32_t *ranks);
+int pdserve_lora(const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy, int T, int K, int N, const void *A,
+                 const void *Bt, int R, int nseg, const int32_t *bounds, const int32_t *idx, const int32_t *ranks,
+                 int fmt, const void *a_scale, const void *bt_scale);
 
 /* y += LoRA(x) for projection p of layer L when this step has adapters (the call the model's
  * Python path makes after the same projection: LoRABatch.apply) */
 static int lora(const pd_model *m, const pd_layer *L, int p, const uint16_t *x, int64_t ldx, uint16_t *y,
                 int64_t ldy, int M, int K, int nseg, const int32_t *bounds) {
     if (!m->lora_idx) return 0;
-    return pdserve_lora_bf16(x, ldx, y, ldy, M, K, bounds[nseg], L->lora_a[p], L->lora_bt[p], m->lora_rank, nseg,
-                             bounds, m->lora_idx, m->lora_ranks);
+    return pdserve_lora(x, ldx, y, ldy, M, K, bounds[nseg], L->lora_a[p], L->lora_bt[p], m->lora_rank, nseg, bounds,
+                        m->lora_idx, m->lora_ranks, m->lora_fmt, L->lora_as[p], L->lora_bs[p]);
 }
 
 static int linear(const pd_linear *l, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy, int M) {

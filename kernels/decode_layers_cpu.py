@@ -44,7 +44,8 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("qkv", _Linear), ("o", _Linear),
                 ("gate_up", _Linear), ("down", _Linear), ("k_cache", c_void_p), ("v_cache", c_void_p),
-                ("lora_a", c_void_p * 4), ("lora_bt", c_void_p * 4)]
+                ("lora_a", c_void_p * 4), ("lora_bt", c_void_p * 4), ("lora_as", c_void_p * 4),
+                ("lora_bs", c_void_p * 4)]
 
 
 class _Rows(ctypes.Structure):  # pd_rows: a step's decode rows, then its prefill chunks
@@ -58,7 +59,7 @@ class _Model(ctypes.Structure):
                 ("hidden", c_int32), ("inter", c_int32), ("block_size", c_int32), ("kv_int8", c_int32),
                 ("eps", c_float), ("scale", c_float), ("c_sb", c_int64), ("c_st", c_int64), ("c_sh", c_int64),
                 ("cos_sin", c_void_p), ("ldc", c_int64), ("lora_idx", c_void_p), ("lora_ranks", c_void_p),
-                ("lora_rank", c_int32)]
+                ("lora_rank", c_int32), ("lora_fmt", c_int32)]
 
 
 def _linear(mod) -> _Linear | None:
@@ -192,10 +193,11 @@ class DecodeLayers:
         makes LoRABatch.apply's kernel call after each projection; False where that kernel is not
         the C one (the step stays on the Python path)."""
         from kernels.lora_cpu import lora_apply_cpu
+        from kernels.lora_quant import CODES
 
         slots = batch.slots
         if (slots.kernel is not lora_apply_cpu or slots.dtype != torch.bfloat16 or not slots.a
-                or not hasattr(self.lib, "pdserve_lora_bf16") or not self.lib.pdserve_lora_available()
+                or not hasattr(self.lib, "pdserve_lora") or not self.lib.pdserve_lora_available()
                 or batch.idx.dtype != torch.int32 or not batch.idx.is_contiguous()):
             return False
         if self._lora_stacks is not slots:  # the stacks are allocated once: point at them once
@@ -203,7 +205,11 @@ class DecodeLayers:
                 for p, proj in enumerate(("qkv", "o", "gate_up", "down")):
                     self.layers[i].lora_a[p] = slots.a[proj][i].data_ptr()
                     self.layers[i].lora_bt[p] = slots.bt[proj][i].data_ptr()
+                    if slots.a_scale:  # a quantized store
+                        self.layers[i].lora_as[p] = slots.a_scale[proj][i].data_ptr()
+                        self.layers[i].lora_bs[p] = slots.bt_scale[proj][i].data_ptr()
             self._lora_stacks = slots
         s = self.model
         s.lora_idx, s.lora_ranks, s.lora_rank = batch.idx.data_ptr(), slots.ranks.data_ptr(), slots.max_rank
+        s.lora_fmt = CODES[slots.fmt]
         return True

@@ -10,6 +10,10 @@ Segment ``s`` owns the output columns ``bounds[s]:bounds[s + 1]``::
     y[t, bounds[s]:bounds[s+1]] += (a[idx[t], s*R:(s+1)*R] @ x[t]) @ bt[idx[t], :, bounds[s]:bounds[s+1]]
 
 in fp32, ``y`` rounded once to its dtype. The C kernel (lora_cpu.c) computes the same.
+
+Quantized stacks (``--lora-dtype int8`` / ``int4``, kernels/lora_quant.py) come with
+``scales = (a_scale, bt_scale)``; the reference dequantizes each slot it uses, the Triton kernels
+take int8 (its per-row scales fold into ``u``) and refuse int4.
 """
 
 from __future__ import annotations
@@ -17,28 +21,35 @@ from __future__ import annotations
 import torch
 
 from kernels.checks import FLOAT_DTYPES, check_dtype
+from kernels.lora_quant import dequantize_slot, stack_format
 from kernels.triton_jit import check_launchable, lazy_jit, next_pow2, tl
 
 
 def lora_apply_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
-                   bounds: tuple[int, ...], idx: torch.Tensor, ranks: torch.Tensor | None = None) -> None:
+                   bounds: tuple[int, ...], idx: torch.Tensor, ranks: torch.Tensor | None = None,
+                   scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """``y += LoRA(x)`` in place, rows grouped by slot (one pair of matmuls per adapter)."""
     rank = bt.shape[1]
     for slot in idx.unique().tolist():
         if slot < 0:
             continue
         rows = (idx == slot).nonzero().squeeze(1)
-        u = x.index_select(0, rows).float() @ a[slot].float().T  # [n, nseg * R]
-        delta = torch.cat([u[:, s * rank:(s + 1) * rank] @ bt[slot, :, lo:hi].float()
+        if scales is None:
+            a_s, bt_s = a[slot].float(), bt[slot].float()
+        else:
+            a_s, bt_s = dequantize_slot(a[slot], bt[slot], scales[0][slot], scales[1][slot], bounds)
+        u = x.index_select(0, rows).float() @ a_s.T  # [n, nseg * R]
+        delta = torch.cat([u[:, s * rank:(s + 1) * rank] @ bt_s[:, lo:hi]
                            for s, (lo, hi) in enumerate(zip(bounds, bounds[1:]))], dim=1)
         y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
 
 
 @lazy_jit
-def _shrink_kernel(x_ptr, a_ptr, idx_ptr, u_ptr, K,
-                   stride_xt, stride_as, stride_ar, stride_ut,
-                   R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _shrink_kernel(x_ptr, a_ptr, idx_ptr, u_ptr, sa_ptr, sb_ptr, K,
+                   stride_xt, stride_as, stride_ar, stride_ut, stride_ss,
+                   R: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
     # one program per (row, segment): u[t, seg*R : seg*R + R] = a[slot, seg*R : ..., :] @ x[t]
+    # (int8 stacks, SCALED: times the rows' A and B^T scales, which makes the expand's int8 B exact)
     t = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
     slot = tl.load(idx_ptr + t).to(tl.int64)
@@ -52,6 +63,8 @@ def _shrink_kernel(x_ptr, a_ptr, idx_ptr, u_ptr, K,
             av = tl.load(a_ptr + slot * stride_as + (seg * R + r)[:, None] * stride_ar + k[None, :],
                          mask=km[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(av * xv[None, :], axis=1)
+        if SCALED:
+            acc *= tl.load(sa_ptr + slot * stride_ss + seg * R + r) * tl.load(sb_ptr + slot * stride_ss + seg * R + r)
         tl.store(u_ptr + t * stride_ut + seg * R + r, acc)
 
 
@@ -79,11 +92,19 @@ def _expand_kernel(y_ptr, u_ptr, bt_ptr, idx_ptr, bounds_ptr, N, NSEG,
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
-               bounds: tuple[int, ...], idx: torch.Tensor, ranks: torch.Tensor | None = None) -> None:
+               bounds: tuple[int, ...], idx: torch.Tensor, ranks: torch.Tensor | None = None,
+               scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Triton ``lora_apply_ref``: a shrink kernel (row, segment) into fp32 ``u``, then an expand
     kernel (row, column block) adding ``u @ bt`` to ``y``; rows without an adapter return at once."""
-    for name, t in (("y", y), ("x", x), ("a", a), ("bt", bt)):
+    fmt = stack_format(a)
+    if fmt == "int4":
+        raise ValueError("lora_apply: int4 LoRA stacks run on the CPU kernels only; use --lora-dtype int8 or bf16 "
+                         "on a GPU")
+    if fmt == "int8" and (scales is None or stack_format(bt) != "int8"):
+        raise ValueError("lora_apply: int8 stacks need both int8 (a_scale, bt_scale)")
+    for name, t in (("y", y), ("x", x), *((("a", a), ("bt", bt)) if fmt == "bf16" else ())):
         check_dtype(name, t, FLOAT_DTYPES)
+    for t in (y, x, a, bt):
         check_launchable(t)
     T, K = x.shape
     S, R, N = bt.shape
@@ -97,8 +118,12 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tens
         return
     idx = idx.to(device=x.device, dtype=torch.int32).contiguous()
     u = torch.empty((T, nseg * R), dtype=torch.float32, device=x.device)
-    _shrink_kernel[(T, nseg)](x, a, idx, u, K, x.stride(0), a.stride(0), a.stride(1), u.stride(0),
-                              R=R, BLOCK_K=min(128, next_pow2(K)))
+    sa, sb = scales if fmt == "int8" else (u, u)  # unread unless SCALED
+    if fmt == "int8" and (sa.shape != (S, nseg * R) or sb.shape != (S, nseg * R) or not sa.is_contiguous()
+                          or not sb.is_contiguous()):
+        raise ValueError(f"lora_apply: int8 scales must be contiguous [{S}, {nseg * R}]")
+    _shrink_kernel[(T, nseg)](x, a, idx, u, sa, sb, K, x.stride(0), a.stride(0), a.stride(1), u.stride(0),
+                              sa.stride(0), R=R, BLOCK_K=min(128, next_pow2(K)), SCALED=fmt == "int8")
     bounds_t = torch.tensor(bounds, dtype=torch.int32, device=x.device)
     block_n = min(128, next_pow2(N))
     _expand_kernel[(T, -(-N // block_n))](y, u, bt, idx, bounds_t, N, nseg, y.stride(0), u.stride(0),

@@ -224,8 +224,8 @@ def _library(level: str) -> ctypes.CDLL | None:
     lib.pdserve_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, ptr, i32, i32, i32, i32]
     lib.pdserve_lora_available.restype = i32
     lib.pdserve_lora_available.argtypes = []
-    lib.pdserve_lora_bf16.restype = i32
-    lib.pdserve_lora_bf16.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, ptr, ptr, i32, i32, ptr, ptr, ptr]
+    lib.pdserve_lora.restype = i32
+    lib.pdserve_lora.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, ptr, ptr, i32, i32, ptr, ptr, ptr, i32, ptr, ptr]
     lib.pdserve_decode_layers.restype = i32
     lib.pdserve_decode_layers.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     return lib

@@ -210,6 +210,10 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
                         "batch mixes up to this many)")
     p.add_argument("--max-lora-rank", type=int, default=16, choices=[8, 16, 32, 64, 128, 256],
                    help="largest adapter rank served (the slots are sized for it)")
+    p.add_argument("--lora-dtype", default="bf16", choices=["bf16", "int8", "int4"],
+                   help="how the adapters are held: bf16 (default: the model's dtype, exact), int8 (per-row "
+                        "scales, half the bytes a step reads) or int4 (groups of 32, CPU only, 3.6x fewer); "
+                        "quantized adapters are opt-in because they change the outputs (BENCHMARKS.md, bench lora)")
 
 
 def lora_from_args(args) -> dict:
@@ -219,7 +223,8 @@ def lora_from_args(args) -> dict:
     loras = dict(parse_lora_flag(v) for v in args.lora)
     if len(loras) != len(args.lora):
         raise ValueError("--lora names an adapter twice")
-    return {"loras": loras, "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
+    return {"loras": loras, "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
+            "lora_dtype": args.lora_dtype}
 
 
 def spill_from_args(args) -> dict:

@@ -91,6 +91,8 @@ def _lora_args(args) -> list[str]:
     flags = [f"--lora={v}" for v in args.lora]
     if args.max_loras != 4 or args.max_lora_rank != 16:
         flags += ["--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
+    if args.lora_dtype != "bf16":
+        flags += ["--lora-dtype", args.lora_dtype]
     return flags
 
 

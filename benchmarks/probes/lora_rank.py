@@ -1,10 +1,12 @@
 """Probe: where a multi-LoRA decode step's time goes, per projection, against the base weights.
 
-    PYTHONPATH=. python benchmarks/probes/lora_rank.py [rank=64] [batch=8] [threads=1] [rounds=5]
+    PYTHONPATH=. python benchmarks/probes/lora_rank.py [rank=64] [batch=8] [threads=1] [rounds=5] [lora_dtype=bf16]
 
 Part 1, the kernels: SmolLM2-135M's shapes (30 layers; hidden 576, q 576, k/v 192, MLP 1536),
 bf16. ``batch`` rows, each with its own adapter slot (the case ``pdserve bench lora`` measures),
-stacks for every layer as the engine holds them (kernels/lora_cpu.c's layout). Before each timed
+stacks for every layer as the engine holds them (kernels/lora_cpu.c's layout) in ``lora_dtype``
+(bf16, int8 or int4: random codes and scales, kernels/lora_quant.py's layout; the bytes counted
+are the codes', which is what the kernel streams). Before each timed
 pass a 1 GiB buffer is read, so the pass reads its weights from DRAM as a step does (a step's
 base weights and adapters together exceed the 504 MiB L3 this machine reports), not from a
 cache the previous pass warmed. Per projection:
@@ -25,7 +27,10 @@ kernel's reads): the kernel's share of a real step.
 
 Prints one JSON object. Timings are medians over ``rounds`` passes over the layers; with one
 thread they are the calling thread's CPU time (every kernel runs on it), which stays
-meaningful on a busy machine where wall time does not; with more, wall time.
+meaningful on a busy machine where wall time does not; with more, wall time, and the LoRA
+pass's process CPU time over its wall time (``lora_cpu_over_wall``: about the number of threads
+that worked on it; the kernel splits a step's rows across OpenMP threads).
+Run with threads 1 and 2 to see whether a second core raises the read rate on this machine.
 """
 
 from __future__ import annotations
@@ -70,13 +75,35 @@ def _timed(fn, rounds: int, clock) -> float:
     return _median(times)
 
 
-def _projection(lib, k: int, bounds: tuple[int, ...], rank: int, batch: int, rounds: int, clock, g) -> dict:
+def _stack(fmt: str, shape: tuple[int, ...], g) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A random stack of ``shape`` (elements) in ``fmt`` and its scales (kernels/lora_quant.py)."""
+    from kernels.lora_quant import GROUP
+
+    if fmt == "bf16":
+        return torch.randn(*shape, generator=g).to(torch.bfloat16), None
+    if fmt == "int8":
+        return (torch.randint(-127, 128, shape, generator=g, dtype=torch.int8),
+                None)  # per-row scales: made by the caller
+    *lead, n = shape
+    return (torch.randint(0, 256, (*lead, n // 2), generator=g, dtype=torch.uint8),
+            (torch.rand(*lead, n // GROUP, generator=g) * 0.01).to(torch.bfloat16))
+
+
+def _projection(lib, k: int, bounds: tuple[int, ...], rank: int, batch: int, rounds: int, clock, g,
+                fmt: str = "bf16") -> dict:
     """One projection over the layers: base linear, LoRA, shrink alone, expand nearly alone."""
+    from kernels.lora_quant import CODES, bytes_per_weight
+
     n, nseg = bounds[-1], len(bounds) - 1
     idx = torch.arange(batch, dtype=torch.int32)
     ranks = torch.full((batch,), rank, dtype=torch.int32)
-    a = [torch.randn(batch, nseg * rank, k, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
-    bt = [torch.randn(batch, rank, n, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
+    a, bt, sa, sb = [], [], [], []
+    for _ in range(LAYERS):
+        ai, si = _stack(fmt, (batch, nseg * rank, k), g)
+        bi, ti = _stack(fmt, (batch, rank, n), g)
+        if fmt == "int8":  # per rank row and segment, for both (lora_quant.py)
+            si, ti = torch.rand(batch, nseg * rank, generator=g), torch.rand(batch, nseg * rank, generator=g)
+        a.append(ai), bt.append(bi), sa.append(si), sb.append(ti)
     base = [PackedLinear(torch.randn(n, k, generator=g).to(torch.bfloat16)) for _ in range(LAYERS)]
     x = torch.randn(batch, k, generator=g).to(torch.bfloat16)
     y = torch.zeros(batch, n, dtype=torch.bfloat16)
@@ -85,8 +112,11 @@ def _projection(lib, k: int, bounds: tuple[int, ...], rank: int, batch: int, rou
 
     def lora(bounds_t: torch.Tensor, width: int, cols: int = k) -> None:
         for i in range(LAYERS):
-            lib.pdserve_lora_bf16(x.data_ptr(), k, y.data_ptr(), n, batch, cols, width, a[i].data_ptr(),
-                                  bt[i].data_ptr(), rank, nseg, bounds_t.data_ptr(), idx.data_ptr(), ranks.data_ptr())
+            rc = lib.pdserve_lora(x.data_ptr(), k, y.data_ptr(), n, batch, cols, width, a[i].data_ptr(),
+                                  bt[i].data_ptr(), rank, nseg, bounds_t.data_ptr(), idx.data_ptr(), ranks.data_ptr(),
+                                  CODES[fmt], None if sa[i] is None else sa[i].data_ptr(),
+                                  None if sb[i] is None else sb[i].data_ptr())
+            assert rc == 0, rc
 
     def base_pass() -> None:
         for lin in base:
@@ -96,28 +126,37 @@ def _projection(lib, k: int, bounds: tuple[int, ...], rank: int, batch: int, rou
     lora_s = _timed(lambda: lora(full, n), rounds, clock)
     shrink_s = _timed(lambda: lora(empty, 0), rounds, clock)
     expand_s = _timed(lambda: lora(full, n, 32), rounds, clock)
+    per = bytes_per_weight(fmt) if fmt != "int4" else 0.5
     base_bytes = LAYERS * n * k * 2
-    a_bytes, b_bytes = LAYERS * batch * nseg * rank * k * 2, LAYERS * batch * rank * n * 2
+    a_bytes, b_bytes = round(LAYERS * batch * nseg * rank * k * per), round(LAYERS * batch * rank * n * per)
+    cpu_over_wall = None
+    if clock is not time.thread_time:  # several threads: how many worked on the LoRA pass
+        w0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(rounds):
+            lora(full, n)
+        cpu_over_wall = round((time.process_time() - c0) / (time.perf_counter() - w0), 2)
     return {"base_ms": round(base_s * 1e3, 3), "lora_ms": round(lora_s * 1e3, 3),
             "shrink_ms": round(shrink_s * 1e3, 3), "expand_ms": round(expand_s * 1e3, 3),
             "base_mb": round(base_bytes / 1e6, 2), "lora_a_mb": round(a_bytes / 1e6, 2),
             "lora_b_mb": round(b_bytes / 1e6, 2),
             "base_gb_s": round(base_bytes / base_s / 1e9, 2), "lora_gb_s": round((a_bytes + b_bytes) / lora_s / 1e9, 2),
             "shrink_gb_s": round(a_bytes / shrink_s / 1e9, 2), "expand_gb_s": round(b_bytes / expand_s / 1e9, 2),
-            "_bytes": (base_bytes, a_bytes + b_bytes)}
+            "lora_cpu_over_wall": cpu_over_wall, "_bytes": (base_bytes, a_bytes + b_bytes)}
 
 
 def main() -> None:
-    rank, batch, threads, rounds = (int(a) for a in (sys.argv[1:] + ["64", "8", "1", "5"][len(sys.argv) - 1:])[:4])
+    rank, batch, threads, rounds = (int(a) for a in (sys.argv[1:5] + ["64", "8", "1", "5"][len(sys.argv) - 1:])[:4])
+    fmt = sys.argv[5] if len(sys.argv) > 5 else "bf16"
+    skip_engine = len(sys.argv) > 6 and sys.argv[6] == "kernels"
     torch.set_num_threads(threads)
     lib = native.library()
     clock = time.thread_time if threads == 1 else time.perf_counter
     g = torch.Generator().manual_seed(0)
-    out: dict = {"rank": rank, "batch": batch, "threads": threads, "clock": clock.__name__, "layers": LAYERS,
-                 "projections": {}}
+    out: dict = {"rank": rank, "batch": batch, "threads": threads, "lora_dtype": fmt, "clock": clock.__name__,
+                 "layers": LAYERS, "projections": {}}
     total = {"base_ms": 0.0, "lora_ms": 0.0, "shrink_ms": 0.0, "base_bytes": 0, "lora_bytes": 0}
     for proj, (k, bounds) in SHAPES.items():
-        entry = _projection(lib, k, bounds, rank, batch, rounds, clock, g)
+        entry = _projection(lib, k, bounds, rank, batch, rounds, clock, g, fmt)
         base_bytes, lora_bytes = entry.pop("_bytes")
         out["projections"][proj] = entry
         for key in ("base_ms", "lora_ms", "shrink_ms"):
@@ -133,7 +172,7 @@ def main() -> None:
     out["ceiling_read_gb_s"] = round(buf.numel() * 4 / ceiling_s / 1e9, 2)
     # the step's ratio if the rest of the step (attention, norms, logits) cost nothing: an upper bound
     out["total"]["layers_ratio"] = round(total["base_ms"] / (total["base_ms"] + total["lora_ms"]), 3)
-    out["engine"] = _engine(rank, batch)
+    out["engine"] = None if skip_engine else _engine(rank, batch)
     print(json.dumps(out, indent=1))
 
 

@@ -97,7 +97,7 @@ class Engine:
         self.kv.copy_blocks = self.runner.copy_blocks  # a repeated prompt's last block (KVManager._copy_tail)
         self.runner.cuda_graphs = capture_decode_graphs(config, self.model, self.kv_cache, self.max_model_len)
         self.loras = LoRASlots(self.model, config.max_loras, config.max_lora_rank, self.model.ops.lora, dtype,
-                               config.device)
+                               config.device, config.lora_dtype)
         for name, path in config.loras.items():
             self.loras.register(name, path)
         self.runner.lora_slots = self.loras

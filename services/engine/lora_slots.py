@@ -5,7 +5,8 @@ A request holds (pins) its adapter's slot from admission until it finishes. An a
 not in a slot is loaded on demand into a free slot or over the least recently used unpinned one;
 when every slot is pinned by running requests the request waits (the engine retries each step).
 Ranks below ``max_rank`` are zero-padded in the stacks and skipped by the kernels; each adapter's
-scaling is folded into its B.
+scaling is folded into its B. With ``lora_dtype`` int8 or int4 (opt-in: it changes the numbers)
+the stacks hold each adapter quantized at load, with scales beside them (kernels/lora_quant.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load_file
 
+from kernels.lora_quant import GROUP, check_shapes, quantize_int4_groups, quantize_int8_rows
 from services.engine.lora_config import MODULES, WEIGHTS_FILE, LoRASpec, read_lora
 from services.errors import InvalidRequestError
 
@@ -31,11 +33,12 @@ class LoRABatch:
 
     def apply(self, layer: int, proj: str, y: torch.Tensor, x: torch.Tensor) -> None:
         s = self.slots
-        s.kernel(y, x, s.a[proj][layer], s.bt[proj][layer], s.bounds[proj], self.idx, s.ranks)
+        scales = None if s.fmt == "bf16" else (s.a_scale[proj][layer], s.bt_scale[proj][layer])
+        s.kernel(y, x, s.a[proj][layer], s.bt[proj][layer], s.bounds[proj], self.idx, s.ranks, scales=scales)
 
 
 class LoRASlots:
-    def __init__(self, model, max_loras: int, max_rank: int, kernel, dtype: torch.dtype, device):
+    def __init__(self, model, max_loras: int, max_rank: int, kernel, dtype: torch.dtype, device, fmt: str = "bf16"):
         if max_rank not in RANKS:
             raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, RANKS))}; got {max_rank}")
         if max_loras < 1:
@@ -47,10 +50,14 @@ class LoRASlots:
         self.shapes = {"qkv": (h, (0, q, q + kv, q + 2 * kv)), "o": (q, (0, h)),
                        "gate_up": (h, (0, inter, 2 * inter)), "down": (inter, (0, h))}
         self.bounds = {p: b for p, (_, b) in self.shapes.items()}
+        check_shapes(fmt, self.shapes)
+        self.fmt = fmt  # "bf16": the stacks in ``dtype`` (the model's); "int8" / "int4": quantized
         self.num_layers, self.max_loras, self.max_rank = cfg.num_layers, max_loras, max_rank
         self.kernel, self.dtype, self.device = kernel, dtype, torch.device(device)
         self.a: dict[str, torch.Tensor] = {}  # proj -> [L, S, nseg * R, K], allocated at the first load
         self.bt: dict[str, torch.Tensor] = {}  # proj -> [L, S, R, N]
+        self.a_scale: dict[str, torch.Tensor] = {}  # quantized stacks' scales (kernels/lora_quant.py)
+        self.bt_scale: dict[str, torch.Tensor] = {}
         self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=self.device)
         self.known: dict[str, LoRASpec] = {}
         self.loaded: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
@@ -118,10 +125,22 @@ class LoRASlots:
 
     def _allocate(self) -> None:
         L, S, R = self.num_layers, self.max_loras, self.max_rank
+        dev = self.device
         for proj, (k, bounds) in self.shapes.items():
-            nseg = len(bounds) - 1
-            self.a[proj] = torch.zeros(L, S, nseg * R, k, dtype=self.dtype, device=self.device)
-            self.bt[proj] = torch.zeros(L, S, R, bounds[-1], dtype=self.dtype, device=self.device)
+            nseg, n = len(bounds) - 1, bounds[-1]
+            if self.fmt == "bf16":
+                self.a[proj] = torch.zeros(L, S, nseg * R, k, dtype=self.dtype, device=dev)
+                self.bt[proj] = torch.zeros(L, S, R, n, dtype=self.dtype, device=dev)
+            elif self.fmt == "int8":
+                self.a[proj] = torch.zeros(L, S, nseg * R, k, dtype=torch.int8, device=dev)
+                self.bt[proj] = torch.zeros(L, S, R, n, dtype=torch.int8, device=dev)
+                self.a_scale[proj] = torch.zeros(L, S, nseg * R, dtype=torch.float32, device=dev)
+                self.bt_scale[proj] = torch.zeros(L, S, nseg * R, dtype=torch.float32, device=dev)
+            else:  # int4: two a byte; scale 0 makes a zeroed group 0 whatever its nibbles
+                self.a[proj] = torch.zeros(L, S, nseg * R, k // 2, dtype=torch.uint8, device=dev)
+                self.bt[proj] = torch.zeros(L, S, R, n // 2, dtype=torch.uint8, device=dev)
+                self.a_scale[proj] = torch.zeros(L, S, nseg * R, k // GROUP, dtype=torch.bfloat16, device=dev)
+                self.bt_scale[proj] = torch.zeros(L, S, R, n // GROUP, dtype=torch.bfloat16, device=dev)
 
     def _load(self, spec: LoRASpec, slot: int) -> None:
         if not self.a:
@@ -132,9 +151,9 @@ class LoRASlots:
         except Exception as exc:  # a truncated or foreign file: the request's error, not the worker's
             raise InvalidRequestError(f"adapter {spec.name!r}: {WEIGHTS_FILE} does not load ({exc})",
                                       param="lora_path") from None
-        for proj in self.shapes:
-            self.a[proj][:, slot].zero_()
-            self.bt[proj][:, slot].zero_()
+        for stacks in (self.a, self.bt, self.a_scale, self.bt_scale):
+            for t in stacks.values():
+                t[:, slot].zero_()
         r, R = spec.rank, self.max_rank
         seen = 0
         for key, value in tensors.items():
@@ -153,14 +172,39 @@ class LoRASlots:
                 raise InvalidRequestError(f"adapter {spec.name!r}: {key} has shape {tuple(value.shape)}, this model "
                                           f"needs {want} (an adapter for another base model?)", param="lora_path")
             if which == "A":
-                self.a[proj][layer, slot, seg * R:seg * R + r] = value.to(self.dtype)
+                self._put_a(proj, layer, slot, seg, value.float())
             else:  # B^T with the scaling folded in, in fp32 before the one rounding
-                self.bt[proj][layer, slot, :r, lo:hi] = (value.float() * spec.scaling).T.to(self.dtype)
+                self._put_bt(proj, layer, slot, seg, lo, hi, (value.float() * spec.scaling).T)
             seen += 1
         if not seen:
             raise InvalidRequestError(f"adapter {spec.name!r} has no LoRA tensors", param="lora_path")
         self.ranks[slot] = r
         self.loads += 1
+
+
+    def _put_a(self, proj: str, layer: int, slot: int, seg: int, w: torch.Tensor) -> None:
+        """Segment ``seg``'s A [r, K] into the slot, in the stacks' format."""
+        rows = slice(seg * self.max_rank, seg * self.max_rank + w.shape[0])
+        if self.fmt == "bf16":
+            self.a[proj][layer, slot, rows] = w.to(self.dtype)
+            return
+        q, scale = quantize_int8_rows(w) if self.fmt == "int8" else quantize_int4_groups(w)
+        self.a[proj][layer, slot, rows] = q
+        self.a_scale[proj][layer, slot, rows] = scale
+
+    def _put_bt(self, proj: str, layer: int, slot: int, seg: int, lo: int, hi: int, w: torch.Tensor) -> None:
+        """Segment ``seg``'s B^T [r, hi - lo] (columns lo:hi) into the slot, in the stacks' format."""
+        r = w.shape[0]
+        if self.fmt == "bf16":
+            self.bt[proj][layer, slot, :r, lo:hi] = w.to(self.dtype)
+        elif self.fmt == "int8":  # one scale per rank row of this segment
+            q, scale = quantize_int8_rows(w)
+            self.bt[proj][layer, slot, :r, lo:hi] = q
+            self.bt_scale[proj][layer, slot, seg * self.max_rank:seg * self.max_rank + r] = scale
+        else:
+            q, scale = quantize_int4_groups(w)
+            self.bt[proj][layer, slot, :r, lo // 2:hi // 2] = q
+            self.bt_scale[proj][layer, slot, :r, lo // GROUP:hi // GROUP] = scale
 
 
 def _parse_key(key: str) -> tuple[int, str, str | None]:

@@ -10,7 +10,8 @@ import dataclasses
 
 import torch
 
-from services.engine.hf_baseline import hf_config, hf_twin
+from services.engine.hf_baseline import hf_config
+from services.engine.lora_accuracy import peft_merged  # noqa: F401 (the tests' import of it)
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -36,14 +37,6 @@ def make_adapter(model, directory: Path, seed: int, r: int = 8, alpha: int = 16,
     _randomize(peft_model, seed, scale)
     peft_model.save_pretrained(str(directory))
     return directory
-
-
-def peft_merged(model, directory: Path):
-    """``model``'s HF twin (fp32) with the adapter at ``directory`` loaded by PEFT and merged."""
-    from peft import PeftModel
-
-    base = hf_twin(model).float()
-    return PeftModel.from_pretrained(base, str(directory)).merge_and_unload().eval()
 
 
 def run_batch(engine, prompts: dict, params) -> dict[str, list[int]]:
