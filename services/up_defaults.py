@@ -28,11 +28,11 @@ peer --only pdserve --variant ...`` on the project's 2-core machine
   own, and with ``kernel.sched_autogroup_enabled`` a session shares the cores as
   one group, so this is what lets the gateway, router and Redis take a core as
   soon as they wake while the workers compute. ``pdserve bench frontdoor``,
-  quiet: added p99 per chunk at 1,000 open streams 25.8 ms against 326-390 ms,
-  with the same wall time for its 1,500 requests (BENCHMARKS.md). The workers
-  then yield to anything else on the machine too; ``--engine-nice 0`` keeps the
-  kernel's default. ``--front-first`` (services/front_first.py) is opt-in: it
-  has not yet been shown to help.
+  quiet, with this stack: added p99 per chunk at 1,000 open streams 28-40 ms
+  against 634 ms, with the same wall time for its 1,500 requests (BENCHMARKS.md).
+  The workers then yield to anything else on the machine too; ``--engine-nice
+  0`` keeps the kernel's default. ``--front-first`` (services/front_first.py) is
+  opt-in: 21.5-22.1 ms in two quiet runs, not yet enough runs for a default.
 - **Weights**: a GGUF model whose projections are all Q4_0/Q4_1/Q8_0 blocks is
   served from those blocks (``--quantization gguf``): the same weights the file
   holds (bf16 holds the same values, widened), decoded at 2-3 times the speed on
@@ -125,8 +125,8 @@ def choose(cpus: int, *, prefill: int | None = None, decode: int | None = None, 
     if engine_nice is None:
         engine_nice = ENGINE_NICE
         reasons.append(f"the workers' autogroups at niceness {engine_nice} because the gateway, router and Redis "
-                       "then get a core when they wake (measured: p99 per chunk at 1,000 streams 26 ms, not "
-                       "330-390; --engine-nice 0 to keep the kernel's default)")
+                       "then get a core when they wake (measured: p99 per chunk at 1,000 streams 28-40 ms, not "
+                       "634; --engine-nice 0 to keep the kernel's default)")
     if front_first:
         from services import front_first as scheduling
 

@@ -50,7 +50,15 @@ async def _stream(client, model: str, prompt: str, started: float, firsts: dict,
                 firsts.setdefault((kw.get("seed"), c.index), time.perf_counter() - started)
 
 
-async def _one(client, model: str, prompt: str, mode: str, n: int, max_tokens: int) -> tuple[float, float]:
+async def _one(base_url: str, model: str, prompt: str, mode: str, n: int, max_tokens: int) -> tuple[float, float]:
+    # A client per asyncio.run: an AsyncOpenAI client's connection pool belongs to the loop it first ran on.
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0) as client:
+        return await _timed(client, model, prompt, mode, n, max_tokens)
+
+
+async def _timed(client, model: str, prompt: str, mode: str, n: int, max_tokens: int) -> tuple[float, float]:
     firsts: dict = {}
     started = time.perf_counter()
     kw = {"temperature": 1.0, "max_tokens": max_tokens}
@@ -77,15 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-gb", type=float, default=0.5)
     result_files.add_save_argument(parser)
     args = parser.parse_args(argv)
-    from openai import AsyncOpenAI
-
     words = "the harbour boats sail out at dawn and come back heavy with fish while gulls circle".split()
     spec = StackSpec(prefill=1, decode=1, threads=1, kv_cache_gb=args.kv_cache_gb)
     rounds = []
     with LocalStack(spec) as stack:
-        client = AsyncOpenAI(base_url=f"http://{stack.gateway_address}/v1", api_key="none", max_retries=0)
-        model = asyncio.run(_first_model(client))
-        asyncio.run(_one(client, model, "Warm up the workers.", "fork", 2, 2))  # load paths, not measured
+        base_url = f"http://{stack.gateway_address}/v1"
+        model = asyncio.run(_first_model(base_url))
+        asyncio.run(_one(base_url, model, "Warm up the workers.", "fork", 2, 2))  # load paths, not measured
         for r in range(args.rounds):
             order = ("fork", "fanout") if r % 2 == 0 else ("fanout", "fork")
             row = {"round": r}
@@ -93,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                 prompt = f"Round {r} {mode}: " + " ".join(words[(i * 7 + r) % len(words)]
                                                           for i in range(args.prompt_words))
                 before = _computed(stack)
-                first, every = asyncio.run(_one(client, model, prompt, mode, args.n, args.max_tokens))
+                first, every = asyncio.run(_one(base_url, model, prompt, mode, args.n, args.max_tokens))
                 row[mode] = {"computed": _settled(stack, before), "ttft_first_s": first, "ttft_all_s": every}
             print(json.dumps(row), flush=True)
             rounds.append(row)
@@ -113,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def _first_model(client) -> str:
-    return (await client.models.list()).data[0].id
+async def _first_model(base_url: str) -> str:
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0) as client:
+        return (await client.models.list()).data[0].id
 
 
 if __name__ == "__main__":
