@@ -36,6 +36,9 @@ from services.handoff import EngineBlockOwner, decode_after_transfer, reserve_fo
 from services.worker import WorkerRuntime, add_worker_parser, run_worker
 
 _CLAIM_GRACE_S = 10.0
+# A reservation holds KV blocks until its KV comes or this long: an hour bounds what one Reserve can hold
+# (a fuzzed 1.6e16 s kept a block for good; the router's default asks for 60 s).
+MAX_TRANSFER_TIMEOUT_S = 3600.0
 
 
 @dataclass
@@ -99,8 +102,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         choice_targets(req)  # a bad list is refused before anything is reserved
                     timeout = (request.transfer_timeout_s if request.HasField("transfer_timeout_s")
                                else self.rt.config.transfer_timeout_s)
-                    if timeout <= 0:
-                        raise InvalidRequestError("transfer_timeout_s must be > 0", param="transfer_timeout_s")
+                    if not 0 < timeout <= MAX_TRANSFER_TIMEOUT_S:  # NaN too
+                        raise InvalidRequestError(f"transfer_timeout_s must be > 0 and at most "
+                                                  f"{MAX_TRANSFER_TIMEOUT_S:g} s, got {timeout:g}",
+                                                  param="transfer_timeout_s")
                     pending = await reserve_for_transfer(self.rt.aengine, self.owner, self.receiver, req.request_id,
                                                          list(req.token_ids), params, timeout, req.priority)
             except Exception as exc:

@@ -171,3 +171,21 @@ def test_a_decode_whose_reservation_is_gone_is_a_server_error_the_router_retries
     error, failed = asyncio.run(main())
     assert error.code() == grpc.StatusCode.ABORTED and "no reservation here" in error.details()
     assert failed.retryable and failed.error.http_status == 500
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, -1.0, float("nan"), 1.6e16])
+def test_a_reserve_with_a_timeout_out_of_range_is_refused_and_holds_nothing(timeout_s):
+    # the gRPC fuzz found a Reserve with transfer_timeout_s 1.6e16 s keeping a KV block for good
+    async def main():
+        async with decode_worker() as worker:
+            request = worker_request("t", PROMPT, SamplingParams(max_tokens=4, temperature=0))
+            try:
+                await worker.stub().Reserve(worker_pb2.ReserveRequest(request=request, transfer_timeout_s=timeout_s))
+            except grpc.aio.AioRpcError as exc:
+                return exc, "t" in worker.servicer.reservations, await worker.used_blocks()
+            return None, "t" in worker.servicer.reservations, await worker.used_blocks()
+
+    error, reserved, used = asyncio.run(main())
+    assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "transfer_timeout_s" in error.details()
+    assert not reserved and used == 0
