@@ -103,14 +103,9 @@ async def _alone(qw, d: Delivery, i: int, queue_ms: float, base: int, priority: 
     rid = req.choice_ids[i]
     try:
         params = SamplingParams(**choice_sampling(req.sampling, i))
-        await qw.results.fence(rid, f"{rid}.{base + 1}")  # an earlier attempt's late chunk cannot land now
-        emitted = await qw._emitted(rid)
-        finish = None
-        async for finish in qw.dispatcher.generate(
-                rid, req.token_ids, params, priority, req.deadline, results_to=rid, emitted=emitted,
-                read_emitted=lambda: qw._emitted(rid), session_key=req.session_key,
-                fence=lambda wrid: qw.results.fence(rid, wrid), attempt_base=base, model=req.model):
-            pass
+        # an earlier attempt (the forked one, an earlier router's) may have written: fenced off, resumed from
+        finish = await qw.generate_into_stream(rid, req.token_ids, params, priority, req.deadline,
+                                               req.session_key, req.model, base, resume=True)
         await qw.results.finish(rid, qw.final_event(finish, queue_ms))
     except PdserveError as exc:
         log.warning("request %s: choice %d failed: %s", req.request_id, i, exc.message)

@@ -184,18 +184,10 @@ class QueueWorker:
                     else:
                         # a redelivered request's attempts are numbered on from the earlier router's, whose
                         # decode worker may still be writing: fence it off before reading what the stream holds
-                        base = (d.delivery_count - 1) * ATTEMPTS_PER_DELIVERY
-                        emitted = []
-                        if d.delivery_count > 1:
-                            await self.results.fence(req.request_id, f"{req.request_id}.{base + 1}")
-                            emitted = await self._emitted(req.request_id)
-                        async for item in self.dispatcher.generate(
-                                req.request_id, req.token_ids, params, self._priority(d.tier), req.deadline,
-                                results_to=req.request_id, emitted=emitted,
-                                read_emitted=lambda: self._emitted(req.request_id), session_key=req.session_key,
-                                fence=lambda wrid: self.results.fence(req.request_id, wrid), attempt_base=base,
-                                model=req.model):
-                            finish = item  # results mode: only the Finish comes back
+                        finish = await self.generate_into_stream(
+                            req.request_id, req.token_ids, params, self._priority(d.tier), req.deadline,
+                            req.session_key, req.model, (d.delivery_count - 1) * ATTEMPTS_PER_DELIVERY,
+                            resume=d.delivery_count > 1)
                 await self._final(d, {**extra, **self.final_event(finish, queue_ms)})
             except asyncio.CancelledError:
                 # the client left (or this router is stopping: then the entry stays pending for another)
@@ -250,6 +242,24 @@ class QueueWorker:
     async def _final(self, d: Delivery, final: dict) -> None:
         await self.results.finish(d.request_id, final)
         await self.consumer.ack(d)
+
+    async def generate_into_stream(self, rid: str, token_ids, params: SamplingParams, priority: int,
+                                   deadline: float, session_key: str, model: str, base: int, resume: bool):
+        """Generate ``rid`` into its own result stream, retrying as the dispatcher does (each retry fenced
+        in, resuming from what the stream holds); ``resume``: an earlier attempt may have written there
+        (a redelivery, a failed forked attempt), so fence it off and resume from the start too. Returns
+        the last Finish (results mode: only the Finish comes back)."""
+        emitted = []
+        if resume:
+            await self.results.fence(rid, f"{rid}.{base + 1}")
+            emitted = await self._emitted(rid)
+        finish = None
+        async for finish in self.dispatcher.generate(
+                rid, token_ids, params, priority, deadline, results_to=rid, emitted=emitted,
+                read_emitted=lambda: self._emitted(rid), session_key=session_key,
+                fence=lambda wrid: self.results.fence(rid, wrid), attempt_base=base, model=model):
+            pass
+        return finish
 
     async def _emitted(self, request_id: str) -> list[int]:
         """Token ids the request's result stream already holds (what its client has seen)."""
