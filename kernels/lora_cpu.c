@@ -50,6 +50,8 @@
 #define LORA_MAX_U 1024 /* nseg * R per row on the stack: 4 segments of rank 256 */
 #define LORA_COLS 4096  /* expand: columns per pass, a 16 KiB fp32 accumulator row (L1) */
 #define LORA_GROUP 4    /* rows of one adapter that share a pass over its A and B */
+#define LORA_QPF 16      /* quantized shrinks: A rows prefetched ahead */
+#define LORA_PF_BYTES 8192 /* int4 expand: bytes of B^T prefetched ahead */
 
 enum { LORA_BF16 = 0, LORA_INT8 = 1, LORA_INT4 = 2 };
 #define INLINE static inline __attribute__((always_inline))
@@ -58,6 +60,15 @@ enum { LORA_BF16 = 0, LORA_INT8 = 1, LORA_INT4 = 2 };
 
 int pdserve_lora_available(void) {
 #if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* 1 where the quantized shrinks quantize x to int8 (VNNI, below), 0 where they widen it exactly */
+int pdserve_lora_quantizes_x(void) {
+#if defined(__AVX512VNNI__)
     return 1;
 #else
     return 0;
@@ -116,11 +127,120 @@ INLINE void widen_x(int fmt, const uint16_t *x, int K, float *xf) {
     }
 }
 
+#if defined(__AVX512VNNI__)
+#define LORA_VNNI 1
+/* The quantized shrinks with VNNI (vpdpbusd: 64 byte products summed four at a time into int32
+ * lanes). x is quantized to int8 once per row, symmetric, one scale per 32 elements (a group), so
+ * each 64-byte load of weights costs a few integer ops instead of widening every weight to fp32:
+ * with a quarter or half the bytes of bf16 the vector ports, not memory, bound the fp32 loops
+ * (int4's A read at 6 GB/s). The error this adds is x's int8 rounding, at most half a step of
+ * 1/127 of its group's largest |x|, well under the weights' own int4/int8 rounding.
+ * A row of x so prepared, per 128 elements: for int4 weights the even and odd elements' codes
+ * (the weights' low and high nibbles pair with them byte for byte), minus 8 x the sum of each
+ * int32 lane's codes (the nibbles are stored + 8: sum (q + 8) x - 8 sum x), each lane's group
+ * scale; for int8 weights the codes + 128 in memory order (vpdpbusd multiplies unsigned by
+ * signed: sum (x + 128) w - 128 sum w, the second sum taken in the loop) and the scales of both
+ * 64-element halves. */
+typedef struct {
+    uint8_t c[2][64];  /* int4: even, odd codes; int8: elements 0-63, 64-127, + 128 */
+    int32_t ncorr[16]; /* int4 only */
+    float xs[2][16];   /* the group scale of each int32 lane of c[0] (int4: of both) and of c[1] */
+} lora_qx;            /* 320 bytes: the shrinks' x buffer holds 512 per 128 elements */
+
+/* 32 elements of x (the mask's; the rest 0) as int8 codes of their group, even and odd elements
+ * (even_odd) or the first and second 16; returns the group's scale */
+INLINE float quant32(const uint16_t *x, __mmask32 m, int even_odd, __m128i *c0, __m128i *c1) {
+    __m512 e, o;
+    if (even_odd) {
+        widen32m_bf16(x, m, &e, &o);
+    } else {
+        e = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((__mmask16)m, x)), 16));
+        o = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((__mmask16)(m >> 16), x + 16)), 16));
+    }
+    const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(e), _mm512_abs_ps(o)));
+    const __m512 inv = _mm512_set1_ps(mx > 0 ? 127.0f / mx : 0.0f);
+    *c0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(e, inv)));
+    *c1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(o, inv)));
+    return mx / 127.0f;
+}
+
+/* x [K] bf16 -> ceil(K / 128) lora_qx for weights in format fmt (int8 or int4) */
+INLINE void quant_x(int fmt, const uint16_t *x, int K, lora_qx *q) {
+    const __m128i off = _mm_set1_epi8((char)0x80);
+    for (int k = 0; k < K; k += 128, q++) {
+        for (int g = 0; g < 4; g++) {
+            const int kg = k + 32 * g;
+            __m128i c0 = _mm_setzero_si128(), c1 = _mm_setzero_si128();
+            const float s = kg < K ? quant32(x + kg, tail_mask32(K - kg), fmt == LORA_INT4, &c0, &c1) : 0.0f;
+            if (fmt == LORA_INT4) {
+                _mm_storeu_si128((__m128i *)(q->c[0] + 16 * g), c0);
+                _mm_storeu_si128((__m128i *)(q->c[1] + 16 * g), c1);
+                for (int l = 0; l < 4; l++) q->xs[0][4 * g + l] = s;
+            } else { /* group g: lanes 8 (g & 1) .. 8 (g & 1) + 7 of half g / 2 */
+                uint8_t *dst = q->c[g >> 1] + 32 * (g & 1);
+                _mm_storeu_si128((__m128i *)dst, _mm_xor_si128(c0, off));
+                _mm_storeu_si128((__m128i *)(dst + 16), _mm_xor_si128(c1, off));
+                for (int l = 0; l < 8; l++) q->xs[g >> 1][8 * (g & 1) + l] = s;
+            }
+        }
+        if (fmt == LORA_INT4) {
+            const __m512i eight = _mm512_set1_epi8(8);
+            __m512i c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), eight, _mm512_loadu_si512(q->c[0]));
+            c = _mm512_dpbusd_epi32(c, eight, _mm512_loadu_si512(q->c[1]));
+            _mm512_storeu_si512(q->ncorr, _mm512_sub_epi32(_mm512_setzero_si512(), c));
+        }
+    }
+}
+
+/* dot4q with VNNI against rows of x prepared by quant_x (xq_i): per 64 bytes of weights (int4:
+ * 128 elements, low and high nibbles; int8: 64 elements) one or two vpdpbusd into int32 lanes,
+ * each lane then scaled by its group's x scale (and int4's weight scale) into fp32 */
+INLINE void dot4v(int fmt, const uint8_t *const a[4], const uint16_t *const s[4], const lora_qx *const xq[4], int K,
+                  int64_t pf, float *d) {
+    __m512 acc[4];
+    for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(15), c128 = _mm512_set1_epi8((char)0x80);
+    const __m512i rep = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const int step = fmt == LORA_INT4 ? 128 : 64; /* elements in 64 bytes */
+    for (int k = 0; k < K; k += step) {
+        const int left = K - k, nbytes = fmt == LORA_INT4 ? left / 2 : left;
+        const __mmask64 mb = nbytes >= 64 ? ~0ULL : (1ULL << nbytes) - 1;
+        const int half = fmt == LORA_INT4 ? 0 : (k / 64) & 1;
+        for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(a[i] + wbytes(fmt, k + pf)), _MM_HINT_T0);
+        for (int i = 0; i < 4; i++) {
+            const lora_qx *q = xq[i] + k / 128;
+            const __m512i b = _mm512_maskz_loadu_epi8(mb, a[i] + wbytes(fmt, k));
+            __m512 sv = _mm512_loadu_ps(q->xs[half]);
+            __m512i t;
+            if (fmt == LORA_INT4) {
+                t = _mm512_dpbusd_epi32(_mm512_loadu_si512(q->ncorr), _mm512_and_si512(b, low), _mm512_loadu_si512(q->c[0]));
+                t = _mm512_dpbusd_epi32(t, _mm512_and_si512(_mm512_srli_epi16(b, 4), low), _mm512_loadu_si512(q->c[1]));
+                const __mmask8 ms = left >= 128 ? 0xf : (__mmask8)((1u << ((left + 31) / 32)) - 1u);
+                const __m128i ws = _mm_slli_epi32(_mm_cvtepu16_epi32(_mm_maskz_loadu_epi16(ms, s[i] + k / 32)), 16);
+                sv = _mm512_mul_ps(sv, _mm512_permutexvar_ps(rep, _mm512_castps128_ps512(_mm_castsi128_ps(ws))));
+            } else {
+                t = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(q->c[half]), b),
+                                     _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, b));
+            }
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sv, acc[i]);
+        }
+    }
+    for (int i = 0; i < 4; i++) d[i] = _mm512_reduce_add_ps(acc[i]);
+}
+#endif
+
 /* dot4 over quantized rows against widened xf_i: int8 as 2 x 16 int8 -> int32 -> fp32 in memory
  * order (no even/odd shifts); int4 nibbles split and offset in 128-bit lanes, each 32-element
  * group's partial dot scaled once */
 INLINE void dot4q(int fmt, const uint8_t *const a[4], const uint16_t *const s[4], const float *const xf[4], int K,
                   int64_t pf, float *d) {
+#if defined(LORA_VNNI)
+    const lora_qx *const q[4] = {(const lora_qx *)xf[0], (const lora_qx *)xf[1], (const lora_qx *)xf[2],
+                                 (const lora_qx *)xf[3]};
+    dot4v(fmt, a, s, q, K, pf, d);
+    return;
+#endif
     __m512 e[4], o[4];
     for (int i = 0; i < 4; i++) e[i] = o[i] = _mm512_setzero_ps();
     const __m128i low = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
@@ -166,7 +286,7 @@ INLINE void shrink(int fmt, const uint16_t *x, const float *xf, const uint8_t *A
         if (fmt == LORA_BF16)
             dot4(a, xs, K, 4 * K, u + j);
         else
-            dot4q(fmt, a, s, xfs, K, 4 * K, u + j);
+            dot4q(fmt, a, s, xfs, K, LORA_QPF * K, u + j); /* LORA_QPF rows ahead */
     }
     for (; j < r; j++) {
         const uint8_t *const a[4] = {A + j * row, A + j * row, A + j * row, A + j * row};
@@ -298,13 +418,139 @@ INLINE void expand_group(int fmt, uint16_t *y, int64_t ldy, int m, const uint8_t
     }
 }
 
+#if defined(LORA_VNNI)
+/* The int4 expand with VNNI. y[n] += sum_j u_j s_j[g] q_j[n] (g = n's group of 32 columns) sums over
+ * the rank j, down B^T's rows, while vpdpbusd sums four adjacent bytes: so four rows' codes are
+ * interleaved in registers (two rounds of byte/word unpacks give dword k = rows j..j+3 of one
+ * column) and multiply the four coefficients c_j,g = u_j s_j[g], quantized to int8 per group over
+ * j (one scale t_g: half a step of 1/127 of the group's largest |c| is the error, under int4's
+ * own). The int32 sums run over every j; y[n] += t_g (sum - 8 sum_j cq_j,g), the nibbles being
+ * stored + 8. Per 64 bytes of a row: a quarter of a load, three nibble ops, four unpacks, two
+ * vpdpbusd, instead of widening 128 weights to fp32 (int4's expand read at 4-5 GB/s).
+ * Work per x row (wk): the coefficients [r4 / 4][ng] dwords, cs [ng] (8 sum cq), ts [ng] (t_g), and
+ * the int32 sums of a pass, per 128 columns eight vectors: nibble half h (even / odd columns) and
+ * unpack output q, lane l = group, dword k = byte position 4q + k of the group's 16. */
+#define LORA_Q4COLS 4096 /* int4 expand: columns per pass (16 KiB of sums per row), B^T read whole rows at a time */
+
+INLINE int64_t q4_work_ints(int R, int N) { /* int32s of wk per x row */
+    return (int64_t)(R / 4 + 2) * (N / 32 + 16) + LORA_Q4COLS / 128 * 8 * 16 + 16;
+}
+
+/* row i's coefficients from its u (u_s,j at u[s * R + j]) and B^T's scales Bsc [R, ng] */
+INLINE void q4_coefficients(const float *u, const uint16_t *Bsc, int r, int R, int N, int nseg, const int32_t *bounds,
+                            int32_t *cq, int32_t *cs, float *ts) {
+    const int ng = N / 32, r4 = (r + 3) & ~3;
+    for (int s = 0; s < nseg; s++)
+        for (int g = bounds[s] / 32; g < bounds[s + 1] / 32; g += 16) {
+            const __mmask16 m = mask16(bounds[s + 1] / 32 - g);
+            __m512 mx = _mm512_setzero_ps();
+            for (int j = 0; j < r; j++) /* first pass: the groups' largest |c| */
+                mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_mul_ps(_mm512_set1_ps(u[s * R + j]), load16m_bf16(Bsc + (int64_t)j * ng + g, m))));
+            const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(mx, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                                   _mm512_set1_ps(127.0f), mx);
+            _mm512_mask_storeu_ps(ts + g, m, _mm512_div_ps(mx, _mm512_set1_ps(127.0f)));
+            __m512i sum = _mm512_setzero_si512();
+            for (int j = 0; j < r4; j += 4) {
+                __m512i packed = _mm512_setzero_si512();
+                for (int jj = 0; jj < 4; jj++) {
+                    if (j + jj >= r) break;
+                    const __m512 c = _mm512_mul_ps(_mm512_set1_ps(u[s * R + j + jj]), load16m_bf16(Bsc + (int64_t)(j + jj) * ng + g, m));
+                    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(c, inv));
+                    sum = _mm512_add_epi32(sum, q);
+                    packed = _mm512_or_si512(packed, _mm512_slli_epi32(_mm512_and_si512(q, _mm512_set1_epi32(255)), 8 * jj));
+                }
+                _mm512_mask_storeu_epi32(cq + (int64_t)(j / 4) * ng + g, m, packed);
+            }
+            _mm512_mask_storeu_epi32(cs + g, m, _mm512_slli_epi32(sum, 3));
+        }
+}
+
+/* y_i[0:N] += the LoRA expand of the m rows sharing B (y_i at y + i * ldy, u_i at u + i * LORA_MAX_U),
+ * B [R, N / 2] packed int4 with scales Bsc [R, N / 32] */
+INLINE void expand4v(uint16_t *y, int64_t ldy, int m, const uint8_t *B, const uint16_t *Bsc, int N, int r, int R,
+                     int nseg, const int32_t *bounds, const float *u, int32_t *wk) {
+    const int ng = N / 32, r4 = (r + 3) & ~3;
+    const int64_t ldb = N / 2, per = q4_work_ints(R, N);
+    const int64_t pf = ldb ? ((LORA_PF_BYTES / ldb + 3) & ~3) * ldb : 0; /* whole blocks of four rows, LORA_PF_BYTES or more ahead */
+    const int64_t lcq = (int64_t)(R / 4 + 2) * (ng + 16) - 2 * (ng + 16); /* cq's ints, then cs, ts */
+    for (int i = 0; i < m; i++) {
+        int32_t *w = wk + i * per;
+        q4_coefficients(u + i * LORA_MAX_U, Bsc, r, R, N, nseg, bounds, w, w + lcq, (float *)(w + lcq + ng + 16));
+    }
+    const __m512i low = _mm512_set1_epi8(15), rep = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    for (int c0 = bounds[0]; c0 < N; c0 += LORA_Q4COLS) {
+        const int c1 = c0 + LORA_Q4COLS < N ? c0 + LORA_Q4COLS : N, nblk = (c1 - c0 + 127) / 128;
+        for (int i = 0; i < m; i++) memset(wk + i * per + lcq + 2 * (ng + 16), 0, (size_t)nblk * 8 * 64);
+        for (int j = 0; j < r4; j += 4) {
+            const uint8_t *rows[4] = {B + j * ldb, B + (j + 1) * ldb, B + (j + 2) * ldb, B + (j + 3) * ldb};
+            for (int cb = c0, blk = 0; cb < c1; cb += 128, blk++) {
+                const int nb = (c1 - cb) / 2;
+                const __mmask64 mb = nb >= 64 ? ~0ULL : (1ULL << nb) - 1;
+                __m512i L[4], H[4];
+                for (int k = 0; k < 4; k++) {
+                    _mm_prefetch((const char *)(rows[k] + pf + cb / 2), _MM_HINT_T0);
+                    const __m512i b = _mm512_maskz_loadu_epi8(mb, rows[k] + cb / 2);
+                    L[k] = _mm512_and_si512(b, low), H[k] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+                }
+                __m512i Q[8];
+                for (int h = 0; h < 2; h++) {
+                    const __m512i *X = h ? H : L;
+                    const __m512i a01 = _mm512_unpacklo_epi8(X[0], X[1]), b01 = _mm512_unpackhi_epi8(X[0], X[1]);
+                    const __m512i a23 = _mm512_unpacklo_epi8(X[2], X[3]), b23 = _mm512_unpackhi_epi8(X[2], X[3]);
+                    Q[4 * h + 0] = _mm512_unpacklo_epi16(a01, a23), Q[4 * h + 1] = _mm512_unpackhi_epi16(a01, a23);
+                    Q[4 * h + 2] = _mm512_unpacklo_epi16(b01, b23), Q[4 * h + 3] = _mm512_unpackhi_epi16(b01, b23);
+                }
+                const int g = cb / 32;
+                const __mmask8 mg = (__mmask8)((1u << ((c1 - cb + 31) / 32 > 4 ? 4 : (c1 - cb + 31) / 32)) - 1u);
+                for (int i = 0; i < m; i++) {
+                    int32_t *w = wk + i * per;
+                    const __m512i coef = _mm512_permutexvar_epi32(
+                        rep, _mm512_castsi128_si512(_mm_maskz_loadu_epi32(mg, w + (int64_t)(j / 4) * ng + g)));
+                    int32_t *acc = w + lcq + 2 * (ng + 16) + blk * 128;
+                    for (int q = 0; q < 8; q++)
+                        _mm512_storeu_si512(acc + 16 * q, _mm512_dpbusd_epi32(_mm512_loadu_si512(acc + 16 * q), Q[q], coef));
+                }
+            }
+        }
+        for (int i = 0; i < m; i++) { /* the sums back to columns (a 4 x 4 transpose of 128-bit lanes), into y */
+            const int32_t *w = wk + i * per, *cs = w + lcq;
+            const float *ts = (const float *)(w + lcq + ng + 16);
+            const int32_t *acc = w + lcq + 2 * (ng + 16);
+            uint16_t *yi = y + i * ldy;
+            for (int cb = c0, blk = 0; cb < c1; cb += 128, blk++) {
+                __m512i G[2][4];
+                for (int h = 0; h < 2; h++) {
+                    const int32_t *p = acc + blk * 128 + 64 * h;
+                    const __m512i a0 = _mm512_loadu_si512(p), a1 = _mm512_loadu_si512(p + 16);
+                    const __m512i a2 = _mm512_loadu_si512(p + 32), a3 = _mm512_loadu_si512(p + 48);
+                    const __m512i t0 = _mm512_shuffle_i32x4(a0, a1, 0x44), t1 = _mm512_shuffle_i32x4(a2, a3, 0x44);
+                    const __m512i t2 = _mm512_shuffle_i32x4(a0, a1, 0xEE), t3 = _mm512_shuffle_i32x4(a2, a3, 0xEE);
+                    G[h][0] = _mm512_shuffle_i32x4(t0, t1, 0x88), G[h][1] = _mm512_shuffle_i32x4(t0, t1, 0xDD);
+                    G[h][2] = _mm512_shuffle_i32x4(t2, t3, 0x88), G[h][3] = _mm512_shuffle_i32x4(t2, t3, 0xDD);
+                }
+                for (int l = 0; l < 4 && cb + 32 * l < c1; l++) {
+                    const int g = cb / 32 + l;
+                    const __m512i corr = _mm512_set1_epi32(cs[g]);
+                    const __m512 t = _mm512_set1_ps(ts[g]);
+                    __m512 e, o;
+                    widen32m_bf16(yi + cb + 32 * l, 0xffffffffu, &e, &o);
+                    e = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(G[0][l], corr)), t, e);
+                    o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(G[1][l], corr)), t, o);
+                    _mm512_storeu_si512(yi + cb + 32 * l, narrow32_bf16(e, o));
+                }
+            }
+        }
+    }
+}
+#endif
+
 /* The rows of chunk c (G rows from c * G): runs of one adapter share a pass over its A and B */
 INLINE void lora_chunk(int fmt, int c, int G, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy, int T, int K,
                        int N, const uint8_t *A, const uint8_t *Bt, int R, int nseg, const int32_t *bounds,
                        const int32_t *idx, const int32_t *ranks, const void *a_scale, const void *bt_scale,
-                       float *xf) {
+                       float *xf, int32_t *wk) {
     float u[LORA_GROUP * LORA_MAX_U];
-    const int64_t ldxf = (K + 31) & ~31;
+    const int64_t ldxf = (K + 127) & ~127; /* widen_x's fp32 row or quant_x's lora_qx per 128 */
     float acc[LORA_GROUP * LORA_COLS] __attribute__((aligned(64)));
     const int end = (c + 1) * G < T ? (c + 1) * G : T;
     for (int t = c * G, m; t < end; t += m) {
@@ -314,7 +560,12 @@ INLINE void lora_chunk(int fmt, int c, int G, const uint16_t *x, int64_t ldx, ui
         const int r = ranks[slot];
         const uint16_t *xr = x + (int64_t)t * ldx;
         if (fmt != LORA_BF16)
-            for (int i = 0; i < m; i++) widen_x(fmt, xr + i * ldx, K, xf + i * ldxf);
+            for (int i = 0; i < m; i++)
+#if defined(LORA_VNNI)
+                quant_x(fmt, xr + i * ldx, K, (lora_qx *)(xf + i * ldxf));
+#else
+                widen_x(fmt, xr + i * ldx, K, xf + i * ldxf);
+#endif
         const uint8_t *As = A + wbytes(fmt, (int64_t)slot * nseg * R * K);
         const uint16_t *q4a = fmt == LORA_INT4 ? (const uint16_t *)a_scale + (int64_t)slot * nseg * R * (K / 32) : NULL;
         const uint16_t *q4b = fmt == LORA_INT4 ? (const uint16_t *)bt_scale + (int64_t)slot * R * (N / 32) : NULL;
@@ -333,6 +584,13 @@ INLINE void lora_chunk(int fmt, int c, int G, const uint16_t *x, int64_t ldx, ui
                 for (int s = 0; s < nseg; s++)
                     for (int j = 0; j < r; j++) u[i * LORA_MAX_U + s * R + j] *= sa[s * R + j] * sb[s * R + j];
         }
+#if defined(LORA_VNNI)
+        if (fmt == LORA_INT4 && wk) {
+            expand4v(y + (int64_t)t * ldy, ldy, m, Bt + wbytes(fmt, (int64_t)slot * R * N), q4b, N, r, R, nseg, bounds,
+                     u, wk);
+            continue;
+        }
+#endif
         expand_group(fmt, y + (int64_t)t * ldy, ldy, m, Bt + wbytes(fmt, (int64_t)slot * R * N), q4b, N, r, R, nseg,
                      bounds, u, acc);
     }
@@ -359,19 +617,28 @@ int pdserve_lora(const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy, int T
      * adapter, are runs of one */
     const int G = T >= 16 ? LORA_GROUP : 1, chunks = (T + G - 1) / G;
     /* the quantized shrinks' widened rows: LORA_GROUP per thread */
-    const size_t xf_bytes = (size_t)LORA_GROUP * (((K + 31) & ~31) * sizeof(float));
+    const size_t xf_bytes = (size_t)LORA_GROUP * (((K + 127) & ~127) * sizeof(float));
+    /* the int4 VNNI expand's coefficients and sums: LORA_GROUP rows per thread (R a multiple of 4:
+     * it reads B^T four rows at a time) */
+#if defined(LORA_VNNI)
+    const size_t wk_bytes = fmt == LORA_INT4 && R % 4 == 0 ? (LORA_GROUP * q4_work_ints(R, N) * 4 + 63) & ~(size_t)63 : 0;
+#else
+    const size_t wk_bytes = 0;
+#endif
     int failed = 0;
 #define LORA_LOOP(F)                                                                                           \
     _Pragma("omp parallel if (T > 1)") {                                                                      \
         float *xf = F == LORA_BF16 ? NULL : aligned_alloc(64, xf_bytes);                                      \
+        int32_t *wk = wk_bytes ? aligned_alloc(64, wk_bytes) : NULL;                                          \
         _Pragma("omp for schedule(static)") for (int c = 0; c < chunks; c++) {                                 \
-            if (F != LORA_BF16 && !xf)                                                                          \
+            if ((F != LORA_BF16 && !xf) || (wk_bytes && !wk))                                                   \
                 failed = 1; /* every thread still reaches the loop's barrier */                                \
             else                                                                                                \
                 lora_chunk(F, c, G, x, ldx, y, ldy, T, K, N, A, Bt, R, nseg, bounds, idx, ranks, a_scale, bt_scale, \
-                           xf);                                                                                 \
+                           xf, wk);                                                                             \
         }                                                                                                      \
         free(xf);                                                                                              \
+        free(wk);                                                                                              \
     }
     if (fmt == LORA_BF16)
         LORA_LOOP(LORA_BF16)

@@ -22,6 +22,13 @@ def _available(lib) -> bool:
     return bool(lib.pdserve_lora_available())
 
 
+def x_quantized() -> bool:
+    """Whether this machine's kernel multiplies int8 / int4 stacks by x quantized to int8 in groups
+    (kernels/lora_quant.py ``quantize_x_groups``; the VNNI shrinks) rather than by x itself."""
+    lib = native.library()
+    return lib is not None and _available(lib) and bool(lib.pdserve_lora_quantizes_x())
+
+
 def lora_apply_cpu(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
                    bounds: tuple[int, ...], idx: torch.Tensor, ranks: torch.Tensor,
                    scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:

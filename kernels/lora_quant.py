@@ -90,3 +90,53 @@ def dequantize_slot(a: torch.Tensor, bt: torch.Tensor, a_scale: torch.Tensor, bt
     bt_f = torch.cat([bt[:, lo:hi].float() * bt_scale[s * rank:(s + 1) * rank, None]
                       for s, (lo, hi) in enumerate(zip(bounds, bounds[1:]))], dim=1)
     return a_f, bt_f
+
+
+def quantize_x_groups(x: torch.Tensor) -> torch.Tensor:
+    """What the C kernel's VNNI shrinks (lora_cpu.c, ``x_quantized``) multiply the quantized weights
+    by: each row of ``x [T, K]`` in groups of GROUP, symmetric int8 with the group's largest |x| /
+    127 as the step, as fp32 values (code x step, rounded as the kernel rounds)."""
+    xf = x.float()
+    t, k = xf.shape
+    pad = (-k) % GROUP
+    g = torch.nn.functional.pad(xf, (0, pad)).reshape(t, -1, GROUP)
+    mx = g.abs().amax(dim=2, keepdim=True)
+    inv = torch.where(mx > 0, torch.tensor(127.0) / mx, torch.zeros_like(mx))
+    codes = torch.round(g * inv).clamp_(-127, 127)
+    return (codes * (mx / 127)).reshape(t, -1)[:, :k]
+
+
+def vnni_apply_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, bounds: tuple[int, ...],
+                   idx: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """``y += LoRA(x)`` as the C kernel's VNNI loops compute it for int8 / int4 stacks (lora_cpu.c):
+    x quantized in groups (``quantize_x_groups``); for int4 also the expand's coefficients
+    ``c[j, g] = u[j] * bt_scale[j, g]`` quantized to int8 per output group g over the rank j
+    (scale: the group's largest |c| / 127), multiplied by the integer weights (stacks whose padded
+    rank is a multiple of 4; others take the exact fp32 expand). The tests hold the
+    kernel to this and this near the exact dequantizing reference (kernels/lora.py)."""
+    from kernels.lora import lora_apply_ref
+
+    xq = quantize_x_groups(x)
+    if stack_format(a) != "int4" or bt.shape[1] % 4:  # the int4 VNNI expand reads B^T four rows at a time
+        return lora_apply_ref(y, xq, a, bt, bounds, idx, scales=scales)
+    rank = bt.shape[1]
+    for slot in idx.unique().tolist():
+        if slot < 0:
+            continue
+        rows = (idx == slot).nonzero().squeeze(1)
+        a_f, _ = dequantize_slot(a[slot], bt[slot], scales[0][slot], scales[1][slot], bounds)
+        u = xq.index_select(0, rows) @ a_f.T  # [n, nseg * R]
+        lo = (bt[slot] & 15).to(torch.int16) - 8
+        hi = (bt[slot] >> 4).to(torch.int16) - 8
+        q = torch.stack((lo, hi), dim=-1).flatten(-2).float()  # [R, N] integer weights
+        s = scales[1][slot].float()  # [R, N / GROUP]
+        delta = torch.zeros(len(rows), q.shape[1])
+        for seg, (b0, b1) in enumerate(zip(bounds, bounds[1:])):
+            g0, g1 = b0 // GROUP, b1 // GROUP
+            c = u[:, seg * rank:(seg + 1) * rank, None] * s[None, :, g0:g1]  # [n, R, groups]
+            t = c.abs().amax(dim=1, keepdim=True) / 127
+            inv = torch.where(t > 0, 1 / t, torch.zeros_like(t))
+            cq = torch.round(c * inv) * t
+            w = q[:, b0:b1].unflatten(1, (-1, GROUP))  # [R, groups, GROUP]
+            delta[:, b0:b1] = torch.einsum("nrg,rgk->ngk", cq, w).flatten(1)
+        y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))

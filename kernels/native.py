@@ -45,7 +45,7 @@ _SOURCES = {
     "linear_quant.c": "avx512_vnni",
     "cpu_features.c": "amx",
     "decode_layers_cpu.c": "avx512",
-    "lora_cpu.c": "avx512",
+    "lora_cpu.c": "avx512_vnni",
 }
 _HEADERS = [Path(__file__).with_name(n) for n in ("cpu_simd.h", "linear_pack.h")]
 _STEM = "pdserve_cpu_kernels"

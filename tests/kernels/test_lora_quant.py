@@ -1,13 +1,15 @@
 """Quantized LoRA stacks (kernels/lora_quant.py, --lora-dtype int8 / int4): the round trip stays on
 each weight's grid, the C kernel computes what the dequantizing reference does (rows of several
-adapters, none, ranks below the padding, runs of one adapter, odd widths for int8), the Triton
-kernel takes int8 and refuses int4 with a message."""
+adapters, none, ranks below the padding, runs of one adapter, odd widths for int8; with VNNI, what
+``vnni_apply_ref`` defines, x and int4's expand coefficients in int8, and that near the dequantizing
+reference), the Triton kernel takes int8 and refuses int4 with a message."""
 
 import pytest
 import torch
 
 from kernels.lora import lora_apply_ref
-from kernels.lora_quant import GROUP, check_shapes, quantize_int4_groups, quantize_int8_rows, unpack_int4
+from kernels.lora_quant import (GROUP, check_shapes, quantize_int4_groups, quantize_int8_rows, unpack_int4,
+                                vnni_apply_ref)
 
 BOUNDS = (0, 96, 128, 160)  # a fused qkv of hidden 96: q 96, k 32, v 32
 
@@ -19,6 +21,14 @@ def _c_kernel():
         pytest.skip("the C kernels need a compiler and AVX-512")
     from kernels.lora_cpu import lora_apply_cpu
     return lora_apply_cpu
+
+
+def _kernel_ref():
+    """What the C kernel computes on this machine for quantized stacks: with VNNI x (and int4's expand
+    coefficients) in int8, else the dequantizing reference."""
+    from kernels.lora_cpu import x_quantized
+
+    return vnni_apply_ref if x_quantized() else lora_apply_ref
 
 
 def quantize_stacks(a: torch.Tensor, bt: torch.Tensor, bounds, fmt: str):
@@ -75,8 +85,8 @@ def test_c_kernel_matches_dequantizing_reference(fmt, rank):
     lora_apply_cpu = _c_kernel()
     y, x, a, bt, idx, ranks = _case(rank=rank)
     qa, qb, scales = quantize_stacks(a, bt, BOUNDS, fmt)
-    want, got, exact = y.clone(), y.clone(), y.clone()
-    lora_apply_ref(want, x, qa, qb, BOUNDS, idx, scales=scales)
+    want, got, exact, dequant = y.clone(), y.clone(), y.clone(), y.clone()
+    _kernel_ref()(want, x, qa, qb, BOUNDS, idx, scales=scales)
     lora_apply_cpu(got, x, qa, qb, BOUNDS, idx, ranks, scales=scales)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2 ** -7)
     assert torch.equal(got[1], y[1]) and torch.equal(got[5], y[5])  # rows without an adapter
@@ -84,6 +94,9 @@ def test_c_kernel_matches_dequantizing_reference(fmt, rank):
     delta, err = (exact.float() - y.float()), (got.float() - exact.float())
     assert err.abs().max() > 0  # quantized: not the bf16 result ...
     assert err.norm() < (0.05 if fmt == "int8" else 0.3) * delta.norm()  # ... but near it
+    # the int8 x (and coefficients) cost far less than the weights' own rounding
+    lora_apply_ref(dequant, x, qa, qb, BOUNDS, idx, scales=scales)
+    assert (got.float() - dequant.float()).norm() < 0.03 * delta.norm()
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -93,7 +106,7 @@ def test_c_kernel_rows_sharing_an_adapter(fmt):
     y, x, a, bt, idx, ranks = _case(rank=16, rows=rows)
     qa, qb, scales = quantize_stacks(a, bt, BOUNDS, fmt)
     want, got = y.clone(), y.clone()
-    lora_apply_ref(want, x, qa, qb, BOUNDS, idx, scales=scales)
+    _kernel_ref()(want, x, qa, qb, BOUNDS, idx, scales=scales)
     lora_apply_cpu(got, x, qa, qb, BOUNDS, idx, ranks, scales=scales)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2 ** -7)
     assert torch.equal(got[7], y[7]) and torch.equal(got[16:18], y[16:18])
@@ -106,7 +119,23 @@ def test_c_kernel_int8_odd_shapes(k, bounds, rank):
     y, x, a, bt, idx, ranks = _case(rank=rank, rows=(2, -1, 0, 1, 2), k=k, bounds=bounds, R=64)
     qa, qb, scales = quantize_stacks(a, bt, bounds, "int8")
     want, got = y.clone(), y.clone()
-    lora_apply_ref(want, x, qa, qb, bounds, idx, scales=scales)
+    _kernel_ref()(want, x, qa, qb, bounds, idx, scales=scales)
+    lora_apply_cpu(got, x, qa, qb, bounds, idx, ranks, scales=scales)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2 ** -7)
+    assert torch.equal(got[1], y[1]) and not torch.equal(got[0], y[0])
+
+
+@pytest.mark.parametrize("k, bounds, rank, R", [(96, (0, 64, 64, 4160), 64, 64), (544, (0, 32, 96, 96), 5, 8),
+                                               (64, (0, 0, 64, 64), 8, 8), (96, (0, 32, 64, 96), 6, 6)])
+def test_c_kernel_int4_odd_shapes(k, bounds, rank, R):
+    """int4: an output wider than one expand pass (4096 columns) ending mid-pass, K not a multiple
+    of the VNNI shrink's 128, a rank off the expand's blocks of four, empty segments, a stack rank
+    off them (the fp32 expand)."""
+    lora_apply_cpu = _c_kernel()
+    y, x, a, bt, idx, ranks = _case(rank=rank, rows=(2, -1, 0, 1, 2, 0), k=k, bounds=bounds, R=R)
+    qa, qb, scales = quantize_stacks(a, bt, bounds, "int4")
+    want, got = y.clone(), y.clone()
+    _kernel_ref()(want, x, qa, qb, bounds, idx, scales=scales)
     lora_apply_cpu(got, x, qa, qb, bounds, idx, ranks, scales=scales)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2 ** -7)
     assert torch.equal(got[1], y[1]) and not torch.equal(got[0], y[0])
