@@ -203,7 +203,10 @@ INLINE void dot4v(int fmt, const uint8_t *const a[4], const uint16_t *const s[4]
     const __m512i low = _mm512_set1_epi8(15), c128 = _mm512_set1_epi8((char)0x80);
     const __m512i rep = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     const int step = fmt == LORA_INT4 ? 128 : 64; /* elements in 64 bytes */
+    __m512 ws[4]; /* int4: the rows' weight scales of 512 elements (16 groups), widened once */
     for (int k = 0; k < K; k += step) {
+        if (fmt == LORA_INT4 && (k & 511) == 0)
+            for (int i = 0; i < 4; i++) ws[i] = load16m_bf16(s[i] + k / 32, mask16((K - k + 31) / 32));
         const int left = K - k, nbytes = fmt == LORA_INT4 ? left / 2 : left;
         const __mmask64 mb = nbytes >= 64 ? ~0ULL : (1ULL << nbytes) - 1;
         const int half = fmt == LORA_INT4 ? 0 : (k / 64) & 1;
@@ -216,9 +219,7 @@ INLINE void dot4v(int fmt, const uint8_t *const a[4], const uint16_t *const s[4]
             if (fmt == LORA_INT4) {
                 t = _mm512_dpbusd_epi32(_mm512_loadu_si512(q->ncorr), _mm512_and_si512(b, low), _mm512_loadu_si512(q->c[0]));
                 t = _mm512_dpbusd_epi32(t, _mm512_and_si512(_mm512_srli_epi16(b, 4), low), _mm512_loadu_si512(q->c[1]));
-                const __mmask8 ms = left >= 128 ? 0xf : (__mmask8)((1u << ((left + 31) / 32)) - 1u);
-                const __m128i ws = _mm_slli_epi32(_mm_cvtepu16_epi32(_mm_maskz_loadu_epi16(ms, s[i] + k / 32)), 16);
-                sv = _mm512_mul_ps(sv, _mm512_permutexvar_ps(rep, _mm512_castps128_ps512(_mm_castsi128_ps(ws))));
+                sv = _mm512_mul_ps(sv, _mm512_permutexvar_ps(_mm512_add_epi32(rep, _mm512_set1_epi32((k & 511) / 32)), ws[i]));
             } else {
                 t = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(q->c[half]), b),
                                      _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, b));
