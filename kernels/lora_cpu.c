@@ -41,6 +41,7 @@
  * half the bytes, the vector ports bind sooner than memory. Each loop is compiled once per
  * format (lora_chunk inlined with a constant fmt).
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -545,6 +546,93 @@ INLINE void expand4v(uint16_t *y, int64_t ldy, int m, const uint8_t *B, const ui
 }
 #endif
 
+#if defined(LORA_VNNI)
+/* The int8 expand with VNNI, as expand4v: four B^T rows interleaved into vpdpbusd's dwords (codes
+ * + 128, unsigned) against the coefficients u_s,j (both per-row scales already folded in, lora_chunk)
+ * quantized to int8 per segment over j; y[n] += t_s (sum - 128 sum_j cq_s,j). Segment bounds must be
+ * multiples of 64 (a 64-byte block in one segment; else the fp32 expand runs). Work per x row: the
+ * coefficient dwords [R / 4][16], cs [16], ts [16], then the sums of a pass, per 64 columns four
+ * vectors: unpack output q, lane l, dword k = column 16 l + 4 q + k. */
+INLINE int64_t q8_work_ints(int R) { return (int64_t)(R / 4 + 2) * 16 + LORA_Q4COLS + 16; }
+
+INLINE void expand8v(uint16_t *y, int64_t ldy, int m, const uint8_t *B, int N, int r, int R, int nseg,
+                     const int32_t *bounds, const float *u, int32_t *wk) {
+    const int r4 = (r + 3) & ~3;
+    const int64_t ldb = N, per = q8_work_ints(R), lcq = (int64_t)(R / 4) * 16;
+    const int64_t pf = ldb ? ((LORA_PF_BYTES / ldb + 3) & ~3) * ldb : 0;
+    for (int i = 0; i < m; i++) { /* coefficients, 16 segments at most */
+        int32_t *w = wk + i * per, *cs = w + lcq;
+        float *ts = (float *)(w + lcq + 16);
+        const float *ui = u + i * LORA_MAX_U;
+        for (int s = 0; s < nseg; s++) {
+            float mx = 0;
+            for (int j = 0; j < r; j++) mx = fabsf(ui[s * R + j]) > mx ? fabsf(ui[s * R + j]) : mx;
+            const float inv = mx > 0 ? 127.0f / mx : 0.0f;
+            int sum = 0;
+            ts[s] = mx / 127.0f;
+            for (int j = 0; j < r4; j += 4) {
+                uint32_t packed = 0;
+                for (int jj = 0; jj < 4 && j + jj < r; jj++) {
+                    const int q = (int)nearbyintf(ui[s * R + j + jj] * inv);
+                    sum += q;
+                    packed |= (uint32_t)(q & 255) << (8 * jj);
+                }
+                w[(j / 4) * 16 + s] = (int32_t)packed;
+            }
+            cs[s] = 128 * sum;
+        }
+    }
+    const __m512i off = _mm512_set1_epi8((char)0x80);
+    for (int c0 = bounds[0]; c0 < N; c0 += LORA_Q4COLS) {
+        const int c1 = c0 + LORA_Q4COLS < N ? c0 + LORA_Q4COLS : N, nblk = (c1 - c0 + 63) / 64;
+        for (int i = 0; i < m; i++) memset(wk + i * per + lcq + 32, 0, (size_t)nblk * 4 * 64);
+        for (int j = 0; j < r4; j += 4) {
+            const uint8_t *rows[4] = {B + j * ldb, B + (j + 1) * ldb, B + (j + 2) * ldb, B + (j + 3) * ldb};
+            for (int cb = c0, blk = 0, s = 0; cb < c1; cb += 64, blk++) {
+                while (cb >= bounds[s + 1]) s++;
+                __m512i X[4], Q[4];
+                for (int k = 0; k < 4; k++) {
+                    _mm_prefetch((const char *)(rows[k] + pf + cb), _MM_HINT_T0);
+                    X[k] = _mm512_xor_si512(_mm512_loadu_si512(rows[k] + cb), off);
+                }
+                const __m512i a01 = _mm512_unpacklo_epi8(X[0], X[1]), b01 = _mm512_unpackhi_epi8(X[0], X[1]);
+                const __m512i a23 = _mm512_unpacklo_epi8(X[2], X[3]), b23 = _mm512_unpackhi_epi8(X[2], X[3]);
+                Q[0] = _mm512_unpacklo_epi16(a01, a23), Q[1] = _mm512_unpackhi_epi16(a01, a23);
+                Q[2] = _mm512_unpacklo_epi16(b01, b23), Q[3] = _mm512_unpackhi_epi16(b01, b23);
+                for (int i = 0; i < m; i++) {
+                    int32_t *w = wk + i * per, *acc = w + lcq + 32 + blk * 64;
+                    const __m512i coef = _mm512_set1_epi32(w[(j / 4) * 16 + s]);
+                    for (int q = 0; q < 4; q++)
+                        _mm512_storeu_si512(acc + 16 * q, _mm512_dpbusd_epi32(_mm512_loadu_si512(acc + 16 * q), Q[q], coef));
+                }
+            }
+        }
+        for (int i = 0; i < m; i++) {
+            const int32_t *w = wk + i * per, *cs = w + lcq, *acc = w + lcq + 32;
+            const float *ts = (const float *)(w + lcq + 16);
+            uint16_t *yi = y + i * ldy;
+            for (int cb = c0, blk = 0, s = 0; cb < c1; cb += 64, blk++) {
+                while (cb >= bounds[s + 1]) s++;
+                const int32_t *p = acc + blk * 64;
+                const __m512i a0 = _mm512_loadu_si512(p), a1 = _mm512_loadu_si512(p + 16);
+                const __m512i a2 = _mm512_loadu_si512(p + 32), a3 = _mm512_loadu_si512(p + 48);
+                const __m512i t0 = _mm512_shuffle_i32x4(a0, a1, 0x44), t1 = _mm512_shuffle_i32x4(a2, a3, 0x44);
+                const __m512i t2 = _mm512_shuffle_i32x4(a0, a1, 0xEE), t3 = _mm512_shuffle_i32x4(a2, a3, 0xEE);
+                const __m512i G[4] = {_mm512_shuffle_i32x4(t0, t1, 0x88), _mm512_shuffle_i32x4(t0, t1, 0xDD),
+                                      _mm512_shuffle_i32x4(t2, t3, 0x88), _mm512_shuffle_i32x4(t2, t3, 0xDD)};
+                const __m512i corr = _mm512_set1_epi32(cs[s]);
+                const __m512 t = _mm512_set1_ps(ts[s]);
+                for (int l = 0; l < 4; l++) {
+                    const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(G[l], corr)), t,
+                                                     load16m_bf16(yi + cb + 16 * l, 0xffff));
+                    _mm256_storeu_si256((__m256i *)(yi + cb + 16 * l), narrow16_bf16(v));
+                }
+            }
+        }
+    }
+}
+#endif
+
 /* The rows of chunk c (G rows from c * G): runs of one adapter share a pass over its A and B */
 INLINE void lora_chunk(int fmt, int c, int G, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy, int T, int K,
                        int N, const uint8_t *A, const uint8_t *Bt, int R, int nseg, const int32_t *bounds,
@@ -591,6 +679,10 @@ INLINE void lora_chunk(int fmt, int c, int G, const uint16_t *x, int64_t ldx, ui
                      u, wk);
             continue;
         }
+        if (fmt == LORA_INT8 && wk) {
+            expand8v(y + (int64_t)t * ldy, ldy, m, Bt + (int64_t)slot * R * N, N, r, R, nseg, bounds, u, wk);
+            continue;
+        }
 #endif
         expand_group(fmt, y + (int64_t)t * ldy, ldy, m, Bt + wbytes(fmt, (int64_t)slot * R * N), q4b, N, r, R, nseg,
                      bounds, u, acc);
@@ -619,10 +711,13 @@ int pdserve_lora(const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy, int T
     const int G = T >= 16 ? LORA_GROUP : 1, chunks = (T + G - 1) / G;
     /* the quantized shrinks' widened rows: LORA_GROUP per thread */
     const size_t xf_bytes = (size_t)LORA_GROUP * (((K + 127) & ~127) * sizeof(float));
-    /* the int4 VNNI expand's coefficients and sums: LORA_GROUP rows per thread (R a multiple of 4:
-     * it reads B^T four rows at a time) */
+    /* the VNNI expands' coefficients and sums: LORA_GROUP rows per thread (R a multiple of 4: they
+     * read B^T four rows at a time) */
 #if defined(LORA_VNNI)
-    const size_t wk_bytes = fmt == LORA_INT4 && R % 4 == 0 ? (LORA_GROUP * q4_work_ints(R, N) * 4 + 63) & ~(size_t)63 : 0;
+    int seg64 = nseg <= 16; /* int8: every segment bound a multiple of 64, at most 16 segments */
+    for (int s = 0; s <= nseg; s++) seg64 &= bounds[s] % 64 == 0;
+    const int64_t wk_ints = R % 4 ? 0 : fmt == LORA_INT4 ? q4_work_ints(R, N) : fmt == LORA_INT8 && seg64 ? q8_work_ints(R) : 0;
+    const size_t wk_bytes = (LORA_GROUP * wk_ints * 4 + 63) & ~(size_t)63;
 #else
     const size_t wk_bytes = 0;
 #endif

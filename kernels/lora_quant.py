@@ -109,17 +109,20 @@ def quantize_x_groups(x: torch.Tensor) -> torch.Tensor:
 def vnni_apply_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, bounds: tuple[int, ...],
                    idx: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]) -> None:
     """``y += LoRA(x)`` as the C kernel's VNNI loops compute it for int8 / int4 stacks (lora_cpu.c):
-    x quantized in groups (``quantize_x_groups``); for int4 also the expand's coefficients
-    ``c[j, g] = u[j] * bt_scale[j, g]`` quantized to int8 per output group g over the rank j
-    (scale: the group's largest |c| / 127), multiplied by the integer weights (stacks whose padded
-    rank is a multiple of 4; others take the exact fp32 expand). The tests hold the
+    x quantized in groups (``quantize_x_groups``); and where the padded rank is a multiple of 4 the
+    expand's coefficients in int8 times the integer weights: int4's ``c[j, g] = u[j] * bt_scale[j, g]``
+    per output group g over the rank j (scale: the group's largest |c| / 127), int8's u[s, j] with
+    both row scales per segment s (segment bounds multiples of 64; others the exact fp32 expand). The tests hold the
     kernel to this and this near the exact dequantizing reference (kernels/lora.py)."""
     from kernels.lora import lora_apply_ref
 
     xq = quantize_x_groups(x)
-    if stack_format(a) != "int4" or bt.shape[1] % 4:  # the int4 VNNI expand reads B^T four rows at a time
+    fmt, rank = stack_format(a), bt.shape[1]
+    int8_blocks = len(bounds) <= 17 and all(b % 64 == 0 for b in bounds)  # lora_cpu.c's expand8v
+    if rank % 4 or (fmt == "int8" and not int8_blocks):  # the VNNI expands read B^T four rows at a time
         return lora_apply_ref(y, xq, a, bt, bounds, idx, scales=scales)
-    rank = bt.shape[1]
+    if fmt == "int8":
+        return _int8_expand_ref(y, xq, a, bt, bounds, idx, scales)
     for slot in idx.unique().tolist():
         if slot < 0:
             continue
@@ -139,4 +142,22 @@ def vnni_apply_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.
             cq = torch.round(c * inv) * t
             w = q[:, b0:b1].unflatten(1, (-1, GROUP))  # [R, groups, GROUP]
             delta[:, b0:b1] = torch.einsum("nrg,rgk->ngk", cq, w).flatten(1)
+        y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
+
+
+def _int8_expand_ref(y, xq, a, bt, bounds, idx, scales) -> None:
+    """vnni_apply_ref's int8 expand: the coefficients u[s, j] (both scales folded in) quantized to
+    int8 per segment s over j, times B^T's codes."""
+    rank = bt.shape[1]
+    for slot in idx.unique().tolist():
+        if slot < 0:
+            continue
+        rows = (idx == slot).nonzero().squeeze(1)
+        u = (xq.index_select(0, rows) @ a[slot].float().T) * (scales[0][slot] * scales[1][slot]).float()
+        delta = torch.zeros(len(rows), bt.shape[2])
+        for seg, (b0, b1) in enumerate(zip(bounds, bounds[1:])):
+            c = u[:, seg * rank:(seg + 1) * rank]
+            t = c.abs().amax(dim=1, keepdim=True) / 127
+            cq = torch.round(c * torch.where(t > 0, 1 / t, torch.zeros_like(t))) * t
+            delta[:, b0:b1] = cq @ bt[slot, :, b0:b1].float()
         y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))

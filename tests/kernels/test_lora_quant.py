@@ -100,21 +100,24 @@ def test_c_kernel_matches_dequantizing_reference(fmt, rank):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_c_kernel_rows_sharing_an_adapter(fmt):
+@pytest.mark.parametrize("bounds", [BOUNDS, (0, 64, 128, 192)])
+def test_c_kernel_rows_sharing_an_adapter(fmt, bounds):
     lora_apply_cpu = _c_kernel()
     rows = [0, 0, 0, 0, 0, 1, 1, -1, 2, 2, 2, 0, 1, 1, 1, 1, -1, -1, 2, 0, 0]
-    y, x, a, bt, idx, ranks = _case(rank=16, rows=rows)
-    qa, qb, scales = quantize_stacks(a, bt, BOUNDS, fmt)
+    y, x, a, bt, idx, ranks = _case(rank=16, rows=rows, bounds=bounds)
+    qa, qb, scales = quantize_stacks(a, bt, bounds, fmt)
     want, got = y.clone(), y.clone()
-    _kernel_ref()(want, x, qa, qb, BOUNDS, idx, scales=scales)
-    lora_apply_cpu(got, x, qa, qb, BOUNDS, idx, ranks, scales=scales)
+    _kernel_ref()(want, x, qa, qb, bounds, idx, scales=scales)
+    lora_apply_cpu(got, x, qa, qb, bounds, idx, ranks, scales=scales)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2 ** -7)
     assert torch.equal(got[7], y[7]) and torch.equal(got[16:18], y[16:18])
 
 
-@pytest.mark.parametrize("k, bounds, rank", [(100, (0, 70, 83, 2200), 13), (40, (0, 0, 33, 33), 6)])
+@pytest.mark.parametrize("k, bounds, rank", [(100, (0, 70, 83, 2200), 13), (40, (0, 0, 33, 33), 6),
+                                           (96, (0, 64, 128, 4224), 13), (576, (0, 576, 768, 960), 64)])
 def test_c_kernel_int8_odd_shapes(k, bounds, rank):
-    """int8 takes any width (masked tails), a segment wider than one expand pass, empty segments."""
+    """int8 takes any width (masked tails), a segment wider than one expand pass, empty segments;
+    segments on 64-column blocks (the VNNI expand) across a pass's end, a rank off its blocks of four."""
     lora_apply_cpu = _c_kernel()
     y, x, a, bt, idx, ranks = _case(rank=rank, rows=(2, -1, 0, 1, 2), k=k, bounds=bounds, R=64)
     qa, qb, scales = quantize_stacks(a, bt, bounds, "int8")
