@@ -200,9 +200,9 @@ class QueueConsumer:
         await self._finalize(delivery.tier, delivery.entry_id, delivery.request_id, "done")
 
     async def expire(self, delivery: Delivery, message: str = "deadline exceeded") -> None:
-        """The request's deadline passed: a deadline error for its client (on every choice's stream that has
-        no terminal event yet is not needed: the gateway ends an n > 1 response at its first error), then
-        final as "expired" (not a dead letter: nothing for an operator to look at)."""
+        """The request's deadline passed: a deadline error on its result stream (choice 0's with n > 1: the
+        gateway ends the response at any choice's first error), then final as "expired" (not a dead
+        letter: nothing there for an operator to look at)."""
         await self.results.error(delivery.request_id, "deadline_exceeded", message, _STATUS["deadline_exceeded"])
         await self._finalize(delivery.tier, delivery.entry_id, delivery.request_id, "expired")
 
