@@ -32,7 +32,9 @@ def cpu_seconds(procs: dict) -> dict[str, float]:
 def wakeups(procs: dict) -> dict[str, int]:
     """Voluntary context switches so far of each psutil process by name, over all its threads (0 for one that is
     gone): each is a thread going to sleep on a wait (a socket, a futex, epoll), so the difference of two
-    readings counts the process's wake-ups between them. psutil's own count is the main thread's only."""
+    readings counts the process's wake-ups between them, in the threads alive at both (a thread that exits takes
+    its count with it; the stack's threads live as long as their process). psutil's own count is the main
+    thread's only."""
     out = {}
     for name, proc in procs.items():
         total = 0

@@ -82,8 +82,20 @@ def test_wakeups_count_every_thread_of_a_process():
     from services.bench.process_watch import wakeups
 
     me = {"me": psutil.Process(os.getpid())}
+    slept, done = threading.Event(), threading.Event()
+
+    def sleeper():
+        for _ in range(50):
+            time.sleep(0.001)
+        slept.set()
+        done.wait()  # alive while counted: a thread that exited takes its count with it (as in the stack's
+        # processes, whose threads live as long as they do)
+
     before = wakeups(me)["me"]
-    worker = threading.Thread(target=lambda: [time.sleep(0.001) for _ in range(50)])
+    worker = threading.Thread(target=sleeper)
     worker.start()
+    slept.wait()
+    after = wakeups(me)["me"]
+    done.set()
     worker.join()
-    assert wakeups(me)["me"] - before >= 50
+    assert after - before >= 50
