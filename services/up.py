@@ -23,7 +23,6 @@ import threading
 from pathlib import Path
 
 from services import openmp_env, stream_holding, up_defaults
-from services.bench.args import at_least_one
 from services.engine.model_source import default_model_path, model_name
 from services.errors import ModelNotFoundError
 from services.gateway.server import add_cascade_arguments

@@ -19,7 +19,8 @@ with that step. Two ways to hold, one at a time:
   after the request's last write writes what it held and its own tokens.
   Steps slower than M ms (a big batch, a slow machine) are written one by one
   as with no holding; fast steps (one user on a small model) coalesce. A held
-  token waits at most M ms plus one step.
+  token waits at most M ms plus one step while its request runs (a preempted
+  request's held tokens go with its next step).
 - ``interval`` N > 1 (``--stream-interval``, vLLM's and SGLang's flag):
   N tokens to a chunk. ``interval`` 1 with ``flush_ms`` 0 writes every step.
 """
