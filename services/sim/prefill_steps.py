@@ -77,6 +77,7 @@ class SteppedPrefillWorker(PrefillWorker):
     def _admit(self, job: Job) -> None:
         hit = self._lookup(job)
         req, bs = job.req, self.profile.block_size
+        job.extra["admitted_at"] = self.sim.loop.now
         job.extra["left"] = max(1, req.num_tokens - hit * bs)  # the last token always
         job.extra["context"] = req.num_tokens - job.extra["left"]
         job.extra["allocated"] = -(-req.num_tokens // bs) - hit
