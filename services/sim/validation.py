@@ -102,7 +102,9 @@ def simulate_bench(profile: WorkerProfile, requests: list[SimRequest], policies=
         sim.run()
         s = summarize(sim, SLO(10.0, 1.0))
         n = len(sim.jobs)
-        busy = {role: sum(w.busy_s for w in sim.workers.values() if w.role == role) for role in ("prefill", "decode")}
+        # a worker's CPU: its steps and (decode) its event loop's thread
+        busy = {role: sum(w.busy_s + getattr(w, "loop_busy_s", 0.0) for w in sim.workers.values() if w.role == role)
+                for role in ("prefill", "decode")}
         handoff = [j.first_token_at - j.extra["prefilled_at"] for j in sim.jobs if "prefilled_at" in j.extra]
         out[policy] = {"hit_rate": s["hit_rate"], "ttft_s": s["ttft_s"], "requests_per_s": round(n / sim.loop.now, 3),
                        "handoff_ms_p50": round(percentile(handoff, 50) * 1e3, 2),

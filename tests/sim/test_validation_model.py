@@ -142,3 +142,28 @@ def test_a_first_token_leaves_the_decode_worker_when_its_step_under_way_ends():
     assert newcomer.first_token_at == -1.0  # still waiting for the step to end
     sim.loop.run(3.1 * step)
     assert newcomer.first_token_at == pytest.approx(3 * step, rel=1e-3)
+
+
+def _decode_phase(profile, host_cores):
+    req = SimRequest(0, 0.0, "standard", list(range(4)), 64, 33)  # 32 decode steps after the first token
+    sim = ClusterSim(ClusterConfig(profile, 1, 1, policy="round-robin", disaggregation="always", closed_loop=1,
+                                   host_cores=host_cores), [req]).run()
+    job = sim.jobs[0]
+    decode = next(w for w in sim.workers.values() if w.role == "decode")
+    return job.finished_at - job.first_token_at, decode
+
+
+def test_a_decode_workers_event_loop_runs_beside_its_steps_and_takes_a_shared_hosts_cores():
+    plain = cpu()
+    served = dataclasses.replace(plain, decode_loop_cpu_share=0.5)
+    step = plain.decode_step_s(1, 64 + 1)  # ~the batch of one's step (its context grows a little)
+    # cores enough for every thread: the loop's work does not lengthen the steps
+    alone, _ = _decode_phase(plain, 8)
+    beside, decode = _decode_phase(served, 8)
+    assert alone == pytest.approx(32 * step, rel=0.02)
+    assert beside == pytest.approx(alone)
+    assert decode.loop_busy_s == pytest.approx(0.5 * decode.busy_s)  # the loop did its share of work
+    # one core: the loop's thread and the engine's share it, 1.5 threads on 1 core
+    one_core, _ = _decode_phase(served, 1)
+    assert one_core == pytest.approx(1.5 * alone)
+
