@@ -65,6 +65,10 @@ class WorkerProfile:
     # as a share of the steps' compute, run beside them on a shared host (host.py: the worker counts 1 + share
     # runnable threads); served() moves the decode worker's measured factor here (a step is the engine's alone)
     decode_loop_cpu_share: float = 0.0
+    # CPU seconds a prefill worker spends per request beyond the engine's steps (the call, the whole prompt's
+    # KV sent: a prefix hit sends it too), in the step that finishes the request's prompt; served() sets it
+    # from worker_cpu_factor's "prefill_per_request_s"
+    prefill_request_s: float = 0.0
     # a disaggregated request's first token leaves the decode worker when its step under way ends (the cpu
     # profile: pdserve's decode worker, whose engine thread holds the GIL through a step); else on arrival
     first_token_at_step: bool = False
@@ -93,8 +97,10 @@ class WorkerProfile:
     def served(self) -> WorkerProfile:
         """The costs of a served worker on the profile's host, from its measured ``worker_cpu_factor``.
 
-        A prefill worker's steps cost the engine's times its factor: its serving work (the request's
-        gRPC, the KV send after the last chunk) is on the request's way to its first token. A decode
+        A prefill worker's steps cost the engine's times its factor, and each request adds
+        ``prefill_per_request_s`` to the step that finishes its prompt: its serving work (the call, the
+        whole prompt's KV sent after the last chunk, a prefix hit's as much as a miss's) is on the
+        request's way to its first token. A decode
         worker's steps cost the engine's alone, and the rest of its factor is its event loop's
         (``decode_loop_cpu_share``): the tokens it streams out while the next step computes, a thread
         beside the engine's that takes cores from the others, not time from the step
@@ -104,6 +110,7 @@ class WorkerProfile:
         return dataclasses.replace(
             self, prefill_base_s=self.prefill_base_s * f, prefill_per_token_s=self.prefill_per_token_s * f,
             prefill_per_token_context_s=self.prefill_per_token_context_s * f,
+            prefill_request_s=self.worker_cpu_factor.get("prefill_per_request_s", 0.0),
             decode_loop_cpu_share=max(0.0, d - 1.0))
 
     def with_kv_blocks(self, kv_blocks: int) -> WorkerProfile:

@@ -130,7 +130,7 @@ class PrefillWorker(SimWorker):
         self.running = job
         req = job.req
         new = req.num_tokens - self._lookup(job) * self.profile.block_size
-        duration = self.profile.prefill_s(new, req.num_tokens)
+        duration = self.profile.prefill_s(new, req.num_tokens) + self.profile.prefill_request_s
         self.busy_s += duration
         self._work, self._since = duration, self.sim.loop.now
         if self.host is not None:
