@@ -167,3 +167,17 @@ def test_a_decode_workers_event_loop_runs_beside_its_steps_and_takes_a_shared_ho
     one_core, _ = _decode_phase(served, 1)
     assert one_core == pytest.approx(1.5 * alone)
 
+
+
+def test_a_prefill_workers_cost_per_request_is_paid_in_the_step_that_finishes_each_prompt():
+    # (first tokens leave on arrival: the decode worker's step under way is another test's subject)
+    p = dataclasses.replace(cpu(1024, 512), prefill_request_s=0.05, first_token_at_step=False)
+    long, short = request(0, 1024, 0), request(1, 32, 5000)
+    jobs = run(p, [long, short])
+    step = lambda chunks: (p.prefill_base_s + p.prefill_per_token_s * sum(n for n, _ in chunks)  # noqa: E731
+                           + p.prefill_per_token_context_s * sum(n * c for n, c in chunks))
+    # step 1: the long prompt's first 512 alone (the short one arrives while it runs); step 2: the long one's
+    # last 512 and the short one whole: both finish, so it pays the per-request cost twice
+    both = step([(512, 512)]) + step([(512, 1024), (32, 32)]) + 2 * 0.05
+    assert jobs[1].first_token_at == pytest.approx(both + p.transfer_s(32))
+    assert jobs[0].first_token_at == pytest.approx(both + p.transfer_s(1024))
