@@ -24,16 +24,13 @@ Usage: PYTHONPATH=. python benchmarks/probes/kvaware_ttft_join.py [routing-*.jso
 """
 
 import argparse
-import copy
-import dataclasses
 import json
 from pathlib import Path
 
 from services.bench.stats import mean, percentile
-from services.sim.cluster import ClusterConfig, ClusterSim
 from services.sim.profiles import CALIBRATION, load_profile
 from services.sim.routing_reference import other_cores
-from services.sim.validation import simulated_requests
+from services.sim.validation import bench_run, simulated_requests
 
 
 def real_runs(files: list[str]) -> dict[int, dict]:
@@ -46,25 +43,12 @@ def real_runs(files: list[str]) -> dict[int, dict]:
     return out
 
 
-def simulate(profile, requests, policy: str, other_cores: float) -> ClusterSim:
-    """validation.simulate_bench's run of one policy, returning the simulator (its jobs) itself."""
-    prof = dataclasses.replace(profile.with_kv_blocks(280), frontdoor_busy_cores=min(
-        profile.frontdoor_busy_cores + other_cores, profile.host_cores - 0.1))
-    sim = ClusterSim(ClusterConfig(prof, 2, 1, policy=policy, disaggregation="always", closed_loop=8,
-                                   host_cores=profile.host_cores), copy.deepcopy(requests))
-    decode = next(w for w in sim.workers.values() if w.role == "decode")
-    decode.profile = profile
-    decode.info.kv_blocks_total = profile.kv_blocks
-    sim.run()
-    return sim
-
-
 def rows_for(seed: int, real: dict, profile, policy: str, cold: int) -> list[dict]:
     requests, exact = simulated_requests(seed, profile.block_size)
     if not exact:
         raise SystemExit("the default model's tokenizer did not load: the join needs the bench's own requests")
     # the cores other tenants took: measured, or (seeds 0-2) estimated as the validation's reference does
-    sim = simulate(profile, requests, policy, other_cores(real, profile.host_cores)[0])
+    sim = bench_run(profile, requests, policy, other_cores(real, profile.host_cores)[0])
     jobs = sorted(sim.jobs, key=lambda j: j.req.id)
     real_ttft = real["ttft_ms"]
     if len(real_ttft) != len(jobs) or real.get("errors"):
@@ -99,6 +83,13 @@ def rows_for(seed: int, real: dict, profile, policy: str, cold: int) -> list[dic
     return rows
 
 
+def grouped(rows: list[dict], key) -> dict:
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(key(r), []).append(r)
+    return groups
+
+
 def split_table(rows: list[dict], key, label: str) -> None:
     """Real against simulated per part: the prefill worker's span (real: its Prefill time, queue + compute
     + KV send; simulated: dispatch to prefilled) and the rest (real: the router's hand-off and the client
@@ -106,9 +97,7 @@ def split_table(rows: list[dict], key, label: str) -> None:
     rows = [r for r in rows if "real_prefill_ms" in r]
     if not rows:
         return
-    groups: dict = {}
-    for r in rows:
-        groups.setdefault(key(r), []).append(r)
+    groups = grouped(rows, key)
     print(f"\n{label:<28} {'n':>5} {'prefill real':>13} {'sim':>6} {'hand-off real':>14} {'sim':>6}"
           f" {'client real':>12}")
     for k in sorted(groups, key=str):
@@ -120,9 +109,7 @@ def split_table(rows: list[dict], key, label: str) -> None:
 
 
 def table(rows: list[dict], key, label: str) -> None:
-    groups: dict = {}
-    for r in rows:
-        groups.setdefault(key(r), []).append(r)
+    groups = grouped(rows, key)
     print(f"\n{label:<28} {'n':>5} {'real ms':>9} {'sim ms':>9} {'gap ms':>8} {'gap %':>7}"
           f" {'queue':>7} {'prefill':>8} {'hand-off':>9}")
     for k in sorted(groups, key=str):

@@ -82,24 +82,28 @@ def simulated_requests(seed: int, block_size: int) -> tuple[list[SimRequest], bo
     return (exact, True) if exact is not None else (routing_bench_workload(seed, block_size), False)
 
 
+def bench_run(profile: WorkerProfile, requests: list[SimRequest], policy: str, other_cores: float = 0.0) -> ClusterSim:
+    """One policy's run of ``requests`` in bench routing's setup, on the host's cores less ``other_cores``
+    (the other tenants' during the real run); the simulator, run, with its jobs."""
+    # never under a tenth of a core: a run that had none would not have finished
+    prof = dataclasses.replace(profile.with_kv_blocks(280), frontdoor_busy_cores=min(
+        profile.frontdoor_busy_cores + other_cores, profile.host_cores - 0.1))
+    sim = ClusterSim(ClusterConfig(prof, 2, 1, policy=policy, disaggregation="always", closed_loop=8,
+                                   host_cores=profile.host_cores), copy.deepcopy(requests))
+    # the decode worker keeps the default 2 GiB cache: only the prefill workers' caches are sized
+    decode = next(w for w in sim.workers.values() if w.role == "decode")
+    decode.profile = profile
+    decode.info.kv_blocks_total = profile.kv_blocks
+    return sim.run()
+
+
 def simulate_bench(profile: WorkerProfile, requests: list[SimRequest], policies=POLICIES,
                    other_cores: dict[str, float] | None = None) -> dict[str, dict]:
     """Each policy's figures on ``requests`` in bench routing's setup; ``other_cores``: per policy, the cores
     the machine's other tenants took during its real run, which that run's host lacks."""
     out = {}
     for policy in policies:
-        taken = (other_cores or {}).get(policy, 0.0)
-        # the host's cores less the other tenants' (never under a tenth of a core: a run that had none
-        # would not have finished)
-        prof = dataclasses.replace(profile.with_kv_blocks(280), frontdoor_busy_cores=min(
-            profile.frontdoor_busy_cores + taken, profile.host_cores - 0.1))
-        sim = ClusterSim(ClusterConfig(prof, 2, 1, policy=policy, disaggregation="always", closed_loop=8,
-                                       host_cores=profile.host_cores), copy.deepcopy(requests))
-        # the decode worker keeps the default 2 GiB cache: only the prefill workers' caches are sized
-        decode = next(w for w in sim.workers.values() if w.role == "decode")
-        decode.profile = profile
-        decode.info.kv_blocks_total = profile.kv_blocks
-        sim.run()
+        sim = bench_run(profile, requests, policy, (other_cores or {}).get(policy, 0.0))
         s = summarize(sim, SLO(10.0, 1.0))
         n = len(sim.jobs)
         # a worker's CPU: its steps and (decode) its event loop's thread
