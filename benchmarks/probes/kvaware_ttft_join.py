@@ -102,7 +102,7 @@ def split_table(rows: list[dict], key, label: str) -> None:
           f" {'client real':>12}")
     for k in sorted(groups, key=str):
         g = groups[k]
-        print(f"{str(k):<28} {len(g):>5} {mean(r['real_prefill_ms'] for r in g):>13.0f}"
+        print(f"{k!s:<28} {len(g):>5} {mean(r['real_prefill_ms'] for r in g):>13.0f}"
               f" {mean(r['queue_ms'] + r['prefill_ms'] for r in g):>6.0f}"
               f" {mean(r['real_handoff_ms'] for r in g):>14.0f} {mean(r['handoff_ms'] for r in g):>6.0f}"
               f" {mean(r['real_client_ms'] for r in g):>12.0f}")
@@ -115,7 +115,7 @@ def table(rows: list[dict], key, label: str) -> None:
     for k in sorted(groups, key=str):
         g = groups[k]
         real, sim = mean(r["real_ms"] for r in g), mean(r["sim_ms"] for r in g)
-        print(f"{str(k):<28} {len(g):>5} {real:>9.0f} {sim:>9.0f} {sim - real:>8.0f} {100 * (sim / real - 1):>6.1f}%"
+        print(f"{k!s:<28} {len(g):>5} {real:>9.0f} {sim:>9.0f} {sim - real:>8.0f} {100 * (sim / real - 1):>6.1f}%"
               f" {mean(r['queue_ms'] for r in g):>7.0f} {mean(r['prefill_ms'] for r in g):>8.0f}"
               f" {mean(r['handoff_ms'] for r in g):>9.0f}")
 

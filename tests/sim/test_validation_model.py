@@ -174,8 +174,11 @@ def test_a_prefill_workers_cost_per_request_is_paid_in_the_step_that_finishes_ea
     p = dataclasses.replace(cpu(1024, 512), prefill_request_s=0.05, first_token_at_step=False)
     long, short = request(0, 1024, 0), request(1, 32, 5000)
     jobs = run(p, [long, short])
-    step = lambda chunks: (p.prefill_base_s + p.prefill_per_token_s * sum(n for n, _ in chunks)  # noqa: E731
-                           + p.prefill_per_token_context_s * sum(n * c for n, c in chunks))
+
+    def step(chunks):
+        return (p.prefill_base_s + p.prefill_per_token_s * sum(n for n, _ in chunks)
+                + p.prefill_per_token_context_s * sum(n * c for n, c in chunks))
+
     # step 1: the long prompt's first 512 alone (the short one arrives while it runs); step 2: the long one's
     # last 512 and the short one whole: both finish, so it pays the per-request cost twice
     both = step([(512, 512)]) + step([(512, 1024), (32, 32)]) + 2 * 0.05
