@@ -77,7 +77,7 @@ async def serve(args) -> None:
                 raise ValueError(f"cannot listen on {args.host}:{args.port}")
             await asyncio.sleep(0.02)
         port = server.servers[0].sockets[0].getsockname()[1]
-        event_loop.settle_gc()  # started: later collections walk only what requests make
+        event_loop.settle_gc(args.gc_thresholds)  # started: later collections walk only what requests make
         print(f"{READY_PREFIX}{args.host}:{port} (model {', '.join(core.models)}, grpc {grpc_address}, "
               f"auth {'on' if keys.enabled else 'off'})", flush=True)
         await http
@@ -189,6 +189,9 @@ def add_parser(sub) -> None:
     p.add_argument("--loop", default="auto", choices=event_loop.LOOPS,
                    help="the event loop: uvloop (auto: when installed; a fraction of the stdlib loop's CPU per "
                         "callback and socket write, which is most of what thousands of open streams cost) or asyncio")
+    p.add_argument("--gc-thresholds", type=event_loop.parse_gc_thresholds, default=None, metavar="G0,G1,G2",
+                   help="the garbage collector's thresholds after startup (gc.set_threshold; default: Python's "
+                        "700,10,10)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open streams get on shutdown")
     p.add_argument("--enable-lora-admin", action="store_true",
                    help="answer POST /v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter "
