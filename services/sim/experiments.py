@@ -132,6 +132,7 @@ def _autoscaled(profile, requests, slo, scale: DayScale, kind, planner_config=No
     peak = max(((d["prefill"], d["decode"]) for d in scaler.decisions), key=sum)
     return {"slo_attainment": s["slo_attainment"], "worker_hours": round(scaler.worker_seconds / 3600, 3),
             "peak": {"prefill": peak[0], "decode": peak[1]}, "ttft_s": s["ttft_s"], "itl_s": s["itl_s"],
+            "worker_hours_by_state": {k: round(v / 3600, 3) for k, v in sorted(scaler.breakdown.items())},
             "decisions": scaler.decisions, "series": sim.series}
 
 
@@ -149,8 +150,10 @@ def static_peak(profile, requests, slo, hint: tuple[int, int], goal: float = 0.9
                 heartbeat_s: float = 1.0) -> tuple[dict, list[dict]]:
     """The smallest static provisioning meeting ``goal``, prefill and decode sized apart (a fixed split
     would charge static for the role it over-provisions): from ``hint`` (grown by a quarter until it
-    meets the goal), bisect the prefill count with that decode count, then the decode count. Every
-    run is returned (points of the trade-off curve)."""
+    meets the goal), gallop each role down (1, 2, 4, ... fewer) to the first count that fails, then
+    bisect, the prefill count first with the decode count held, then the decode count. A hint near
+    the answer costs three runs; bisecting down from a planner's peak (5x static's at k = 48) never
+    finished in a session. Every run is returned (points of the trade-off curve)."""
     runs: list[dict] = []
 
     def meets(p: int, d: int) -> bool:
@@ -165,9 +168,12 @@ def static_peak(profile, requests, slo, hint: tuple[int, int], goal: float = 0.9
             return (n, d) if role == "prefill" else (p, n)
 
         hi = p if role == "prefill" else d  # meets; lo fails (0: never run)
-        lo = hi // 2
-        if lo >= 1 and meets(*at(lo)):
-            hi, lo = lo, 0
+        step, lo = 1, 0
+        while hi - step >= 1:
+            if not meets(*at(hi - step)):
+                lo = hi - step
+                break
+            hi, step = hi - step, step * 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if meets(*at(mid)):
@@ -180,6 +186,16 @@ def static_peak(profile, requests, slo, hint: tuple[int, int], goal: float = 0.9
             d = hi
     best = min((r for r in runs if r["slo_attainment"] >= goal), key=lambda r: (r["workers"], -r["slo_attainment"]))
     return best, runs
+
+
+def static_hint(run: dict, quantile: float = 0.95) -> tuple[int, int]:
+    """Where to start the static search: the planner run's decided counts at their ``quantile`` over
+    the day, per role (its peak is a burst's or a churn's, often several times static's)."""
+    counts = {}
+    for role in ("prefill", "decode"):
+        xs = sorted(d[role] for d in run["decisions"])
+        counts[role] = xs[min(len(xs) - 1, int(quantile * len(xs)))] if xs else 1
+    return counts["prefill"], counts["decode"]
 
 
 # The planner's knobs swept for the trade-off curve, and two ablations at the headline target; each in a
@@ -198,7 +214,8 @@ def run_autoscale(profile: WorkerProfile, requests, slo: SLO, scale: DayScale, p
                   headline_target: float, ablations: bool = True) -> dict:
     """The planner at several target utilisations (and, at the headline target, without its trend
     lookahead and without a warm pool), the HPA-like threshold rule at several targets, and static
-    provisioning searched from the planner's peak down to the smallest meeting 99%: the trade-off curve.
+    provisioning searched from the headline planner's 95th-percentile counts to the smallest meeting
+    99%: the trade-off curve.
     ``profile``: the real one; its start-up times are compressed with the day here."""
     day = scale.profile(profile)
     planner = []
@@ -216,8 +233,7 @@ def run_autoscale(profile: WorkerProfile, requests, slo: SLO, scale: DayScale, p
         threshold.append(run)
         _log(f"threshold rule target {target}: attainment {run['slo_attainment']}, {run['worker_hours']} worker-h")
     headline = next(r for r in planner if r["variant"] == f"target {headline_target}")
-    peak, static = static_peak(day, requests, slo, (headline["peak"]["prefill"], headline["peak"]["decode"]),
-                               heartbeat_s=scale.heartbeat_s)
+    peak, static = static_peak(day, requests, slo, static_hint(headline), heartbeat_s=scale.heartbeat_s)
     return {"static": static, "static_peak": peak, "planner": planner, "threshold": threshold,
             "headline_run": headline,
             "day_scale": {"period_s": scale.period_s, "k": round(scale.k, 3), "tick_s": round(scale.tick_s, 4),

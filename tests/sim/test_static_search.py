@@ -1,0 +1,42 @@
+"""The static-peak search: the smallest prefill + decode meeting the goal, from a hint, in few runs.
+
+The search is an algorithm over a monotone "meets the SLO" test; here that test is a crafted frontier
+(prefill >= 5 and decode >= 3 meet 99%) so the search's own steps are what is checked.
+"""
+
+import pytest
+
+from services.sim import experiments
+
+FRONTIER = (5, 3)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    runs = []
+
+    def static(profile, requests, slo, prefill, decode, heartbeat_s=1.0):
+        runs.append((prefill, decode))
+        ok = prefill >= FRONTIER[0] and decode >= FRONTIER[1]
+        return {"workers": prefill + decode, "prefill": prefill, "decode": decode,
+                "slo_attainment": 1.0 if ok else 0.9, "worker_hours": float(prefill + decode)}
+
+    monkeypatch.setattr(experiments, "_static", static)
+    return runs
+
+
+@pytest.mark.parametrize("hint", [(5, 3), (6, 4), (40, 20), (2, 1), (1, 1)])
+def test_the_search_finds_the_smallest_provisioning_meeting_the_goal(calls, hint):
+    best, runs = experiments.static_peak(None, [], None, hint)
+    assert (best["prefill"], best["decode"]) == FRONTIER
+    assert len(runs) == len(calls)
+
+
+def test_a_hint_at_the_answer_costs_three_runs(calls):
+    experiments.static_peak(None, [], None, FRONTIER)
+    assert calls == [(5, 3), (4, 3), (5, 2)]  # meets; one fewer prefill fails; one fewer decode fails
+
+
+def test_the_hint_is_the_planner_days_95th_percentile_not_its_peak():
+    decisions = [{"prefill": 4, "decode": 2}] * 97 + [{"prefill": 60, "decode": 9}] * 3
+    assert experiments.static_hint({"decisions": decisions}) == (4, 2)
