@@ -218,22 +218,32 @@ def run_autoscale(profile: WorkerProfile, requests, slo: SLO, scale: DayScale, p
     99%: the trade-off curve.
     ``profile``: the real one; its start-up times are compressed with the day here."""
     day = scale.profile(profile)
-    planner = []
-    for name, config in planner_variants(profile, scale, planner_targets, headline_target, ablations).items():
+    variants = planner_variants(profile, scale, planner_targets, headline_target, ablations)
+    # the headline planner and the static search first: they are the headline ratio, and a run cut short
+    # for time is more use with them than with the sweep
+    headline_name = f"target {headline_target}"
+    order = [headline_name] + [n for n in variants if n != headline_name]
+    planner: dict = {}
+    peak = static = None
+    for name in order:
+        config = variants[name]
         run = _autoscaled(day, requests, slo, scale, "planner", config)
         run.update(variant=name, target_utilisation=config.target_utilisation, lookahead_s=config.lookahead_s,
                    burst_factor=config.burst_factor, warm_min=config.warm_min)
-        planner.append(run)
+        planner[name] = run
         _log(f"planner {name}: attainment {run['slo_attainment']}, {run['worker_hours']} worker-h, "
-             f"peak {run['peak']}")
+             f"peak {run['peak']}, by state {run['worker_hours_by_state']}")
+        if name == headline_name:
+            peak, static = static_peak(day, requests, slo, static_hint(run), heartbeat_s=scale.heartbeat_s)
+            _log(f"static peak {peak['prefill']}+{peak['decode']}: {peak['worker_hours']} worker-h")
     threshold = []
     for target in threshold_targets:
         run = _autoscaled(day, requests, slo, scale, "threshold", threshold=target)
         run["target"] = target
         threshold.append(run)
         _log(f"threshold rule target {target}: attainment {run['slo_attainment']}, {run['worker_hours']} worker-h")
-    headline = next(r for r in planner if r["variant"] == f"target {headline_target}")
-    peak, static = static_peak(day, requests, slo, static_hint(headline), heartbeat_s=scale.heartbeat_s)
+    headline = planner[headline_name]
+    planner = [planner[n] for n in variants]
     return {"static": static, "static_peak": peak, "planner": planner, "threshold": threshold,
             "headline_run": headline,
             "day_scale": {"period_s": scale.period_s, "k": round(scale.k, 3), "tick_s": round(scale.tick_s, 4),
