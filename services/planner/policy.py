@@ -126,9 +126,10 @@ class Planner:
     _boosted_at: dict = field(default_factory=dict)
     _needs: dict = field(default_factory=dict)  # per role: (now, need) over the last down_after_s
 
-    def _ahead(self, s: Signals) -> tuple[float, float, float]:
-        """The demand now (the window's trimmed mean), plus its rise to now and over ``lookahead_s`` when the
-        least-squares slope over ``trend_window_s`` rises by more than its noise (raw while the history is short)."""
+    def _ahead(self, s: Signals) -> tuple[tuple, tuple]:
+        """The demand now (the window's trimmed mean), and that plus its rise to now and over ``lookahead_s``
+        when the least-squares slope over ``trend_window_s`` rises by more than its noise (both raw while the
+        history is short)."""
         now = (s.prefill_tokens_per_s, float(s.kv_blocks_used), float(s.running_seqs))
         c = self.config
         self._history.append((s.now, *now))
@@ -136,7 +137,7 @@ class Planner:
             self._history.popleft()
         span = s.now - self._history[0][0]
         if span < c.trend_window_s / 2 or len(self._history) < 4:  # one window's noise is not a trend
-            return now
+            return now, now
         # not the last window alone: a window's demand is noisy (+-60% at 0.2 s windows; prompts are counted
         # as they finish, in clumps), and the hysteresis holds what the noise orders. The level is the mean of
         # the trend window's windows less its highest and lowest (one window's spike is not a step). A median
@@ -149,7 +150,7 @@ class Planner:
         n = len(ts)
         mean_t = sum(ts) / n
         var = sum((t - mean_t) ** 2 for t in ts)
-        ahead = []
+        levels, ahead = [], []
         for i in range(1, len(now) + 1):
             ys = [h[i] for h in self._history]
             mean_y = sum(ys) / n
@@ -167,8 +168,9 @@ class Planner:
             recent = min(ys[-2:])
             if len(before) >= 2 and recent > level + 3 * statistics.stdev(before):
                 level = recent
+            levels.append(level)
             ahead.append(max(0.0, level + rise * (s.now - mean_t + c.lookahead_s)))
-        return tuple(ahead)
+        return tuple(levels), tuple(ahead)
 
     def decide(self, s: Signals) -> Decision:
         c, cap = self.config, self.capacity
@@ -185,10 +187,10 @@ class Planner:
                     max(math.ceil(kv_blocks / (cap.kv_blocks * kv_target)),
                         math.ceil(seqs / (cap.max_num_seqs * utilisation))))
 
-        now_demand = (s.prefill_tokens_per_s, s.kv_blocks_used, s.running_seqs)
-        prefill, decode = counts(*self._ahead(s))
+        level, ahead = self._ahead(s)
+        prefill, decode = counts(*ahead)
         reasons = []
-        if (prefill, decode) != counts(*now_demand):
+        if (prefill, decode) != counts(*level):
             reasons.append("rising demand")
         ready = max(s.prefill_workers - s.prefill_starting, 0)
         lag_s = s.queued_prefill_tokens / (cap.prefill_tokens_per_s * max(ready, 1))
@@ -219,8 +221,9 @@ class Planner:
         decode = min(decode, c.max_workers - prefill)
         # the warm pool: what a burst of burst_factor now would need beyond the workers decided, per role
         # (the target utilisation's own headroom absorbs part of it), so the burst is served in a warm
-        # start while cold starts catch up
-        burst = counts(*(d * c.burst_factor for d in now_demand), utilisation=c.burst_utilisation,
+        # start while cold starts catch up. Of the smoothed demand: sized on one window's, the pool's target
+        # swung with its noise, and every swing up started a standby cold that the next swing released
+        burst = counts(*(d * c.burst_factor for d in level), utilisation=c.burst_utilisation,
                        kv_target=c.burst_utilisation)
         warm = max(0, burst[0] - prefill) + max(0, burst[1] - decode)
         warm = max(warm, c.warm_min, math.ceil(c.warm_fraction * (prefill + decode)))
