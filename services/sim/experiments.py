@@ -211,11 +211,12 @@ def planner_variants(profile: WorkerProfile, scale: DayScale, targets, headline_
 
 
 def run_autoscale(profile: WorkerProfile, requests, slo: SLO, scale: DayScale, planner_targets, threshold_targets,
-                  headline_target: float, ablations: bool = True) -> dict:
+                  headline_target: float, ablations: bool = True, static_start: tuple[int, int] | None = None) -> dict:
     """The planner at several target utilisations (and, at the headline target, without its trend
     lookahead and without a warm pool), the HPA-like threshold rule at several targets, and static
     provisioning searched from the headline planner's 95th-percentile counts to the smallest meeting
-    99%: the trade-off curve.
+    99%: the trade-off curve. ``static_start``: start the static search there instead (a known answer
+    costs three runs: it, one prefill fewer, one decode fewer).
     ``profile``: the real one; its start-up times are compressed with the day here."""
     day = scale.profile(profile)
     variants = planner_variants(profile, scale, planner_targets, headline_target, ablations)
@@ -234,7 +235,7 @@ def run_autoscale(profile: WorkerProfile, requests, slo: SLO, scale: DayScale, p
         _log(f"planner {name}: attainment {run['slo_attainment']}, {run['worker_hours']} worker-h, "
              f"peak {run['peak']}, by state {run['worker_hours_by_state']}")
         if name == headline_name:
-            peak, static = static_peak(day, requests, slo, static_hint(run), heartbeat_s=scale.heartbeat_s)
+            peak, static = static_peak(day, requests, slo, static_start or static_hint(run), heartbeat_s=scale.heartbeat_s)
             _log(f"static peak {peak['prefill']}+{peak['decode']}: {peak['worker_hours']} worker-h")
     threshold = []
     for target in threshold_targets:

@@ -40,3 +40,14 @@ def test_a_hint_at_the_answer_costs_three_runs(calls):
 def test_the_hint_is_the_planner_days_95th_percentile_not_its_peak():
     decisions = [{"prefill": 4, "decode": 2}] * 97 + [{"prefill": 60, "decode": 9}] * 3
     assert experiments.static_hint({"decisions": decisions}) == (4, 2)
+
+
+def test_a_static_start_is_p_plus_d_workers_and_anything_else_is_refused():
+    import argparse
+
+    from services.sim.bench import _workers_pair
+
+    assert _workers_pair("9+4") == (9, 4)
+    for bad in ("9", "0+4", "9+-1", "a+b", "9+4+1", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected P\\+D"):
+            _workers_pair(bad)
