@@ -136,8 +136,34 @@ def _autoscaled(profile, requests, slo, scale: DayScale, kind, planner_config=No
             "decisions": scaler.decisions, "series": sim.series}
 
 
-def _static(profile, requests, slo, prefill: int, decode: int, heartbeat_s: float = 1.0):
-    sim = ClusterSim(ClusterConfig(profile, prefill, decode, heartbeat_s=heartbeat_s), _fresh(requests)).run()
+def _static(profile, requests, slo, prefill: int, decode: int, heartbeat_s: float = 1.0, goal: float | None = None):
+    """A static run. ``goal``: stop it once more requests have missed the SLO (finished late, or waiting past
+    the TTFT SLO for a first token) than the goal allows; its attainment is then the bound that proves the
+    miss ("stopped": true). An under-provisioned day queues without end, every waiting request retrying on
+    the Dispatcher's backoff: the static search's failing runs took most of its time."""
+    sim = ClusterSim(ClusterConfig(profile, prefill, decode, heartbeat_s=heartbeat_s), _fresh(requests))
+    stopped = False
+    if goal is None:
+        sim.run()
+    else:
+        allowed, step = (1 - goal) * len(requests), max(r.arrival for r in requests) / 100 if requests else 1.0
+        sim.run(until=step)
+        while len(sim.loop):
+            now = sim.loop.now
+            missed = sum(1 for j in sim.jobs if (j.finished_at > 0 and not slo.met(j))
+                         or (j.first_token_at <= 0 and now - j.req.arrival > slo.ttft_s))
+            if missed > allowed:
+                stopped = True
+                break
+            sim.loop.run(now + step)
+    if stopped:
+        attainment = round(1 - missed / len(requests), 4)
+        run = {"workers": prefill + decode, "prefill": prefill, "decode": decode, "slo_attainment": attainment,
+               "worker_hours": round((prefill + decode) * max(r.arrival for r in requests) / 3600, 3),
+               "stopped": True, "stopped_at_s": round(sim.loop.now, 1)}
+        _log(f"static {prefill}+{decode}: attainment at most {attainment} (stopped at {sim.loop.now:.0f} s), "
+             f"{run['worker_hours']} worker-h")
+        return run
     s = summarize(sim, slo)
     run = {"workers": prefill + decode, "prefill": prefill, "decode": decode, "slo_attainment": s["slo_attainment"],
            "worker_hours": round((prefill + decode) * sim.loop.now / 3600, 3), "ttft_s": s["ttft_s"],
@@ -157,7 +183,7 @@ def static_peak(profile, requests, slo, hint: tuple[int, int], goal: float = 0.9
     runs: list[dict] = []
 
     def meets(p: int, d: int) -> bool:
-        runs.append(_static(profile, requests, slo, p, d, heartbeat_s))
+        runs.append(_static(profile, requests, slo, p, d, heartbeat_s, goal))
         return runs[-1]["slo_attainment"] >= goal
 
     p, d = max(1, hint[0]), max(1, hint[1])

@@ -15,7 +15,7 @@ FRONTIER = (5, 3)
 def calls(monkeypatch):
     runs = []
 
-    def static(profile, requests, slo, prefill, decode, heartbeat_s=1.0):
+    def static(profile, requests, slo, prefill, decode, heartbeat_s=1.0, goal=None):
         runs.append((prefill, decode))
         ok = prefill >= FRONTIER[0] and decode >= FRONTIER[1]
         return {"workers": prefill + decode, "prefill": prefill, "decode": decode,
@@ -51,3 +51,17 @@ def test_a_static_start_is_p_plus_d_workers_and_anything_else_is_refused():
     for bad in ("9", "0+4", "9+-1", "a+b", "9+4+1", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="expected P\\+D"):
             _workers_pair(bad)
+
+
+def test_a_static_run_that_cannot_meet_the_goal_stops_early_and_one_that_can_is_run_whole():
+    from services.sim.metrics import SLO
+    from services.sim.profiles import load_profile
+    from services.sim.workloads import SimRequest
+
+    profile, slo = load_profile("h100"), SLO(2.0, 0.05)
+    # 20 prompts of 8,192 tokens a second for 60 s: one prefill worker (~3 a second) falls behind at once
+    reqs = [SimRequest(i, i / 20, "standard", list(range(i * 128, (i + 1) * 128)), 8192, 16) for i in range(1200)]
+    short = experiments._static(profile, reqs, slo, 1, 2, goal=0.99)
+    assert short["stopped"] and short["slo_attainment"] < 0.99 and short["stopped_at_s"] < 30
+    whole = experiments._static(profile, reqs, slo, 12, 2, goal=0.99)
+    assert "stopped" not in whole and whole == experiments._static(profile, reqs, slo, 12, 2)
