@@ -46,8 +46,19 @@ def run(main: Coroutine, loop: str = "auto"):
         return runner.run(main)
 
 
-def settle_gc() -> None:
-    """After startup: collect, then exempt the survivors from every later collection."""
+def settle_gc(thresholds: tuple[int, int, int] | None = None) -> None:
+    """After startup: collect, then exempt the survivors from every later collection; ``thresholds``, when
+    given, replace the collector's (gc.set_threshold)."""
     gc.collect()
     gc.freeze()
-    log.debug("gc: %d startup objects frozen", gc.get_freeze_count())
+    if thresholds is not None:
+        gc.set_threshold(*thresholds)
+    log.debug("gc: %d startup objects frozen, thresholds %s", gc.get_freeze_count(), gc.get_threshold())
+
+
+def parse_gc_thresholds(text: str) -> tuple[int, int, int]:
+    """``"700,10,10"`` -> (700, 10, 10): gc.set_threshold's three numbers, each >= 1."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise ValueError(f"gc thresholds are three whole numbers >= 1, e.g. 700,10,10; got {text!r}")
+    return tuple(int(p) for p in parts)  # type: ignore[return-value]

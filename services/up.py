@@ -22,8 +22,7 @@ import sys
 import threading
 from pathlib import Path
 
-from services import openmp_env, up_defaults
-from services.bench.args import at_least_one
+from services import openmp_env, stream_holding, up_defaults
 from services.engine.model_source import default_model_path, model_name
 from services.errors import ModelNotFoundError
 from services.gateway.server import add_cascade_arguments
@@ -76,11 +75,18 @@ def spec_from_args(args, choice: Choice | None = None) -> StackSpec:
                      gateway=not args.no_gateway, gateway_port=args.port, gateway_grpc_port=args.grpc_port,
                      api_keys=args.api_keys, profiling=args.enable_profiling, front_first=choice.front_first,
                      engine_nice=choice.engine_nice,
-                     decode_args=[f"--stream-interval={n}"] if (n := getattr(args, "stream_interval", 1)) != 1 else [],
+                     decode_args=_stream_args(args),
                      router_args=[*choice.router_args, *args.router_arg],
                      gateway_args=args.gateway_arg + (["--enable-lora-admin"] if args.enable_lora_admin else [])
                      + _cascade_args(args),
                      worker_args=_speculative_args(args) + _spill_args(args) + _lora_args(args))
+
+
+def _stream_args(args) -> list[str]:
+    """The stream flags given, for the decode workers (checked here first: a bad pair stops nothing started)."""
+    stream_holding.resolve(args.stream_interval, args.stream_flush_ms)
+    return ([f"--stream-interval={args.stream_interval}"] if args.stream_interval is not None else []) + \
+        ([f"--stream-flush-ms={args.stream_flush_ms:g}"] if args.stream_flush_ms is not None else [])
 
 
 def _lora_args(args) -> list[str]:
@@ -243,11 +249,7 @@ def add_parser(sub) -> None:
                         "against the gateway, router and Redis; no privilege needed). Default 19: the front "
                         "door gets a core as soon as it wakes (BENCHMARKS.md, bench frontdoor); 0 keeps the "
                         "kernel's default")
-    p.add_argument("--stream-interval", type=at_least_one, default=1, metavar="N",
-                   help="the decode workers write a request's tokens every N tokens (the first and the last at "
-                        "once; vLLM's and SGLang's --stream-interval): fewer chunks cost the worker, Redis, the "
-                        "gateway and the client less CPU per token, which on a small machine is the engine's "
-                        "(BENCHMARKS.md, bench hops). Default 1: every token as it comes")
+    stream_holding.add_arguments(p)
     p.add_argument("--front-first", action="store_true",
                    help="the gateway, router and embedded Redis ask for 0.1 ms CPU slices (Linux 6.12+, no "
                         "privilege, no CPU taken from the workers) so they get a core sooner while the workers "

@@ -27,7 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvtransfer import TransferConfig
-from services import event_loop, kv_events, lora_registry, telemetry
+from services import event_loop, kv_events, lora_registry, stream_holding, telemetry
 from services.advertise import advertised_host, host_port
 from services.config import EngineConfig
 from services.errors import NoWorkerError, PdserveError
@@ -51,7 +51,8 @@ class WorkerConfig:
     stats_interval_s: float = 0.25
     drain_timeout_s: float = 30.0
     transfer_timeout_s: float = 60.0  # decode: a reservation waits this long for its KV; prefill: a peer fetch
-    stream_interval: int = 1  # decode: a request's tokens go to Redis every this many (step_results.py)
+    stream_interval: int = 1  # decode: a request's tokens go to Redis this many to a chunk (stream_holding.py)
+    stream_flush_ms: float = 0.0  # decode: ... or at most once per this many ms (0: per stream_interval)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -64,8 +65,7 @@ class WorkerConfig:
                      "transfer_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
-        if self.stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        stream_holding.check(self.stream_interval, self.stream_flush_ms)
 
 
 class WorkerRuntime:
@@ -372,17 +372,18 @@ def add_worker_args(p, role: str) -> None:
     if role == "decode":
         p.add_argument("--transfer-timeout", type=float, default=60.0,
                        help="seconds a reservation waits for its KV before it is freed")
-        from services.bench.args import at_least_one
-
-        p.add_argument("--stream-interval", type=at_least_one, default=1, metavar="N",
-                       help="write a request's tokens to its result stream every N tokens (its first token and "
-                            "its last at once), as vLLM's and SGLang's --stream-interval: each write costs the "
-                            "worker, Redis, the gateway and the client CPU per chunk, which on a small machine "
-                            "is taken from the engine (BENCHMARKS.md, bench hops); 1: every token as it comes")
+        stream_holding.add_arguments(p)
     else:
         p.add_argument("--transfer-timeout", type=float, default=10.0,
                        help="seconds a peer fetch (a prefix pulled from another prefill worker) may take before "
                             "its blocks are freed and the prefix is computed instead")
+
+
+def _stream_holding(args) -> dict:
+    if not hasattr(args, "stream_flush_ms"):  # not a decode worker
+        return {}
+    interval, flush_ms = stream_holding.resolve(args.stream_interval, args.stream_flush_ms)
+    return {"stream_interval": interval, "stream_flush_ms": flush_ms}
 
 
 def configs_from_args(args, role: str) -> tuple[WorkerConfig, EngineConfig, TransferConfig]:
@@ -406,7 +407,7 @@ def configs_from_args(args, role: str) -> tuple[WorkerConfig, EngineConfig, Tran
                           metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                           drain_timeout_s=args.drain_timeout,
                           transfer_timeout_s=getattr(args, "transfer_timeout", 60.0),
-                          stream_interval=getattr(args, "stream_interval", 1))
+                          **_stream_holding(args))
     transfer = TransferConfig(transport=args.transport, allow_fallback=args.allow_transport_fallback,
                               host=args.host, advertise_host=advertise, checksum=not args.no_kv_checksum)
     return worker, engine, transfer

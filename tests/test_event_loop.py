@@ -38,6 +38,29 @@ def test_settle_gc_exempts_what_exists_from_later_collections():
         gc.unfreeze()
 
 
+def test_settle_gc_sets_the_thresholds_it_is_given():
+    before = gc.get_threshold()
+    try:
+        event_loop.settle_gc((700, 10, 100))
+        assert gc.get_threshold() == (700, 10, 100)
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
+
+
+def test_gc_thresholds_are_three_whole_numbers_and_anything_else_is_refused_by_the_gateway():
+    import subprocess
+    import sys
+
+    assert event_loop.parse_gc_thresholds("700,10,100") == (700, 10, 100)
+    for bad in ("700,10", "700,10,0", "a,b,c", "700,10,-1", ""):
+        with pytest.raises(ValueError, match="three whole numbers >= 1"):
+            event_loop.parse_gc_thresholds(bad)
+    out = subprocess.run([sys.executable, "-m", "services.cli", "gateway", "--gc-thresholds", "700,10"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--gc-thresholds" in out.stderr
+
+
 def test_workers_take_the_loop_flag_and_refuse_an_unknown_one():
     import subprocess
     import sys

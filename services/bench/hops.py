@@ -47,7 +47,7 @@ from services.bench import results as result_files
 from services.bench.args import at_least_one as count
 from services.bench.args import counts
 from services.bench.load import OpenAIClient, OpenAIRequest, closed_loop
-from services.bench.process_watch import cpu_seconds
+from services.bench.process_watch import cpu_seconds, wakeups
 from services.bench.stats import percentile, ratio
 from services.up import engine_nice_arg
 
@@ -154,6 +154,18 @@ def _cpu_seconds(procs: dict) -> dict[str, float]:
     return out
 
 
+async def _idle(procs: dict, seconds: float) -> dict:
+    """Each process's CPU (ms a second) and wake-ups a second over ``seconds`` with no request: what the
+    stack's polling, heartbeats and metrics loops cost whatever it serves."""
+    await asyncio.sleep(1.0)  # the warm-up's last writes and acks are done
+    cpu0, woke0, t0 = cpu_seconds(procs), wakeups(procs), time.monotonic()
+    await asyncio.sleep(seconds)
+    cpu1, woke1, dt = cpu_seconds(procs), wakeups(procs), time.monotonic() - t0
+    _log(f"idle for {dt:.1f} s: " + ", ".join(f"{n} {(cpu1[n] - cpu0[n]) / dt * 1e3:.1f} ms/s" for n in procs))
+    return {name: {"cpu_ms_per_s": round((cpu1[name] - cpu0[name]) / dt * 1e3, 2),
+                   "wakeups_per_s": round((woke1[name] - woke0[name]) / dt, 1)} for name in procs}
+
+
 async def _batch1(args, client: OpenAIClient, stack) -> dict:
     """One user's served decode rate against the engine's batch-1 decode here, alternating; and the CPU
     time each process of the stack spent per served token (where a token's serving cost goes)."""
@@ -171,7 +183,9 @@ async def _batch1(args, client: OpenAIClient, stack) -> dict:
     procs = {name: psutil.Process(pid) for name, pid in pids.items()}
     procs["client"] = psutil.Process()  # this process: during a served round it only reads the stream
     cpu = dict.fromkeys(_cpu_seconds(procs), 0.0)
+    woke = dict.fromkeys(procs, 0)
     served_tokens = 0
+    idle = await _idle(procs, args.idle_seconds) if args.idle_seconds else None
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -181,19 +195,25 @@ async def _batch1(args, client: OpenAIClient, stack) -> dict:
     texts = prompts(args.seed + 100, args.batch1_rounds)
     pdserve_decode_b1(engine, prompt, 8, "warm")
     for k, text in enumerate(texts):
-        before = _cpu_seconds(procs)
+        before, woke_before = _cpu_seconds(procs), wakeups(procs)
         s = await client.send(OpenAIRequest("chat", text, args.batch1_tokens, extra={"ignore_eos": True}))
-        after = _cpu_seconds(procs)
+        after, woke_after = _cpu_seconds(procs), wakeups(procs)
         if s.ok and s.tokens > 1:
             served.append((s.tokens - 1) / (s.e2e - s.ttft))
             served_tokens += s.tokens
             for name in cpu:
                 cpu[name] += after.get(name, 0.0) - before.get(name, 0.0)
+            for name in woke:
+                woke[name] += woke_after[name] - woke_before[name]
         alone.append(pdserve_decode_b1(engine, prompt, args.batch1_tokens, f"b1-{k}"))
     out = {"rounds": len(texts), "served_tok_s_p50": round(percentile(served, 50), 1),
            "engine_tok_s_p50": round(percentile(alone, 50), 1),
            "cpu_ms_per_token": {name: round(seconds / max(served_tokens, 1) * 1e3, 3)
-                                for name, seconds in cpu.items()}}
+                                for name, seconds in cpu.items()},
+           # the client's include this bench's other threads; the decode worker's its engine's OpenMP threads
+           "wakeups_per_token": {name: round(n / max(served_tokens, 1), 2) for name, n in woke.items()}}
+    if idle is not None:
+        out["idle"] = idle
     out["served_over_engine"] = ratio(out["served_tok_s_p50"], out["engine_tok_s_p50"])
     _log(f"batch 1: served {out['served_tok_s_p50']} tok/s, engine alone {out['engine_tok_s_p50']} tok/s "
          f"({out['served_over_engine']}x)")
@@ -278,6 +298,10 @@ def print_table(result: dict) -> None:
         print(f"\nbatch 1: served {b['served_tok_s_p50']} tok/s, engine alone {b['engine_tok_s_p50']} tok/s "
               f"({b['served_over_engine']}x, {b['rounds']} rounds alternating)")
         print("  CPU ms per served token: " + ", ".join(f"{k} {v:.2f}" for k, v in b["cpu_ms_per_token"].items()))
+        if "wakeups_per_token" in b:
+            print("  wake-ups per served token: " + ", ".join(f"{k} {v:.2f}" for k, v in b["wakeups_per_token"].items()))
+        for name, row in b.get("idle", {}).items():
+            print(f"  idle {name}: {row['cpu_ms_per_s']:.1f} ms CPU a second, {row['wakeups_per_s']:.0f} wake-ups a second")
 
 
 def _print_side(title: str, level: dict) -> None:
@@ -306,6 +330,9 @@ def add_parser(sub) -> None:
                    help="also measure one user's served tok/s against the engine's batch-1 decode, this many "
                         "alternating rounds (0: skip)")
     p.add_argument("--batch1-tokens", type=count, default=128, help="output tokens per batch-1 round")
+    p.add_argument("--idle-seconds", type=float, default=10.0,
+                   help="with --batch1-rounds: first read each process's CPU and wake-ups a second this long with "
+                        "no request (0: skip)")
     p.add_argument("--router-arg", action="append", default=[],
                    help="an extra router flag (repeat; e.g. --router-arg=--no-local-prefill-cached)")
     p.add_argument("--baseline-router-arg", action="append", default=[],

@@ -9,6 +9,8 @@ peak of each, so a burst's worst moment is reported rather than its average.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -24,6 +26,27 @@ def cpu_seconds(procs: dict) -> dict[str, float]:
             out[name] = t.user + t.system
         except Exception:  # gone: counts nothing more
             out[name] = 0.0
+    return out
+
+
+def wakeups(procs: dict) -> dict[str, int]:
+    """Voluntary context switches so far of each psutil process by name, over all its threads (0 for one that is
+    gone): each is a thread going to sleep on a wait (a socket, a futex, epoll), so the difference of two
+    readings counts the process's wake-ups between them, in the threads alive at both (a thread that exits takes
+    its count with it; the stack's threads live as long as their process). psutil's own count is the main
+    thread's only."""
+    out = {}
+    for name, proc in procs.items():
+        total = 0
+        try:
+            for task in os.listdir(f"/proc/{proc.pid}/task"):
+                with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/task/{task}/status") as f:
+                    for line in f:
+                        if line.startswith("voluntary_ctxt_switches:"):
+                            total += int(line.split()[1])
+        except OSError:  # gone (or not Linux): counts nothing more
+            pass
+        out[name] = total
     return out
 
 

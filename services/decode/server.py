@@ -70,7 +70,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         results_redis = aioredis.Redis.from_url(self.rt.config.redis_url, client_name=f"pdserve-decode-{os.getpid()}")
         self.results = StepResultWriter(results_redis,
                                         (lambda t: tok.decode([t], skip_special_tokens=False)) if tok else None,
-                                        worker_id=self.rt.worker_id, interval=self.rt.config.stream_interval)
+                                        worker_id=self.rt.worker_id, interval=self.rt.config.stream_interval,
+                                        flush_ms=self.rt.config.stream_flush_ms)
         self.results.start()
         self.rt.aengine.on_step = self._on_step
 

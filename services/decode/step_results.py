@@ -7,13 +7,22 @@ queued up while a write was in flight. A request's Finish goes out on its
 Decode stream only after ``flushed`` says its last chunk is in Redis, so the
 router's final event can never overtake a chunk.
 
-With ``interval`` N > 1 (``pdserve decode --stream-interval``) a request's
-tokens are held and written N at a time as one chunk: its first token and the
-tokens of the step that finishes it go at once, so neither the first token
-nor the end waits. Every write costs the worker, Redis, the gateway and the
-client a wake-up and CPU on the machine the engine runs on; holding tokens
-trades the smoothness of the stream for that. Tokens held when a request ends
-without new ones (an abort) are written with that step.
+Every write costs the worker, Redis, the gateway and the client a wake-up and
+CPU on the machine the engine runs on, so a request's tokens may be held and
+written several to a chunk; its first token and the tokens of the step that
+finishes it always go at once, so neither the first token nor the end waits,
+and tokens held when a request ends without new ones (an abort) are written
+with that step. Two ways to hold, one at a time:
+
+- ``flush_ms`` M > 0 (``--stream-flush-ms``, the default; stream_holding.py):
+  at most one write per request per M ms. A step that comes M ms or more
+  after the request's last write writes what it held and its own tokens.
+  Steps slower than M ms (a big batch, a slow machine) are written one by one
+  as with no holding; fast steps (one user on a small model) coalesce. A held
+  token waits at most M ms plus one step while its request runs (a preempted
+  request's held tokens go with its next step).
+- ``interval`` N > 1 (``--stream-interval``, vLLM's and SGLang's flag):
+  N tokens to a chunk. ``interval`` 1 with ``flush_ms`` 0 writes every step.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import logging
 import time
 from typing import Callable
 
-from services import hops, telemetry
+from services import hops, stream_holding, telemetry
 from services.engine.outputs import RequestOutput
 from services.queue.results import ResultWriter
 
@@ -47,11 +56,13 @@ def chunk_event(out: RequestOutput, token_text: Callable[[int], str] | None,
 
 class StepResultWriter:
     def __init__(self, redis, token_text: Callable[[int], str] | None = None, ttl_s: int = 600, worker_id: str = "",
-                 interval: int = 1):
-        if interval < 1:
-            raise ValueError(f"interval must be >= 1, got {interval}")
+                 interval: int = 1, flush_ms: float = 0.0, clock: Callable[[], float] = time.perf_counter):
+        stream_holding.check(interval, flush_ms)
         self.writer = ResultWriter(redis, ttl_s)
         self.interval = interval
+        self.flush_s = flush_ms / 1e3
+        self.clock = clock  # seconds; a test drives it
+        self._wrote_at: dict[str, float] = {}  # engine request id -> clock() of its last write (flush_ms)
         self._held: dict[str, list[RequestOutput]] = {}  # engine request id -> outputs not written yet (interval)
         # the token metrics of the requests written here, taken per step on the engine thread (their streams
         # see only the last output: AsyncEngine.finals_only)
@@ -94,6 +105,7 @@ class StepResultWriter:
         self._last_token_at.pop(request_id, None)
         self.first_at.pop(request_id, None)
         self._held.pop(request_id, None)
+        self._wrote_at.pop(request_id, None)
 
     # engine thread
     def on_step(self, outputs: list[RequestOutput], step: int | None = None) -> None:
@@ -119,16 +131,21 @@ class StepResultWriter:
             self._loop.call_soon_threadsafe(self._enqueue, items)
 
     def _due(self, mine: list[RequestOutput], outputs: list[RequestOutput]):
-        """``(output, the outputs held back for it)`` to write this step; with ``interval`` 1, every output."""
-        if self.interval == 1:
+        """``(output, the outputs held back for it)`` to write this step; with no holding, every output."""
+        if self.interval == 1 and not self.flush_s:
             return [(out, ()) for out in mine]
         due = []
+        now = self.clock() if self.flush_s else 0.0
         for out in mine:
             held = self._held.setdefault(out.request_id, [])
-            first = out.request_id not in self._last_token_at
-            tokens = len(out.new_token_ids) + sum(len(o.new_token_ids) for o in held)
-            if first or out.finished or tokens >= self.interval:
+            wrote_at = self._wrote_at.get(out.request_id)
+            if self.flush_s:
+                ready = wrote_at is not None and now - wrote_at >= self.flush_s
+            else:
+                ready = len(out.new_token_ids) + sum(len(o.new_token_ids) for o in held) >= self.interval
+            if wrote_at is None or out.finished or ready:
                 due.append((out, self._held.pop(out.request_id, held)))
+                self._wrote_at[out.request_id] = now
             else:
                 held.append(out)
         for out in outputs:  # ended with nothing new (an abort): what it held goes now

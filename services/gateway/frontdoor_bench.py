@@ -19,7 +19,12 @@ load generator (services/bench/load.py):
    (result_tap.py) got the same entry; the difference is what the gateway adds
    (delivery stream, fan-out, formatting, HTTP). The figures count the chunks
    written once every client had its first stream open (the ramp is reported
-   apart). Both clocks are this machine's.
+   apart). Both clocks are this machine's. The load generator is the instrument:
+   it reads every stream in one event loop on the same cores as the stack, so
+   its own lateness would count as added latency. While it times chunks it
+   runs no full garbage collection (``--client-gc quiet``: one such collection
+   walked every chunk record kept so far and stopped that loop for 94 ms in the
+   steady window of a measured run); ``--client-loop uvloop`` is an option.
 
 Goals on this machine: ``other`` = 0 at N = 10,000, the gateway on at most 32
 Redis connections, and an added p99 per chunk of at most 20 ms at 1,000 open
@@ -30,6 +35,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import json
 import math
 import os
@@ -39,7 +46,7 @@ import sys
 import tempfile
 import time
 
-from services import front_first, sched_priority, sched_stat
+from services import event_loop, front_first, sched_priority, sched_stat
 from services.bench import results as result_files
 from services.bench.http_client import Connection
 from services.bench.load import (
@@ -68,6 +75,25 @@ def workload(n: int, max_tokens: int, seed: int, stream_share: float = 0.5,
                           max_tokens, stream=bool(every) and i % every == 0, priority=DEFAULT_TIERS[i % 3],
                           timeout_s=timeout_s)
             for i in range(n)]
+
+
+@contextlib.contextmanager
+def client_gc(mode: str):
+    """The load generator's collector while it times chunks. ``quiet``: what the burst left is collected and
+    frozen, and no full collection runs (each walked every chunk record kept so far, stopping the loop that
+    reads all 1,000 streams); young collections go on. ``default``: Python's."""
+    if mode != "quiet":
+        yield
+        return
+    before = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(before[0], before[1], 1_000_000)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+        gc.unfreeze()
 
 
 async def burst(args, stack, model: str, host: str, port: int) -> dict:
@@ -135,7 +161,8 @@ async def added_latency(args, stack, model: str, host: str, port: int) -> dict:
          f"max_tokens {args.latency_max_tokens}), each chunk against a separate process reading the result streams")
     await asyncio.sleep(1.0)  # the tap's process is up
     client_lag = LoopLag().start()  # the client side's own lateness: a slow reader inflates the figure
-    samples, wall = await closed_loop(client.send, items, clients=args.latency_streams)
+    with client_gc(args.client_gc):
+        samples, wall = await closed_loop(client.send, items, clients=args.latency_streams)
     client_lag.stop()
     ended_at = time.time()
     # each process's CPU and run-queue wait over the steady window: is a late loop busy, or waiting for a core?
@@ -174,7 +201,7 @@ async def added_latency(args, stack, model: str, host: str, port: int) -> dict:
     if args.probe_dir:
         await asyncio.sleep(1.5)  # the gateway's probe writes what is new every second
         result["probe"] = frontdoor_probe.breakdown(joined, fanout_probe.load(args.probe_dir), client_lag.samples,
-                                                    admitted["all_open_at"], ended_at)
+                                                    admitted["all_open_at"], ended_at, client_lag.gc_pauses)
     _log(f"  {len(steady)} chunks with every client's stream open: added p50 {result['added_ms_p50']:.1f} ms, "
          f"p99 {result['added_ms_p99']:.1f} ms (incl. the ramp: p99 {result['added_ms_p99_incl_ramp']:.1f} ms)")
     return result
@@ -207,7 +234,7 @@ async def _bench(args, stack) -> dict:
                      "quantization": args.quantization,
                      "seed": args.seed, "front_first": args.front_first, "worker_nice": args.worker_nice, "front_nice": args.front_nice, "front_realtime": args.front_realtime, "worker_policy": args.worker_policy,
                      "engine_nice": args.engine_nice, "front_slice_us": args.front_slice_us,
-                     "gateway_args": args.gateway_arg, "stack": getattr(args, "stack", None)}
+                     "gateway_args": args.gateway_arg, "client_loop": args.client_loop, "client_gc": args.client_gc, "stack": getattr(args, "stack", None)}
     return out
 
 
@@ -238,7 +265,7 @@ def run(args) -> int:
         _log(f"  ready in {time.perf_counter() - started:.0f} s")
         _schedule(args, stack)
         try:
-            result = asyncio.run(_bench(args, stack))
+            result = event_loop.run(_bench(args, stack), args.client_loop)
         finally:
             if args.probe_dir:
                 shutil.rmtree(args.probe_dir, ignore_errors=True)
@@ -325,7 +352,8 @@ def format_table(result: dict) -> str:
                 + f"; slowest 1%: mean {tail['mean_ms']}, dominant {tail['dominant_part']}")
             lines.append(f"  loop lag p99 / max: gateway {probe['gateway_loop_lag_ms']['p99']} / "
                          f"{probe['gateway_loop_lag_ms']['max']} ms, client {probe['client_loop_lag_ms']['p99']} / "
-                         f"{probe['client_loop_lag_ms']['max']} ms; gateway GC {probe['gateway_gc_pauses']}")
+                         f"{probe['client_loop_lag_ms']['max']} ms; GC pauses: gateway {probe['gateway_gc_pauses']}, "
+                         f"client {probe.get('client_gc_pauses')}")
     lines.append(f"goals: {result['goals']}")
     return "\n".join(lines)
 
@@ -384,5 +412,13 @@ def add_parser(sub) -> None:
     p.add_argument("--no-probe", action="store_true",
                    help="leave the gateway's per-chunk probe off (fanout_probe.py; on, the latency phase says where "
                         "each chunk waited: the delivery stream, the gateway's loop, the client's)")
+    p.add_argument("--client-loop", default="asyncio", choices=event_loop.LOOPS,
+                   help="the load generator's event loop (asyncio, as every earlier figure; auto: uvloop when "
+                        "installed, not yet measured against it). It reads every stream in one loop on the same "
+                        "cores as the stack, so its own lateness counts as added latency")
+    p.add_argument("--client-gc", default="quiet", choices=["quiet", "default"],
+                   help="the load generator's collector in the latency phase: quiet = no full collections "
+                        "(which walked every chunk record kept so far) and the burst's objects frozen; default: "
+                        "Python's")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)

@@ -14,7 +14,7 @@ formatting and the HTTP server's write, all waiting their turn on the gateway's
 loop) and ``client`` (client - written: the socket, and the load generator's
 loop being free to read). For the slowest chunks (the top 1% by added latency)
 it says which part dominated. Beside it, both event loops' lag and the
-gateway's garbage-collector pauses: a loop that wakes 200 ms late delays every
+gateway's and the load generator's garbage-collector pauses: a loop that wakes 200 ms late delays every
 chunk waiting on it by as much.
 """
 
@@ -50,9 +50,10 @@ def gc_summary(pauses: list, since: float, until: float) -> dict:
 
 
 def breakdown(chunks: list[tuple[str, str, float, float]], probe: dict, client_lag: list,
-              since: float, until: float) -> dict:
+              since: float, until: float, client_gc: list = ()) -> dict:
     """``chunks``: (request id, entry id, tapped, client) of the chunks compared; ``probe``: fanout_probe.load();
-    ``client_lag``: the load generator's LoopLag samples; [since, until]: the steady window (unix times)."""
+    ``client_lag``, ``client_gc``: the load generator's LoopLag samples and GC pauses; [since, until]: the
+    steady window (unix times)."""
     reads = {(rid, eid): (at, batch) for rid, eid, at, batch in probe["reads"]}
     writes = {(rid, eid): at for rid, eid, at in probe["writes"]}
     rows = []
@@ -77,4 +78,5 @@ def breakdown(chunks: list[tuple[str, str, float, float]], probe: dict, client_l
     out["gateway_loop_lag_ms"] = lag_summary(probe["lag"], since, until)
     out["client_loop_lag_ms"] = lag_summary(client_lag, since, until)
     out["gateway_gc_pauses"] = gc_summary(probe["gc"], since, until)
+    out["client_gc_pauses"] = gc_summary(list(client_gc), since, until)
     return out

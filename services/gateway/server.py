@@ -26,7 +26,8 @@ def build_config(args) -> GatewayConfig:
     return GatewayConfig(max_body_bytes=args.max_body_bytes, max_queued_requests=args.max_queued_requests,
                          max_queued_tokens=args.max_queued_tokens, retry_after_s=args.retry_after,
                          default_timeout_s=args.default_timeout, max_timeout_s=args.max_timeout,
-                         disconnect_grace_s=args.disconnect_grace, sse_heartbeat_s=args.sse_heartbeat,
+                         disconnect_grace_s=args.disconnect_grace, deadline_grace_s=args.deadline_grace,
+                         sse_heartbeat_s=args.sse_heartbeat,
                          max_model_len=args.max_model_len, max_n=args.max_n, require_ready_worker=not args.allow_no_worker,
                          response_ttl_s=args.response_ttl, coalesce=not args.no_coalesce,
                          redis_max_connections=args.redis_max_connections,
@@ -76,7 +77,7 @@ async def serve(args) -> None:
                 raise ValueError(f"cannot listen on {args.host}:{args.port}")
             await asyncio.sleep(0.02)
         port = server.servers[0].sockets[0].getsockname()[1]
-        event_loop.settle_gc()  # started: later collections walk only what requests make
+        event_loop.settle_gc(args.gc_thresholds)  # started: later collections walk only what requests make
         print(f"{READY_PREFIX}{args.host}:{port} (model {', '.join(core.models)}, grpc {grpc_address}, "
               f"auth {'on' if keys.enabled else 'off'})", flush=True)
         await http
@@ -171,6 +172,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-timeout", type=float, default=d.max_timeout_s, help="the largest x-pdserve-timeout")
     p.add_argument("--disconnect-grace", type=float, default=d.disconnect_grace_s,
                    help="seconds a disconnected client has to resume before its request is cancelled")
+    p.add_argument("--deadline-grace", type=float, default=d.deadline_grace_s,
+                   help="seconds past a request's deadline the gateway waits for the router's deadline error "
+                        "before it answers 504 itself (the router stops a generation at its deadline)")
     p.add_argument("--sse-heartbeat", type=float, default=d.sse_heartbeat_s,
                    help="send an SSE comment after this many seconds without an event")
     p.add_argument("--response-ttl", type=int, default=d.response_ttl_s,
@@ -185,6 +189,9 @@ def add_parser(sub) -> None:
     p.add_argument("--loop", default="auto", choices=event_loop.LOOPS,
                    help="the event loop: uvloop (auto: when installed; a fraction of the stdlib loop's CPU per "
                         "callback and socket write, which is most of what thousands of open streams cost) or asyncio")
+    p.add_argument("--gc-thresholds", type=event_loop.parse_gc_thresholds, default=None, metavar="G0,G1,G2",
+                   help="the garbage collector's thresholds after startup (gc.set_threshold; default: Python's "
+                        "700,10,10)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open streams get on shutdown")
     p.add_argument("--enable-lora-admin", action="store_true",
                    help="answer POST /v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter "

@@ -199,6 +199,13 @@ class QueueConsumer:
         """The request reached a final state (its final or error event is written): release it for good."""
         await self._finalize(delivery.tier, delivery.entry_id, delivery.request_id, "done")
 
+    async def expire(self, delivery: Delivery, message: str = "deadline exceeded") -> None:
+        """The request's deadline passed: a deadline error on its result stream (choice 0's with n > 1: the
+        gateway ends the response at any choice's first error), then final as "expired" (not a dead
+        letter: nothing there for an operator to look at)."""
+        await self.results.error(delivery.request_id, "deadline_exceeded", message, _STATUS["deadline_exceeded"])
+        await self._finalize(delivery.tier, delivery.entry_id, delivery.request_id, "expired")
+
     async def fail(self, delivery: Delivery, error: str, worker: str, retryable: bool = True,
                    code: str = "internal_error") -> str:
         """A delivery failed: retry it, or dead-letter it when not retryable or out of deliveries.
@@ -257,8 +264,7 @@ class QueueConsumer:
                     await self._dead_letter(d, str(data.get("message", "error")), last_worker or "",
                                             str(data.get("code", "internal_error")), client_told=True)
             elif d.request.expired(now):
-                await self.results.error(d.request_id, "deadline_exceeded", "deadline exceeded", 504)
-                await self._finalize(d.tier, d.entry_id, d.request_id, "expired")
+                await self.expire(d)
             elif d.delivery_count > self.config.max_deliveries:
                 reason = last_error or "its consumer stopped before reporting an error"
                 await self._dead_letter(d, f"gave up after {d.delivery_count} deliveries; last error: {reason}",

@@ -322,6 +322,12 @@ def summarize(results: list[Result], wall_s: float, names: dict[str, str]) -> di
         "output_tok_s": round(sum(r.completion_tokens for r in ok) / wall_s, 2),
         "requests_per_prefill_worker": served,
         "ttft_ms": [round(t, 1) for t in ttft_ms],  # every request's, in send order: other statistics, a bootstrap
+        # and where each one's first token went, in the same order (the simulator's per-request join:
+        # benchmarks/probes/kvaware_ttft_join.py): the router's TTFT, the prefill worker's Prefill time (its
+        # queue, compute and KV send), the prompt tokens it had cached
+        "router_ttft_ms": [round(r.router_ttft_ms, 1) if math.isfinite(r.router_ttft_ms) else None for r in ok],
+        "prefill_ms": [round(r.prefill_ms, 1) if math.isfinite(r.prefill_ms) else None for r in ok],
+        "cached_tokens": [r.cached_tokens for r in ok],
     }
 
 
@@ -538,7 +544,7 @@ def bench(cfg: RoutingBenchConfig, verbose: bool = False) -> dict:
                          "engine")
                     overhead = asyncio.run(measure_overhead(stack, cfg, work))
                 # the run's figures as one line, so a long run stopped early still leaves them
-                _log(f"{policy} seed {seed}: " + json.dumps({k: v for k, v in summary.items() if k != "ttft_ms"}))
+                _log(f"{policy} seed {seed}: " + json.dumps({k: v for k, v in summary.items() if not isinstance(v, list)}))
                 stack.check_alive()
                 trouble = stack.trouble()
                 summary["stack_warning_lines"] = len(trouble)

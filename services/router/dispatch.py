@@ -257,12 +257,21 @@ class Dispatcher:
         ``ChoicesFailed`` (retryable or not) when the attempt fails."""
         check_deadline(deadline)
         started = time.perf_counter()
+        served: _Served | None = None
         try:
             async for item in self._attempt(wrids[0], token_ids, params, priority, deadline, set(), set(),
                                             results_to[0], session_key, model, choices=(wrids[1:], results_to[1:])):
-                if isinstance(item, tuple):
+                if isinstance(item, _Served):  # reported once, before the first choice's Finish
+                    served = item
+                elif isinstance(item, tuple):
                     i, finish = item
                     finish.usage.prompt_tokens = len(token_ids)
+                    if served is not None:  # which workers served the choices, as generate's Finish says
+                        finish.usage.cached_prompt_tokens = max(finish.usage.cached_prompt_tokens,
+                                                                served.cached_tokens)
+                        finish.timings.prefill_ms = served.prefill_ms
+                        finish.prefill_worker = served.prefill_worker
+                        finish.decode_worker = finish.decode_worker or served.decode_worker
                     finish.timings.e2e_ms = (time.perf_counter() - started) * 1e3
                     yield i, finish
         except _AttemptFailed as failed:
@@ -325,9 +334,12 @@ class Dispatcher:
                 hops.mark(client_id, "router.sent")
                 call = decode_stub.Decode(worker_pb2.DecodeRequest(request=request, local_prefill=True),
                                           metadata=metadata)
+                served = False
                 async for item in self._relay(call, decode, None, 1 if choices is None else request.choices):
-                    if isinstance(item, common_pb2.Finish):
-                        yield _Served("", decode.worker_id, item.usage.cached_prompt_tokens, 0.0)
+                    if not served and isinstance(item, (common_pb2.Finish, tuple)):  # a choice's: (index, Finish)
+                        served = True
+                        finish = item if isinstance(item, common_pb2.Finish) else item[1]
+                        yield _Served("", decode.worker_id, finish.usage.cached_prompt_tokens, 0.0)
                     yield item
             finally:
                 self.pool.end(token)
@@ -376,7 +388,7 @@ class Dispatcher:
             prefill_task.add_done_callback(
                 lambda t: t.cancelled() or t.exception() is None or call.cancel())
             async for item in self._relay(call, decode, prefill_task, 1 if choices is None else request.choices):
-                if isinstance(item, common_pb2.Finish):
+                if not finished and isinstance(item, (common_pb2.Finish, tuple)):  # a choice's: (index, Finish)
                     finished = True
                     result = None
                     with contextlib.suppress(Exception):  # its reply trails the KV by a moment

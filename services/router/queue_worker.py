@@ -162,6 +162,7 @@ class QueueWorker:
         with tracer.start_as_current_span("route", context=parent,
                                           attributes={"request_id": req.request_id, "tier": d.tier,
                                                       "delivery": d.delivery_count}):
+            timer = _until(req.deadline)
             try:
                 try:
                     params = SamplingParams(**req.sampling)
@@ -172,22 +173,26 @@ class QueueWorker:
                 # task to cancel). The flag is read beside the dispatch, not before it: one Redis round
                 # trip off every request's first token; a set flag cancels this task, as a PUBLISH would.
                 extra = {}
-                with self._cancelled_by_flag(req.request_id):
-                    if req.choices > 1:  # n choices: router/choices.py writes their events and acks
-                        await run_choices(self, d, params, queue_ms, (d.delivery_count - 1) * ATTEMPTS_PER_DELIVERY)
-                        return
-                    if req.cascade:
-                        outcome = await run_cascade(self.dispatcher, self.results, CascadeSpec.from_json(req.cascade),
-                                                    req.request_id, req.token_ids, params, self._priority(d.tier),
-                                                    req.deadline, req.session_key)
-                        finish, extra = outcome.finish, {"model": outcome.model, "cascade": outcome.summary()}
-                    else:
-                        # a redelivered request's attempts are numbered on from the earlier router's, whose
-                        # decode worker may still be writing: fence it off before reading what the stream holds
-                        finish = await self.generate_into_stream(
-                            req.request_id, req.token_ids, params, self._priority(d.tier), req.deadline,
-                            req.session_key, req.model, (d.delivery_count - 1) * ATTEMPTS_PER_DELIVERY,
-                            resume=d.delivery_count > 1)
+                async with timer:
+                    with self._cancelled_by_flag(req.request_id):
+                        if req.choices > 1:  # n choices: router/choices.py writes their events and acks
+                            await run_choices(self, d, params, queue_ms,
+                                              (d.delivery_count - 1) * ATTEMPTS_PER_DELIVERY)
+                            return
+                        if req.cascade:
+                            outcome = await run_cascade(self.dispatcher, self.results,
+                                                        CascadeSpec.from_json(req.cascade), req.request_id,
+                                                        req.token_ids, params, self._priority(d.tier),
+                                                        req.deadline, req.session_key)
+                            finish, extra = outcome.finish, {"model": outcome.model, "cascade": outcome.summary()}
+                        else:
+                            # a redelivered request's attempts are numbered on from the earlier router's, whose
+                            # decode worker may still be writing: fence it off before reading what the stream
+                            # holds
+                            finish = await self.generate_into_stream(
+                                req.request_id, req.token_ids, params, self._priority(d.tier), req.deadline,
+                                req.session_key, req.model, (d.delivery_count - 1) * ATTEMPTS_PER_DELIVERY,
+                                resume=d.delivery_count > 1)
                 await self._final(d, {**extra, **self.final_event(finish, queue_ms)})
             except asyncio.CancelledError:
                 # the client left (or this router is stopping: then the entry stays pending for another)
@@ -195,6 +200,15 @@ class QueueWorker:
                     await asyncio.shield(self._final(d, {"finish_reason": "abort", "usage": {},
                                                          "timings": {"queue_ms": queue_ms}}))
                 raise
+            except TimeoutError as exc:
+                if not timer.expired():  # not the deadline's: a bug, as below
+                    log.exception("request %s: unexpected failure", req.request_id)
+                    await self.consumer.fail(d, f"{type(exc).__name__}: {exc}", self.consumer.consumer)
+                    return
+                # past its deadline mid-generation: the attempt was cancelled (its worker aborts it, freeing
+                # the slot) and the client hears now, not when the gateway's own grace runs out
+                log.info("request %s passed its deadline while generating; stopped", req.request_id)
+                await self.consumer.expire(d, "the request's deadline passed while it was being generated")
             except PdserveError as exc:
                 # bad input stays bad; anything else (no room, a worker or transfer failure) may pass later.
                 # A TypeError or ValueError from the dispatch is a bug, not bad input: retried below.
@@ -272,6 +286,13 @@ class QueueWorker:
 
     def _priority(self, tier: str) -> int:
         return self.config.tiers.index(tier) if tier in self.config.tiers else len(self.config.tiers)
+
+
+def _until(deadline: float):
+    """A timeout at the request's deadline (a unix time; 0: none): a generation past it is stopped here, so
+    the worker frees its slot and the client hears at once, not when the gateway's own grace runs out."""
+    loop = asyncio.get_running_loop()
+    return asyncio.timeout_at(loop.time() + (deadline - time.time()) if deadline > 0 else None)
 
 
 async def _quietly(awaitable) -> bool:

@@ -14,6 +14,13 @@ beside a prefill's, but not zero). ``ClusterConfig.host_cores`` 0 (the default, 
 every run of the policy comparison and the autoscaler) gives each worker its own
 hardware and leaves those runs as they were.
 
+A decode worker is more than one thread: beside the engine's steps its event loop streams
+the tokens out (and takes the KV in), the CPU a served decode worker spends beyond the
+engine's (``WorkerProfile.decode_loop_cpu_share``). While it computes it counts as ``1 +
+share`` runnable threads: its steps progress at the host's speed and its loop's work, that
+share of them, beside them, so it takes cores from the other workers, not time from its own
+steps.
+
 The front door (``FrontDoor``): the router, Redis and the client run on those cores too.
 ``pdserve bench routing`` measures each process's CPU per request from /proc
 (``cpu_ms_per_request``); the profile's ``frontdoor_cpu_s`` is their sum per request and
@@ -37,15 +44,20 @@ class SharedHost:
         self.cores = cores
         self.computing: list = []  # workers computing now, in the order they started (deterministic)
 
-    def speed(self, computing: int | None = None) -> float:
-        n = len(self.computing) if computing is None else computing
-        return min(1.0, self.cores / n) if n else 1.0
+    def load(self) -> float:
+        """Runnable threads: a worker counts its ``threads`` (a decode worker's engine and event loop), else 1."""
+        return sum(getattr(w, "threads", 1.0) for w in self.computing)
+
+    def speed(self, load: float | None = None) -> float:
+        n = self.load() if load is None else load
+        return min(1.0, self.cores / n) if n > 1e-12 else 1.0
 
     def set_computing(self, worker, computing: bool, now: float) -> None:
         """``worker`` starts or stops computing at ``now``; the others' speeds follow."""
         if computing == (worker in self.computing):
             return
-        old, new = self.speed(), self.speed(len(self.computing) + (1 if computing else -1))
+        threads = getattr(worker, "threads", 1.0)
+        old, new = self.speed(), self.speed(self.load() + (threads if computing else -threads))
         if old != new:
             for w in self.computing:
                 w.settle(now)  # progress so far, at the old speed

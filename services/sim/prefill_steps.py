@@ -77,6 +77,7 @@ class SteppedPrefillWorker(PrefillWorker):
     def _admit(self, job: Job) -> None:
         hit = self._lookup(job)
         req, bs = job.req, self.profile.block_size
+        job.extra["admitted_at"] = self.sim.loop.now
         job.extra["left"] = max(1, req.num_tokens - hit * bs)  # the last token always
         job.extra["context"] = req.num_tokens - job.extra["left"]
         job.extra["allocated"] = -(-req.num_tokens // bs) - hit
@@ -137,7 +138,9 @@ class SteppedPrefillWorker(PrefillWorker):
             return
         tokens = sum(n for _, n in work)
         attention = sum(n * (job.extra["context"] + n) for job, n in work)
-        duration = p.prefill_base_s + p.prefill_per_token_s * tokens + p.prefill_per_token_context_s * attention
+        finishing = sum(1 for job, n in work if n >= job.extra["left"])  # each sends its prompt's KV after
+        duration = (p.prefill_base_s + p.prefill_per_token_s * tokens + p.prefill_per_token_context_s * attention
+                    + p.prefill_request_s * finishing)
         self.busy_s += duration
         self._work, self._since = duration, now
         if self.host is not None:

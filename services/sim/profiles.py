@@ -61,6 +61,14 @@ class WorkerProfile:
     # a served worker's CPU over the engine's own compute (gRPC, the KV send, its event loop), per role,
     # measured by bench routing (/proc) against the modelled compute of the same requests; the validation's
     worker_cpu_factor: dict = field(default_factory=dict, compare=False)
+    # the decode worker's CPU beyond its engine steps (its event loop: the tokens streamed out, the KV received),
+    # as a share of the steps' compute, run beside them on a shared host (host.py: the worker counts 1 + share
+    # runnable threads); served() moves the decode worker's measured factor here (a step is the engine's alone)
+    decode_loop_cpu_share: float = 0.0
+    # CPU seconds a prefill worker spends per request beyond the engine's steps (the call, the whole prompt's
+    # KV sent: a prefix hit sends it too), in the step that finishes the request's prompt; served() sets it
+    # from worker_cpu_factor's "prefill_per_request_s"
+    prefill_request_s: float = 0.0
     # a disaggregated request's first token leaves the decode worker when its step under way ends (the cpu
     # profile: pdserve's decode worker, whose engine thread holds the GIL through a step); else on arrival
     first_token_at_step: bool = False
@@ -87,12 +95,23 @@ class WorkerProfile:
         return self.transfer_latency_s + last * self.kv_bytes_per_token / self.transfer_bytes_per_s
 
     def served(self) -> WorkerProfile:
-        """The costs of a served worker on the profile's host: the engine's, times ``worker_cpu_factor``."""
+        """The costs of a served worker on the profile's host, from its measured ``worker_cpu_factor``.
+
+        A prefill worker's steps cost the engine's times its factor, and each request adds
+        ``prefill_per_request_s`` to the step that finishes its prompt: its serving work (the call, the
+        whole prompt's KV sent after the last chunk, a prefix hit's as much as a miss's) is on the
+        request's way to its first token. A decode
+        worker's steps cost the engine's alone, and the rest of its factor is its event loop's
+        (``decode_loop_cpu_share``): the tokens it streams out while the next step computes, a thread
+        beside the engine's that takes cores from the others, not time from the step
+        (``benchmarks/probes/kvaware_ttft_join.py``: with the factor on the step, kv-aware's simulated
+        steps were ~20% longer and its first tokens ~20% earlier than measured, at the same throughput)."""
         f, d = self.worker_cpu_factor.get("prefill", 1.0), self.worker_cpu_factor.get("decode", 1.0)
         return dataclasses.replace(
             self, prefill_base_s=self.prefill_base_s * f, prefill_per_token_s=self.prefill_per_token_s * f,
-            prefill_per_token_context_s=self.prefill_per_token_context_s * f, decode_base_s=self.decode_base_s * d,
-            decode_per_seq_s=self.decode_per_seq_s * d, decode_per_seq_context_s=self.decode_per_seq_context_s * d)
+            prefill_per_token_context_s=self.prefill_per_token_context_s * f,
+            prefill_request_s=self.worker_cpu_factor.get("prefill_per_request_s", 0.0),
+            decode_loop_cpu_share=max(0.0, d - 1.0))
 
     def with_kv_blocks(self, kv_blocks: int) -> WorkerProfile:
         fields = {k: v for k, v in self.__dict__.items()}

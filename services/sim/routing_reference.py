@@ -16,7 +16,9 @@ reads the saved runs (``--save``), and writes into the calibration file
   requests come or not), over the runs of every policy, whose request rates differ;
 * its ``worker_cpu_factor``: each role's CPU per request from /proc over the engine
   compute the simulator models for the same requests (a served worker's gRPC, KV send
-  and event loop beside the engine's steps);
+  and event loop beside the engine's steps): the decode worker's a ratio, the prefill
+  worker's a factor and a cost per request (``prefill_per_request_s``), fitted over the
+  runs of every policy (a hit sends its prompt's KV as a miss does);
 * each run's median hand-off (the router's TTFT less the prefill worker's compute and
   send: dispatch, the Prefill call, the first token's way back), in the reference, to
   set beside the simulator's (the idle stack's hop, ``transfer.latency_s``, plus the
@@ -99,23 +101,45 @@ def front_door(runs: list[dict]) -> dict:
     return {"frontdoor_cpu_s": round(max(per_request, 0.0), 5), "frontdoor_busy_cores": round(max(busy, 0.0), 4)}
 
 
+def prefill_cost_fit(sim_ms: list[float], real_ms: list[float]) -> tuple[float, float]:
+    """A prefill worker's CPU per request over runs: real = factor * modelled engine compute + per request,
+    in relative error (kv-aware's ~110 ms weigh as much as round-robin's ~480). Every request pays the
+    per-request part (the call, the whole prompt's KV sent) whether it hit or not, so runs whose hit rates
+    differ separate the two. Where they do not (a part negative, or a factor under half the engine's own
+    compute: the CPU did not follow the compute), the plain ratio of the sums, none per request."""
+    a, y = np.array([[s, 1.0] for s in sim_ms]), np.array(real_ms, dtype=float)
+    if len(sim_ms) >= 2 and min(sim_ms) > 0 and min(real_ms) > 0:
+        (factor, per_request), *_ = np.linalg.lstsq(a / y[:, None], np.ones_like(y), rcond=None)
+        if factor >= 0.5 and per_request >= 0:
+            return round(float(factor), 3), round(float(per_request), 2)
+    return (round(float(y.sum() / a[:, 0].sum()), 3) if a[:, 0].sum() else 1.0), 0.0
+
+
 def worker_cpu_factor(ref: dict, calibration: Path) -> dict:
     """A served worker's CPU per request (/proc) over the engine compute the simulator models for the
-    same requests: the gRPC, KV-send and event-loop work beside the engine's steps, per role."""
+    same requests: the gRPC, KV-send and event-loop work beside the engine's steps. The decode worker's,
+    a ratio (its event loop's work grows with the tokens it streams); the prefill worker's, a factor and a
+    cost per request (``prefill_cost_fit``), as ``prefill_per_request_s``."""
     from services.sim.profiles import load_profile
     from services.sim.validation import simulate_bench, simulated_requests
 
     profile = dataclasses.replace(load_profile("cpu", calibration), worker_cpu_factor={})
-    real, sim = {"prefill": 0.0, "decode": 0.0}, {"prefill": 0.0, "decode": 0.0}
+    real, sim = {"prefill": [], "decode": []}, {"prefill": [], "decode": []}
     for rep in ref["repeats"]:
         policies = rep["policies"]
         runs = simulate_bench(profile, simulated_requests(rep["seed"], profile.block_size)[0], list(policies),
                               {p: r["other_cores"] for p, r in policies.items()})
         for policy, r in policies.items():
             for role in real:
-                real[role] += r[f"{role}_cpu_ms"]
-                sim[role] += runs[policy][f"{role}_cpu_ms"]
-    return {role: round(real[role] / sim[role], 3) for role in real if sim[role]}
+                real[role].append(r[f"{role}_cpu_ms"])
+                sim[role].append(runs[policy][f"{role}_cpu_ms"])
+    out = {}
+    if sum(sim["prefill"]):
+        factor, per_request_ms = prefill_cost_fit(sim["prefill"], real["prefill"])
+        out.update({"prefill": factor, "prefill_per_request_s": round(per_request_ms / 1e3, 5)})
+    if sum(sim["decode"]):
+        out["decode"] = round(sum(real["decode"]) / sum(sim["decode"]), 3)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu["worker_cpu_factor"] = worker_cpu_factor(ref, path)
     cpu["source"]["worker_cpu_factor"] = (
         "each role's CPU per request from /proc in the same runs over the simulator's modelled engine compute "
-        "for the same requests (validation.py without the factor), pooled over every run")
+        "for the same requests (validation.py without the factor): decode pooled over every run; prefill "
+        "fitted as factor x compute + prefill_per_request_s over the runs (relative error)")
     path.write_text(json.dumps(cal, indent=1) + "\n")
     print(json.dumps(fd))
     return 0

@@ -82,29 +82,35 @@ def simulated_requests(seed: int, block_size: int) -> tuple[list[SimRequest], bo
     return (exact, True) if exact is not None else (routing_bench_workload(seed, block_size), False)
 
 
+def bench_run(profile: WorkerProfile, requests: list[SimRequest], policy: str, other_cores: float = 0.0) -> ClusterSim:
+    """One policy's run of ``requests`` in bench routing's setup, on the host's cores less ``other_cores``
+    (the other tenants' during the real run); the simulator, run, with its jobs."""
+    # never under a tenth of a core: a run that had none would not have finished
+    prof = dataclasses.replace(profile.with_kv_blocks(280), frontdoor_busy_cores=min(
+        profile.frontdoor_busy_cores + other_cores, profile.host_cores - 0.1))
+    sim = ClusterSim(ClusterConfig(prof, 2, 1, policy=policy, disaggregation="always", closed_loop=8,
+                                   host_cores=profile.host_cores), copy.deepcopy(requests))
+    # the decode worker keeps the default 2 GiB cache: only the prefill workers' caches are sized
+    decode = next(w for w in sim.workers.values() if w.role == "decode")
+    decode.profile = profile
+    decode.info.kv_blocks_total = profile.kv_blocks
+    return sim.run()
+
+
 def simulate_bench(profile: WorkerProfile, requests: list[SimRequest], policies=POLICIES,
                    other_cores: dict[str, float] | None = None) -> dict[str, dict]:
     """Each policy's figures on ``requests`` in bench routing's setup; ``other_cores``: per policy, the cores
     the machine's other tenants took during its real run, which that run's host lacks."""
     out = {}
     for policy in policies:
-        taken = (other_cores or {}).get(policy, 0.0)
-        # the host's cores less the other tenants' (never under a tenth of a core: a run that had none
-        # would not have finished)
-        prof = dataclasses.replace(profile.with_kv_blocks(280), frontdoor_busy_cores=min(
-            profile.frontdoor_busy_cores + taken, profile.host_cores - 0.1))
-        sim = ClusterSim(ClusterConfig(prof, 2, 1, policy=policy, disaggregation="always", closed_loop=8,
-                                       host_cores=profile.host_cores), copy.deepcopy(requests))
-        # the decode worker keeps the default 2 GiB cache: only the prefill workers' caches are sized
-        decode = next(w for w in sim.workers.values() if w.role == "decode")
-        decode.profile = profile
-        decode.info.kv_blocks_total = profile.kv_blocks
-        sim.run()
+        sim = bench_run(profile, requests, policy, (other_cores or {}).get(policy, 0.0))
         s = summarize(sim, SLO(10.0, 1.0))
-        n = len(sim.jobs)
-        busy = {role: sum(w.busy_s for w in sim.workers.values() if w.role == role) for role in ("prefill", "decode")}
+        n = len(sim.jobs)  # (the rate over the last finish: the loop's last event is a heartbeat tick after it)
+        # a worker's CPU: its steps and (decode) its event loop's thread
+        busy = {role: sum(w.busy_s + getattr(w, "loop_busy_s", 0.0) for w in sim.workers.values() if w.role == role)
+                for role in ("prefill", "decode")}
         handoff = [j.first_token_at - j.extra["prefilled_at"] for j in sim.jobs if "prefilled_at" in j.extra]
-        out[policy] = {"hit_rate": s["hit_rate"], "ttft_s": s["ttft_s"], "requests_per_s": round(n / sim.loop.now, 3),
+        out[policy] = {"hit_rate": s["hit_rate"], "ttft_s": s["ttft_s"], "requests_per_s": round(n / max(j.finished_at for j in sim.jobs), 3),
                        "handoff_ms_p50": round(percentile(handoff, 50) * 1e3, 2),
                        "prefill_cpu_ms": round(busy["prefill"] / n * 1e3, 2),
                        "decode_cpu_ms": round(busy["decode"] / n * 1e3, 2)}

@@ -130,7 +130,7 @@ class PrefillWorker(SimWorker):
         self.running = job
         req = job.req
         new = req.num_tokens - self._lookup(job) * self.profile.block_size
-        duration = self.profile.prefill_s(new, req.num_tokens)
+        duration = self.profile.prefill_s(new, req.num_tokens) + self.profile.prefill_request_s
         self.busy_s += duration
         self._work, self._since = duration, self.sim.loop.now
         if self.host is not None:
@@ -198,6 +198,7 @@ class DecodeWorker(SimWorker):
         self.stall_until = 0.0
         self.pending_local_tokens = 0
         self.version = 0
+        self.loop_busy_s = 0.0  # its event loop's CPU beside the steps (the profile's decode_loop_cpu_share)
 
     def report(self, info: WorkerInfo) -> None:
         info.num_running = len(self.batch)
@@ -239,7 +240,13 @@ class DecodeWorker(SimWorker):
             self.steps += k
             self.sum_ctx += len(self.batch) * k
             self.busy_s += dt * self.speed  # compute: at a shared host's speed, the wall time is longer
+            self.loop_busy_s += dt * self.speed * self.profile.decode_loop_cpu_share
         self.last = now
+
+    @property
+    def threads(self) -> float:
+        """Runnable threads while it computes (host.py): the engine's, and its event loop's share beside it."""
+        return 1.0 + self.profile.decode_loop_cpu_share
 
     def local_prefill(self, job: Job) -> None:
         """Compute the prompt here: the batch stalls for it; the first token comes at its end."""

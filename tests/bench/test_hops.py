@@ -68,3 +68,34 @@ def test_level_summary_counts_steps_from_the_kv_and_clock_violations():
     assert level["engine_steps_to_first_token"] == {"p50": 1.5, "max": 2}
     assert level["via_prefill_worker"] == 1 and level["traced"] == 2
     assert level["clock_violations"] == 1  # r1's gw.sse before router.read
+
+
+def test_wakeups_count_every_thread_of_a_process():
+    """bench hops' wake-ups per token: a thread other than the main one that sleeps 50 times is counted (psutil's
+    own count reads the main thread's only)."""
+    import os
+    import threading
+    import time
+
+    import psutil
+
+    from services.bench.process_watch import wakeups
+
+    me = {"me": psutil.Process(os.getpid())}
+    slept, done = threading.Event(), threading.Event()
+
+    def sleeper():
+        for _ in range(50):
+            time.sleep(0.001)
+        slept.set()
+        done.wait()  # alive while counted: a thread that exited takes its count with it (as in the stack's
+        # processes, whose threads live as long as they do)
+
+    before = wakeups(me)["me"]
+    worker = threading.Thread(target=sleeper)
+    worker.start()
+    slept.wait()
+    after = wakeups(me)["me"]
+    done.set()
+    worker.join()
+    assert after - before >= 50

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import httpx
 
 from services.gateway import fanout_probe, frontdoor_probe
@@ -63,10 +65,39 @@ def test_breakdown_splits_added_latency_and_names_what_dominated_the_slowest():
     chunks.append(("r", "999-0", 2000.0, 2000.1))  # the probe missed it: not joined, counted
     probe = {"reads": reads, "writes": writes, "lag": [(1001.0, 2.0), (1002.0, 150.0), (5000.0, 900.0)],
              "gc": [(1003.0, 2, 40.0), (1004.0, 0, 1.0)]}
-    out = frontdoor_probe.breakdown(chunks, probe, [(1001.0, 0.5)], since=1000.0, until=1300.0)
+    out = frontdoor_probe.breakdown(chunks, probe, [(1001.0, 0.5)], since=1000.0, until=1300.0,
+                                    client_gc=[(1005.0, 2, 90.0), (999.0, 2, 50.0)])
     assert out["chunks_joined"] == 200 and out["chunks_unjoined"] == 1
     assert out["slowest_1pct"]["chunks"] == 2
     assert out["slowest_1pct"]["dominant_part"] == {"gateway": 1, "client": 1}
     assert round(out["gateway_ms"]["max"]) == 500 and round(out["client_ms"]["max"]) == 300
     assert out["gateway_loop_lag_ms"]["ticks_over_100ms"] == 1  # the 900 ms tick is outside the window
     assert out["gateway_gc_pauses"]["2"] == {"count": 1, "ms_total": 40.0, "ms_max": 40.0}
+    assert out["client_gc_pauses"] == {"2": {"count": 1, "ms_total": 90.0, "ms_max": 90.0}}  # 999.0: before
+
+
+def test_the_load_generators_quiet_collector_runs_no_full_collection_and_restores_pythons_after():
+    from services.gateway.frontdoor_bench import client_gc
+
+    before = gc.get_threshold()
+
+    def full_collections_while_keeping_records(mode: str) -> int:
+        full = []
+
+        def note(phase, info):
+            if phase == "start" and info["generation"] == 2:
+                full.append(info)
+
+        with client_gc(mode):  # entering collects once on purpose: only what runs while records pile up counts
+            gc.callbacks.append(note)
+            try:
+                records = []
+                for i in range(300_000):  # the chunk records a latency phase keeps: enough for full collections
+                    records.append((f"r{i}", [i]))
+            finally:
+                gc.callbacks.remove(note)
+        return len(full)
+
+    assert full_collections_while_keeping_records("quiet") == 0
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    assert full_collections_while_keeping_records("default") > 0  # Python's collector does run them here

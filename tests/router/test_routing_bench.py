@@ -76,6 +76,13 @@ def test_every_request_is_served_once_by_a_prefill_worker(report):
         assert p["ttft_ms_p50"] <= p["ttft_ms_p90"] <= p["ttft_ms_p99"]
         assert p["output_tok_s"] == pytest.approx(2 * p["requests_per_s"], rel=0.01)  # max_tokens 2, EOS ignored
         assert len(p["ttft_ms"]) == REQUESTS
+        # each request's split, in send order: the router's TTFT within the client's, the prefill worker's
+        # time for every request (not within the router's TTFT: its reply trails the KV's acknowledgement,
+        # which can come after the first token), the cached tokens adding up to the run's
+        assert len(p["router_ttft_ms"]) == len(p["prefill_ms"]) == len(p["cached_tokens"]) == REQUESTS
+        for client, router, prefill in zip(p["ttft_ms"], p["router_ttft_ms"], p["prefill_ms"]):
+            assert 0 < router <= client + 0.1 and prefill > 0, (name, client, router, prefill)
+        assert sum(p["cached_tokens"]) == p["cached_prompt_tokens"], name
         # CPU per request from /proc: every process of the stack, Redis and the client; the workers computed
         cpu = p["cpu_ms_per_request"]
         assert {"prefill-0", "prefill-1", "decode-0", "router", "redis", "client"} <= set(cpu), name

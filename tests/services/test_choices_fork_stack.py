@@ -12,8 +12,10 @@ import signal
 import time
 import urllib.request
 
+import grpc
 import pytest
 
+from proto.pdserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from services.launcher import LocalStack, StackSpec
 from tests.services.stack import worker_load
 
@@ -30,7 +32,8 @@ LONG = "A long account of the harbour, its boats and its storms, told slowly. " 
 def stack(redis_url):
     spec = StackSpec(prefill=1, decode=2, dtype="fp32", threads=1, kv_cache_gb=0.25, redis_url=redis_url,
                      router_args=["--local-prefill-max-tokens", str(LOCAL), "--no-local-prefill-cached"],
-                     gateway_args=["--disconnect-grace", "0.2"])
+                     gateway_args=["--disconnect-grace", "0.2", "--deadline-grace", "600"],
+                     gateway_grpc_port=0)
     with LocalStack(spec) as s:
         yield s
 
@@ -78,6 +81,27 @@ def test_n4_computes_the_prompt_once(client, stack, where):
 
 
 @pytest.mark.parametrize("where", ["local", "hand-off"])
+def test_each_choices_finish_names_the_workers_that_served_it(stack, where):
+    """The gRPC API's per-choice Finish says who computed the prompt (and how long it took) as n = 1's does."""
+    before = _prompt_tokens(stack)
+    with grpc.insecure_channel(stack.gateway_grpc_address) as channel:
+        replies = list(generate_pb2_grpc.GenerationStub(channel).Generate(generate_pb2.GenerateRequest(
+            text=f"finish {where}: " + (SHORT if where == "local" else LONG), n=3, stream=False,
+            sampling=common_pb2.SamplingParams(seed=7, temperature=1.0, max_tokens=3)), timeout=120))
+    finishes = [r.finish for r in replies if r.HasField("finish")]
+    decodes = {stack.procs[name].worker_id for name in DECODES}
+    assert len(finishes) == 3 and all(f.decode_worker in decodes for f in finishes)
+    computed = _computed_since(stack, before, finishes[0].usage.prompt_tokens)
+    if computed["prefill"]:  # handed off (under load a long prompt may fall back to its decode worker)
+        assert {f.prefill_worker for f in finishes} == {stack.procs["prefill-0"].worker_id}
+        assert all(f.timings.prefill_ms > 0 for f in finishes)
+    else:
+        assert where == "local" or computed["decode"]
+        assert {f.prefill_worker for f in finishes} == {""}
+    assert where == "local" or computed["prefill"] or computed["decode"]
+
+
+@pytest.mark.parametrize("where", ["local", "hand-off"])
 def test_seeded_and_greedy_choices_equal_separate_requests(client, where):
     kw = {"model": MODEL, "prompt": SHORT if where == "local" else LONG, "max_tokens": 10}
     forked = client.completions.create(n=3, seed=40, temperature=1.0, logprobs=0, **kw)
@@ -115,6 +139,33 @@ def test_a_client_leaving_mid_stream_cancels_every_choice_and_frees_their_blocks
         if seen == {0, 1, 2}:
             break
     stream.close()
+    _eventually_idle(stack)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("stream", [False, True])
+def test_requests_past_their_deadline_end_with_a_deadline_error_at_once_and_free_their_blocks(stack, stream, n):
+    """The router stops a generation at its deadline (n = 1 and n > 1, the stream's 200 sent or not): the
+    client hears at once, not after the gateway's own grace (600 s here: the 60 s read timeout would fail the
+    test), and the worker frees the slot."""
+    import httpx
+
+    body = {"model": MODEL, "prompt": LONG, "n": n, "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+    with httpx.Client(base_url=f"http://{stack.gateway_address}", timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body, headers={"x-pdserve-timeout": "1.5"}) as r:
+            r.read()
+    if stream:  # the 200 went out with the first chunks; the stream then ends with the error and [DONE]
+        events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert r.status_code == 200 and events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["type"] == "deadline_exceeded"
+    else:
+        assert r.status_code == 504 and r.json()["error"]["type"] == "deadline_exceeded"
+    _eventually_idle(stack)
+
+
+def _eventually_idle(stack) -> None:
+    """Every decode worker runs nothing and holds no KV block (within 30 s)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         loads = [asyncio.run(worker_load(n, stack.procs[n].address)) for n in DECODES]

@@ -132,3 +132,14 @@ def test_bench_frontdoor_measures_the_stack_pdserve_up_chooses():
                 ours.front_first) == (theirs.prefill, theirs.decode, theirs.threads, theirs.quantization,
                                       theirs.router_args, theirs.engine_nice, theirs.front_first)
     assert bench().engine_nice == up_defaults.ENGINE_NICE
+
+
+def test_stream_flags_reach_the_decode_workers_and_both_at_once_are_refused():
+    # nothing given: the workers' own default (a 20 ms flush, stream_holding.py), so no flag is passed
+    assert up.spec_from_args(_args("--prefill", "1")).decode_args == []
+    assert up.spec_from_args(_args("--prefill", "1", "--stream-interval", "1")).decode_args == ["--stream-interval=1"]
+    assert up.spec_from_args(_args("--prefill", "1", "--stream-flush-ms", "0")).decode_args == ["--stream-flush-ms=0"]
+    with pytest.raises(ValueError, match="give one"):
+        up.spec_from_args(_args("--prefill", "1", "--stream-interval", "4", "--stream-flush-ms", "10"))
+    with pytest.raises(SystemExit):  # argparse: a flush past a second is not a stream
+        _args("--stream-flush-ms", "5000")

@@ -99,3 +99,13 @@ def test_a_seed_given_twice_or_a_run_without_cpu_figures_is_refused(tmp_path, ca
     assert routing_reference.main([str(old), "--calibration", str(cal)]) == 2
     assert "no cpu_ms_per_request" in capsys.readouterr().err
     assert cal.read_text() == "{}"  # nothing written
+
+
+def test_the_prefill_workers_cost_splits_into_a_factor_and_a_cost_per_request():
+    # runs whose modelled compute differs (kv-aware's hits, round-robin's misses): 1.2 x compute + 7 ms each
+    sim = [88.0, 400.0, 90.0, 350.0]
+    assert routing_reference.prefill_cost_fit(sim, [1.2 * s + 7.0 for s in sim]) == pytest.approx((1.2, 7.0))
+    # the same CPU whatever the compute cannot be a negative factor: the plain ratio, nothing per request
+    factor, per_request = routing_reference.prefill_cost_fit(sim, [500.0] * 4)
+    assert factor == pytest.approx(2000 / sum(sim), rel=1e-3) and per_request == 0.0
+

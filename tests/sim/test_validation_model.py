@@ -142,3 +142,45 @@ def test_a_first_token_leaves_the_decode_worker_when_its_step_under_way_ends():
     assert newcomer.first_token_at == -1.0  # still waiting for the step to end
     sim.loop.run(3.1 * step)
     assert newcomer.first_token_at == pytest.approx(3 * step, rel=1e-3)
+
+
+def _decode_phase(profile, host_cores):
+    req = SimRequest(0, 0.0, "standard", list(range(4)), 64, 33)  # 32 decode steps after the first token
+    sim = ClusterSim(ClusterConfig(profile, 1, 1, policy="round-robin", disaggregation="always", closed_loop=1,
+                                   host_cores=host_cores), [req]).run()
+    job = sim.jobs[0]
+    decode = next(w for w in sim.workers.values() if w.role == "decode")
+    return job.finished_at - job.first_token_at, decode
+
+
+def test_a_decode_workers_event_loop_runs_beside_its_steps_and_takes_a_shared_hosts_cores():
+    plain = cpu()
+    served = dataclasses.replace(plain, decode_loop_cpu_share=0.5)
+    step = plain.decode_step_s(1, 64 + 1)  # ~the batch of one's step (its context grows a little)
+    # cores enough for every thread: the loop's work does not lengthen the steps
+    alone, _ = _decode_phase(plain, 8)
+    beside, decode = _decode_phase(served, 8)
+    assert alone == pytest.approx(32 * step, rel=0.02)
+    assert beside == pytest.approx(alone)
+    assert decode.loop_busy_s == pytest.approx(0.5 * decode.busy_s)  # the loop did its share of work
+    # one core: the loop's thread and the engine's share it, 1.5 threads on 1 core
+    one_core, _ = _decode_phase(served, 1)
+    assert one_core == pytest.approx(1.5 * alone)
+
+
+
+def test_a_prefill_workers_cost_per_request_is_paid_in_the_step_that_finishes_each_prompt():
+    # (first tokens leave on arrival: the decode worker's step under way is another test's subject)
+    p = dataclasses.replace(cpu(1024, 512), prefill_request_s=0.05, first_token_at_step=False)
+    long, short = request(0, 1024, 0), request(1, 32, 5000)
+    jobs = run(p, [long, short])
+
+    def step(chunks):
+        return (p.prefill_base_s + p.prefill_per_token_s * sum(n for n, _ in chunks)
+                + p.prefill_per_token_context_s * sum(n * c for n, c in chunks))
+
+    # step 1: the long prompt's first 512 alone (the short one arrives while it runs); step 2: the long one's
+    # last 512 and the short one whole: both finish, so it pays the per-request cost twice
+    both = step([(512, 512)]) + step([(512, 1024), (32, 32)]) + 2 * 0.05
+    assert jobs[1].first_token_at == pytest.approx(both + p.transfer_s(32))
+    assert jobs[0].first_token_at == pytest.approx(both + p.transfer_s(1024))
