@@ -9,7 +9,8 @@ scale-down drains the least loaded workers (they deregister at once and leave wh
 idle), and a drained worker refills the warm pool if it is short (its model is still
 loaded). A pool still short starts standbys cold: they join it ``cold_start_s`` later.
 Worker-hours count every worker that holds a machine: starting, serving, draining, warm
-standby and standby still loading.
+standby and standby still loading; ``breakdown`` splits them by state (per role for the
+workers that hold one), so a run's overspend can be read against the ideal curve.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class SimAutoscaler:
         self._warming: list[float] = []  # standbys still loading: when each is ready
         self.warm_target = self.planner.config.warm_min if kind == "planner" else 0
         self.worker_seconds = 0.0
+        # worker-seconds by state: "<role> serving|starting|draining", "warm", "warming"
+        self.breakdown: dict[str, float] = {}
         self._last = 0.0
         self._last_tick = -1e9
         self._window: list = []
@@ -65,7 +68,16 @@ class SimAutoscaler:
 
     def _account(self, sim) -> None:
         now = sim.loop.now
-        self.worker_seconds += (now - self._last) * (len(sim.workers) + self.warm + len(self._warming))
+        dt = now - self._last
+        self.worker_seconds += dt * (len(sim.workers) + self.warm + len(self._warming))
+        if dt > 0:
+            b = self.breakdown
+            for w in sim.workers.values():
+                state = "draining" if w.draining else "starting" if w.ready_at > self._last else "serving"
+                key = f"{w.role} {state}"
+                b[key] = b.get(key, 0.0) + dt
+            b["warm"] = b.get("warm", 0.0) + dt * self.warm
+            b["warming"] = b.get("warming", 0.0) + dt * len(self._warming)
         self._last = now
         ready = [t for t in self._warming if t <= now]
         if ready:

@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
              f"seed {args.seed}")
         auto = experiments.run_autoscale(profile, trace, slo, scale, planner_targets=args.planner_targets,
                                          threshold_targets=args.threshold_targets,
-                                         headline_target=args.headline_target, ablations=not args.no_ablations)
+                                         headline_target=args.headline_target, ablations=not args.no_ablations,
+                                         static_start=args.static_start)
         auto.update(requests=len(trace), trace_shape=args.trace_shape, seed=args.seed,
                     burst_factor=args.burst_factor, period_s=args.period_s, rate=args.autoscale_rate,
                     ideal_worker_hours_vs_static=experiments.ideal_ratio(arrivals))
@@ -200,6 +201,13 @@ def print_table(result: dict) -> None:
               f"{c['ideal_worker_hours_vs_static']}")
 
 
+def _workers_pair(text: str) -> tuple[int, int]:
+    p, plus, d = text.partition("+")
+    if not plus or not p.isdigit() or not d.isdigit() or int(p) < 1 or int(d) < 1:
+        raise argparse.ArgumentTypeError(f"expected P+D with P, D >= 1 (e.g. 9+4), got {text!r}")
+    return int(p), int(d)
+
+
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
@@ -235,6 +243,9 @@ def add_parser(sub) -> None:
     p.add_argument("--headline-target", type=float, default=0.7, help="the planner run the headline figures use")
     p.add_argument("--no-ablations", action="store_true",
                    help="skip the planner without lookahead and without warm pool (a shorter run)")
+    p.add_argument("--static-start", type=_workers_pair, default=None, metavar="P+D",
+                   help="start the static-peak search at P prefill + D decode workers (default: the headline "
+                        "planner's 95th-percentile counts); the search still goes down to the smallest meeting 99%%")
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots there")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -132,11 +132,38 @@ def _autoscaled(profile, requests, slo, scale: DayScale, kind, planner_config=No
     peak = max(((d["prefill"], d["decode"]) for d in scaler.decisions), key=sum)
     return {"slo_attainment": s["slo_attainment"], "worker_hours": round(scaler.worker_seconds / 3600, 3),
             "peak": {"prefill": peak[0], "decode": peak[1]}, "ttft_s": s["ttft_s"], "itl_s": s["itl_s"],
+            "worker_hours_by_state": {k: round(v / 3600, 3) for k, v in sorted(scaler.breakdown.items())},
             "decisions": scaler.decisions, "series": sim.series}
 
 
-def _static(profile, requests, slo, prefill: int, decode: int, heartbeat_s: float = 1.0):
-    sim = ClusterSim(ClusterConfig(profile, prefill, decode, heartbeat_s=heartbeat_s), _fresh(requests)).run()
+def _static(profile, requests, slo, prefill: int, decode: int, heartbeat_s: float = 1.0, goal: float | None = None):
+    """A static run. ``goal``: stop it once more requests have missed the SLO (finished late, or waiting past
+    the TTFT SLO for a first token) than the goal allows; its attainment is then the bound that proves the
+    miss ("stopped": true). An under-provisioned day queues without end, every waiting request retrying on
+    the Dispatcher's backoff: the static search's failing runs took most of its time."""
+    sim = ClusterSim(ClusterConfig(profile, prefill, decode, heartbeat_s=heartbeat_s), _fresh(requests))
+    stopped = False
+    if goal is None:
+        sim.run()
+    else:
+        allowed, step = (1 - goal) * len(requests), max(r.arrival for r in requests) / 100 if requests else 1.0
+        sim.run(until=step)
+        while len(sim.loop):
+            now = sim.loop.now
+            missed = sum(1 for j in sim.jobs if (j.finished_at > 0 and not slo.met(j))
+                         or (j.first_token_at <= 0 and now - j.req.arrival > slo.ttft_s))
+            if missed > allowed:
+                stopped = True
+                break
+            sim.loop.run(now + step)
+    if stopped:
+        attainment = round(1 - missed / len(requests), 4)
+        run = {"workers": prefill + decode, "prefill": prefill, "decode": decode, "slo_attainment": attainment,
+               "worker_hours": round((prefill + decode) * max(r.arrival for r in requests) / 3600, 3),
+               "stopped": True, "stopped_at_s": round(sim.loop.now, 1)}
+        _log(f"static {prefill}+{decode}: attainment at most {attainment} (stopped at {sim.loop.now:.0f} s), "
+             f"{run['worker_hours']} worker-h")
+        return run
     s = summarize(sim, slo)
     run = {"workers": prefill + decode, "prefill": prefill, "decode": decode, "slo_attainment": s["slo_attainment"],
            "worker_hours": round((prefill + decode) * sim.loop.now / 3600, 3), "ttft_s": s["ttft_s"],
@@ -149,12 +176,14 @@ def static_peak(profile, requests, slo, hint: tuple[int, int], goal: float = 0.9
                 heartbeat_s: float = 1.0) -> tuple[dict, list[dict]]:
     """The smallest static provisioning meeting ``goal``, prefill and decode sized apart (a fixed split
     would charge static for the role it over-provisions): from ``hint`` (grown by a quarter until it
-    meets the goal), bisect the prefill count with that decode count, then the decode count. Every
-    run is returned (points of the trade-off curve)."""
+    meets the goal), gallop each role down (1, 2, 4, ... fewer) to the first count that fails, then
+    bisect, the prefill count first with the decode count held, then the decode count. A hint near
+    the answer costs three runs; bisecting down from a planner's peak (5x static's at k = 48) never
+    finished in a session. Every run is returned (points of the trade-off curve)."""
     runs: list[dict] = []
 
     def meets(p: int, d: int) -> bool:
-        runs.append(_static(profile, requests, slo, p, d, heartbeat_s))
+        runs.append(_static(profile, requests, slo, p, d, heartbeat_s, goal))
         return runs[-1]["slo_attainment"] >= goal
 
     p, d = max(1, hint[0]), max(1, hint[1])
@@ -165,9 +194,12 @@ def static_peak(profile, requests, slo, hint: tuple[int, int], goal: float = 0.9
             return (n, d) if role == "prefill" else (p, n)
 
         hi = p if role == "prefill" else d  # meets; lo fails (0: never run)
-        lo = hi // 2
-        if lo >= 1 and meets(*at(lo)):
-            hi, lo = lo, 0
+        step, lo = 1, 0
+        while hi - step >= 1:
+            if not meets(*at(hi - step)):
+                lo = hi - step
+                break
+            hi, step = hi - step, step * 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if meets(*at(mid)):
@@ -180,6 +212,16 @@ def static_peak(profile, requests, slo, hint: tuple[int, int], goal: float = 0.9
             d = hi
     best = min((r for r in runs if r["slo_attainment"] >= goal), key=lambda r: (r["workers"], -r["slo_attainment"]))
     return best, runs
+
+
+def static_hint(run: dict, quantile: float = 0.95) -> tuple[int, int]:
+    """Where to start the static search: the planner run's decided counts at their ``quantile`` over
+    the day, per role (its peak is a burst's or a churn's, often several times static's)."""
+    counts = {}
+    for role in ("prefill", "decode"):
+        xs = sorted(d[role] for d in run["decisions"])
+        counts[role] = xs[min(len(xs) - 1, int(quantile * len(xs)))] if xs else 1
+    return counts["prefill"], counts["decode"]
 
 
 # The planner's knobs swept for the trade-off curve, and two ablations at the headline target; each in a
@@ -195,29 +237,40 @@ def planner_variants(profile: WorkerProfile, scale: DayScale, targets, headline_
 
 
 def run_autoscale(profile: WorkerProfile, requests, slo: SLO, scale: DayScale, planner_targets, threshold_targets,
-                  headline_target: float, ablations: bool = True) -> dict:
+                  headline_target: float, ablations: bool = True, static_start: tuple[int, int] | None = None) -> dict:
     """The planner at several target utilisations (and, at the headline target, without its trend
     lookahead and without a warm pool), the HPA-like threshold rule at several targets, and static
-    provisioning searched from the planner's peak down to the smallest meeting 99%: the trade-off curve.
+    provisioning searched from the headline planner's 95th-percentile counts to the smallest meeting
+    99%: the trade-off curve. ``static_start``: start the static search there instead (a known answer
+    costs three runs: it, one prefill fewer, one decode fewer).
     ``profile``: the real one; its start-up times are compressed with the day here."""
     day = scale.profile(profile)
-    planner = []
-    for name, config in planner_variants(profile, scale, planner_targets, headline_target, ablations).items():
+    variants = planner_variants(profile, scale, planner_targets, headline_target, ablations)
+    # the headline planner and the static search first: they are the headline ratio, and a run cut short
+    # for time is more use with them than with the sweep
+    headline_name = f"target {headline_target}"
+    order = [headline_name] + [n for n in variants if n != headline_name]
+    planner: dict = {}
+    peak = static = None
+    for name in order:
+        config = variants[name]
         run = _autoscaled(day, requests, slo, scale, "planner", config)
         run.update(variant=name, target_utilisation=config.target_utilisation, lookahead_s=config.lookahead_s,
                    burst_factor=config.burst_factor, warm_min=config.warm_min)
-        planner.append(run)
+        planner[name] = run
         _log(f"planner {name}: attainment {run['slo_attainment']}, {run['worker_hours']} worker-h, "
-             f"peak {run['peak']}")
+             f"peak {run['peak']}, by state {run['worker_hours_by_state']}")
+        if name == headline_name:
+            peak, static = static_peak(day, requests, slo, static_start or static_hint(run), heartbeat_s=scale.heartbeat_s)
+            _log(f"static peak {peak['prefill']}+{peak['decode']}: {peak['worker_hours']} worker-h")
     threshold = []
     for target in threshold_targets:
         run = _autoscaled(day, requests, slo, scale, "threshold", threshold=target)
         run["target"] = target
         threshold.append(run)
         _log(f"threshold rule target {target}: attainment {run['slo_attainment']}, {run['worker_hours']} worker-h")
-    headline = next(r for r in planner if r["variant"] == f"target {headline_target}")
-    peak, static = static_peak(day, requests, slo, (headline["peak"]["prefill"], headline["peak"]["decode"]),
-                               heartbeat_s=scale.heartbeat_s)
+    headline = planner[headline_name]
+    planner = [planner[n] for n in variants]
     return {"static": static, "static_peak": peak, "planner": planner, "threshold": threshold,
             "headline_run": headline,
             "day_scale": {"period_s": scale.period_s, "k": round(scale.k, 3), "tick_s": round(scale.tick_s, 4),

@@ -69,7 +69,7 @@ def write_plots(result: dict, directory: str | Path, prefix: str = "sim") -> lis
 
 def _tradeoff(plt, autoscale: dict, directory: Path, prefix: str) -> str:
     """Worker-hours (as a share of static peak's) against SLO attainment: static sizes, the planner's
-    target sweep and ablations, the threshold rule; the goal's corner dashed."""
+    target sweep and ablations, the threshold rule, perfect foresight; the goal's corner dashed."""
     peak = autoscale["static_peak"]["worker_hours"]
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     static = sorted(autoscale["static"], key=lambda r: r["worker_hours"])
@@ -87,6 +87,9 @@ def _tradeoff(plt, autoscale: dict, directory: Path, prefix: str) -> str:
     if thr:
         ax.plot([r["worker_hours"] / peak for r in thr], [r["slo_attainment"] for r in thr], "^-",
                 label="threshold rule (HPA-like)")
+    ideal = autoscale.get("ideal_worker_hours_vs_static")
+    if ideal is not None:  # perfect foresight: fractional workers the instant they are needed, every SLO met
+        ax.plot([ideal], [1.0], "*", ms=9, color="#2ca02c", label="perfect foresight")
     ax.axhline(0.99, color="grey", lw=0.8, ls="--")
     ax.axvline(0.6, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("worker-hours / static peak's")

@@ -188,7 +188,9 @@ def test_the_warm_pool_covers_the_burst_the_slo_must_survive():
 
 
 def test_after_a_burst_the_count_falls_to_the_last_windows_need_at_once():
-    p = planner(down_after_s=60, down_step=1.0, target_utilisation=0.5)
+    # trend_window_s 20 s: two 10 s windows, too few to filter, so each window's demand is its need (the
+    # filter is tested apart)
+    p = planner(down_after_s=60, down_step=1.0, target_utilisation=0.5, trend_window_s=20)
     current = p.decide(signals(0, prefill=2, tokens_per_s=10_000)).prefill  # 2
     current = p.decide(signals(10, prefill=current, tokens_per_s=100_000)).prefill  # the burst: 20
     assert current == 20
@@ -206,6 +208,26 @@ def test_one_noisy_window_in_a_long_history_orders_nothing():
     p = planner(target_utilisation=0.5, trend_window_s=60, lookahead_s=30)
     for t in range(0, 60, 5):
         d = p.decide(signals(t, prefill=2, tokens_per_s=10_000))
-    # one window of 5x (prompts counted as they finish come in clumps): the median of three ignores it
+    # one window of 5x (prompts counted as they finish come in clumps): the trimmed mean drops it
     d = p.decide(signals(60, prefill=d.prefill, tokens_per_s=50_000))
     assert d.prefill == 2
+
+
+def test_a_steady_noisy_demand_is_served_near_its_mean_not_its_noise_peaks():
+    # 20,000 tokens/s on average (4 workers at 50%), each window's count log-normally noisy (sigma 0.6, as
+    # prompts counted as they finish are at short windows); the hysteresis floor is the highest need of its
+    # window, so a level that follows the noise is held at its peaks
+    import random
+
+    rng = random.Random(0)
+    p = planner(target_utilisation=0.5, trend_window_s=120, lookahead_s=120, down_after_s=300, down_step=0.25)
+    current, counts = 1, []
+    for t in range(0, 3600, 10):
+        demand = 20_000 * rng.lognormvariate(-0.18, 0.6)  # mean exp(-0.18 + 0.18) = 1
+        current = p.decide(signals(t, prefill=current, tokens_per_s=demand)).prefill
+        counts.append(current)
+    settled = counts[60:]
+    # 4 workers serve the mean; the old rule (median of the last three windows, the raw slope) ran 9.5 on
+    # average and 15 at most, the trimmed mean 6.1 and 10
+    assert max(settled) <= 10 and sum(settled) / len(settled) <= 6.5
+

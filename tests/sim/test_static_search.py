@@ -1,0 +1,67 @@
+"""The static-peak search: the smallest prefill + decode meeting the goal, from a hint, in few runs.
+
+The search is an algorithm over a monotone "meets the SLO" test; here that test is a crafted frontier
+(prefill >= 5 and decode >= 3 meet 99%) so the search's own steps are what is checked.
+"""
+
+import pytest
+
+from services.sim import experiments
+
+FRONTIER = (5, 3)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    runs = []
+
+    def static(profile, requests, slo, prefill, decode, heartbeat_s=1.0, goal=None):
+        runs.append((prefill, decode))
+        ok = prefill >= FRONTIER[0] and decode >= FRONTIER[1]
+        return {"workers": prefill + decode, "prefill": prefill, "decode": decode,
+                "slo_attainment": 1.0 if ok else 0.9, "worker_hours": float(prefill + decode)}
+
+    monkeypatch.setattr(experiments, "_static", static)
+    return runs
+
+
+@pytest.mark.parametrize("hint", [(5, 3), (6, 4), (40, 20), (2, 1), (1, 1)])
+def test_the_search_finds_the_smallest_provisioning_meeting_the_goal(calls, hint):
+    best, runs = experiments.static_peak(None, [], None, hint)
+    assert (best["prefill"], best["decode"]) == FRONTIER
+    assert len(runs) == len(calls)
+
+
+def test_a_hint_at_the_answer_costs_three_runs(calls):
+    experiments.static_peak(None, [], None, FRONTIER)
+    assert calls == [(5, 3), (4, 3), (5, 2)]  # meets; one fewer prefill fails; one fewer decode fails
+
+
+def test_the_hint_is_the_planner_days_95th_percentile_not_its_peak():
+    decisions = [{"prefill": 4, "decode": 2}] * 97 + [{"prefill": 60, "decode": 9}] * 3
+    assert experiments.static_hint({"decisions": decisions}) == (4, 2)
+
+
+def test_a_static_start_is_p_plus_d_workers_and_anything_else_is_refused():
+    import argparse
+
+    from services.sim.bench import _workers_pair
+
+    assert _workers_pair("9+4") == (9, 4)
+    for bad in ("9", "0+4", "9+-1", "a+b", "9+4+1", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected P\\+D"):
+            _workers_pair(bad)
+
+
+def test_a_static_run_that_cannot_meet_the_goal_stops_early_and_one_that_can_is_run_whole():
+    from services.sim.metrics import SLO
+    from services.sim.profiles import load_profile
+    from services.sim.workloads import SimRequest
+
+    profile, slo = load_profile("h100"), SLO(2.0, 0.05)
+    # 20 prompts of 8,192 tokens a second for 60 s: one prefill worker (~3 a second) falls behind at once
+    reqs = [SimRequest(i, i / 20, "standard", list(range(i * 128, (i + 1) * 128)), 8192, 16) for i in range(1200)]
+    short = experiments._static(profile, reqs, slo, 1, 2, goal=0.99)
+    assert short["stopped"] and short["slo_attainment"] < 0.99 and short["stopped_at_s"] < 30
+    whole = experiments._static(profile, reqs, slo, 12, 2, goal=0.99)
+    assert "stopped" not in whole and whole == experiments._static(profile, reqs, slo, 12, 2)
