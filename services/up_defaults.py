@@ -29,7 +29,9 @@ peer --only pdserve --variant ...`` on the project's 2-core machine
   one group, so this is what lets the gateway, router and Redis take a core as
   soon as they wake while the workers compute. ``pdserve bench frontdoor``,
   quiet, with this stack: added p99 per chunk at 1,000 open streams 28-40 ms
-  against 634 ms, with the same wall time for its 1,500 requests (BENCHMARKS.md).
+  against 634 ms at the kernel's default, with the same wall time for its 1,500
+  requests (eleventh session; 17-26 ms in the twelfth's six runs with the 20 ms
+  stream flush and the bench's quiet collector: BENCHMARKS.md).
   The workers then yield to anything else on the machine too; ``--engine-nice
   0`` keeps the kernel's default. ``--front-first`` (services/front_first.py) is
   opt-in: 21.5-22.1 ms in two quiet runs, not yet enough runs for a default.
@@ -125,7 +127,7 @@ def choose(cpus: int, *, prefill: int | None = None, decode: int | None = None, 
     if engine_nice is None:
         engine_nice = ENGINE_NICE
         reasons.append(f"the workers' autogroups at niceness {engine_nice} because the gateway, router and Redis "
-                       "then get a core when they wake (measured: p99 per chunk at 1,000 streams 28-40 ms, not "
+                       "then get a core when they wake (measured: p99 per chunk at 1,000 streams 17-40 ms, not "
                        "634; --engine-nice 0 to keep the kernel's default)")
     if front_first:
         from services import front_first as scheduling
