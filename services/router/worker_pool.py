@@ -14,11 +14,20 @@ out for a window and until a heartbeat newer than the window's end arrives, so
 a worker that died is not retried before its registry entry expires. A worker
 whose entry expires leaves the pool and ``on_removed`` is told (the router
 drops it from the prefix index).
+
+Following the registry: workers publish each heartbeat's entry (and their
+deregistration) on ``CHANGES_CHANNEL`` (registry.py); the pool applies what
+arrives, in batches at most once per ``refresh_s``, and reads the whole registry
+only every ``reread_s`` (entries that expired, i.e. workers that died, and any
+message a dropped subscription missed). Polling the registry every 250 ms cost
+an idle router and Redis 8 round trips a second; following costs a message per
+heartbeat and a read a second.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -26,7 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from services.loops import Loops
-from services.registry import WorkerInfo, read_workers
+from services.registry import CHANGES_CHANNEL, WorkerInfo, parse_change, read_workers
 from services.router.load_ranking import LoadRanking
 
 log = logging.getLogger(__name__)
@@ -95,11 +104,13 @@ class _Tracked:
 class WorkerPool:
     def __init__(self, redis, refresh_s: float = 0.5, model: str | None = None,
                  on_removed: Callable[[str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
-        if refresh_s <= 0:
-            raise ValueError(f"refresh_s must be positive, got {refresh_s}")
+                 clock: Callable[[], float] = time.monotonic, reread_s: float = 1.0):
+        if refresh_s <= 0 or reread_s <= 0:
+            raise ValueError(f"refresh_s and reread_s must be positive, got {refresh_s} and {reread_s}")
         self.redis = redis
-        self.refresh_s = refresh_s
+        self.refresh_s = refresh_s  # the most a published change waits before it is applied
+        self.reread_s = reread_s  # the whole registry is read this often
+        self.registry_reads = 0  # whole-registry reads so far (tests count them)
         self.model = model  # None: every model's workers
         self.on_removed = on_removed
         self._clock = clock
@@ -133,18 +144,65 @@ class WorkerPool:
         self._loops.start({"worker-pool-refresh": self._run})
 
     async def stop(self) -> None:
-        await self._loops.stop(self.refresh_s + 0.5)
+        await self._loops.stop(min(self.refresh_s, self.reread_s) + 0.5)
 
     async def _run(self) -> None:
+        backoff = 0.1
         while not self._loops.stopping:
-            await asyncio.sleep(self.refresh_s)
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
+                await pubsub.subscribe(CHANGES_CHANNEL)
+                await self._follow(pubsub)
+            except Exception as exc:  # keep the last known set; subscribe and read again
+                log.warning("following the worker registry failed: %s", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.reread_s)
+            else:
+                backoff = 0.1
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
+    async def _follow(self, pubsub) -> None:
+        """Apply published changes and re-read the registry, in one task: a change received after a read
+        began is applied after that read, so a read never undoes a newer change. The first read comes
+        after subscribing, so nothing between the two is missed."""
+        pending: dict[str, WorkerInfo | None] = {}
+        applied_at = reread_at = -float("inf")
+        while not self._loops.stopping:
+            now = time.monotonic()
+            if now >= reread_at:
                 await self.refresh()
-            except Exception as exc:  # keep the last known set; the next refresh may work
-                log.warning("worker registry refresh failed: %s", exc)
+                pending.clear()  # received before the read was sent: the read is as new
+                reread_at = now + self.reread_s
+            elif pending and now >= applied_at + self.refresh_s:
+                self.apply_changes(pending)
+                pending, applied_at = {}, now
+            wait = reread_at - now
+            if pending:
+                wait = min(wait, applied_at + self.refresh_s - now)
+            message = await pubsub.get_message(timeout=max(wait, 0.0))
+            if message is not None and message.get("type") == "message":
+                try:
+                    worker_id, info = parse_change(message["data"])
+                except (ValueError, KeyError, TypeError) as exc:
+                    log.warning("ignored a malformed registry change: %s", exc)
+                    continue
+                pending[worker_id] = info
 
     async def refresh(self) -> None:
+        self.registry_reads += 1
         self.update(await read_workers(self.redis))
+
+    def apply_changes(self, changes: dict[str, WorkerInfo | None]) -> None:
+        """Published changes: worker id -> its new entry, or None for a worker that left."""
+        known = {worker_id: tracked.info for worker_id, tracked in self._workers.items()}
+        for worker_id, info in changes.items():
+            if info is None:
+                known.pop(worker_id, None)
+            else:
+                known[worker_id] = info
+        self.update(known.values())
 
     def update(self, workers: Iterable[WorkerInfo]) -> None:
         """Replace the known set with ``workers`` (what the registry holds now)."""
