@@ -184,6 +184,28 @@ def test_depth_is_cached_between_reads(gateway):
     assert len(calls) == 1
 
 
+def test_an_idle_gateway_does_not_read_the_queue_depth(gateway):
+    h = gateway(depth_cache_s=0.01)
+    calls = []
+    original = h.core.queue.depth
+
+    async def counting():
+        calls.append(time.monotonic())
+        return await original()
+
+    h.core.queue.depth = counting
+
+    async def start():  # what `pdserve gateway` starts: the background views
+        h.core.start()
+
+    h.call(start)
+    time.sleep(0.3)  # thirty times depth_cache_s: the old background loop read every 8 ms
+    assert calls == []
+    with httpx.Client(base_url=h.url, timeout=10) as http:
+        assert http.post("/v1/completions", json=BODY).status_code == 200
+    assert len(calls) == 1  # the request that found no value read it
+
+
 def test_a_request_whose_record_cannot_be_written_is_refused_and_cancelled(gateway, sync_redis):
     # the record (what a resume needs) and the queue entry are written side by side: when only the
     # entry lands, the client is told the queue is unavailable and the request is cancelled, not run
