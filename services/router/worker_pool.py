@@ -15,19 +15,13 @@ a worker that died is not retried before its registry entry expires. A worker
 whose entry expires leaves the pool and ``on_removed`` is told (the router
 drops it from the prefix index).
 
-Following the registry: workers publish each heartbeat's entry (and their
-deregistration) on ``CHANGES_CHANNEL`` (registry.py); the pool applies what
-arrives, in batches at most once per ``refresh_s``, and reads the whole registry
-only every ``reread_s`` (entries that expired, i.e. workers that died, and any
-message a dropped subscription missed). Polling the registry every 250 ms cost
-an idle router and Redis 8 round trips a second; following costs a message per
-heartbeat and a read a second.
+The pool follows the registry (registry_follower.py): the changes workers
+publish, applied in batches at most once per ``refresh_s``, and a whole read
+every ``reread_s`` (entries that expired: workers that died).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import itertools
 import logging
 import time
@@ -35,7 +29,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from services.loops import Loops
-from services.registry import CHANGES_CHANNEL, WorkerInfo, parse_change, read_workers
+from services.registry import WorkerInfo, read_workers
+from services.registry_follower import RegistryFollower
 from services.router.load_ranking import LoadRanking
 
 log = logging.getLogger(__name__)
@@ -141,54 +136,12 @@ class WorkerPool:
     async def start(self) -> None:
         """First refresh now (errors propagate: a router without Redis cannot route), then in the background."""
         await self.refresh()
-        self._loops.start({"worker-pool-refresh": self._run})
+        follower = RegistryFollower(self.redis, self.refresh, self.apply_changes, self.refresh_s, self.reread_s,
+                                    lambda: self._loops.stopping)
+        self._loops.start({"worker-pool-refresh": follower.run})
 
     async def stop(self) -> None:
         await self._loops.stop(min(self.refresh_s, self.reread_s) + 0.5)
-
-    async def _run(self) -> None:
-        backoff = 0.1
-        while not self._loops.stopping:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(CHANGES_CHANNEL)
-                await self._follow(pubsub)
-            except Exception as exc:  # keep the last known set; subscribe and read again
-                log.warning("following the worker registry failed: %s", exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.reread_s)
-            else:
-                backoff = 0.1
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
-
-    async def _follow(self, pubsub) -> None:
-        """Apply published changes and re-read the registry, in one task: a change received after a read
-        began is applied after that read, so a read never undoes a newer change. The first read comes
-        after subscribing, so nothing between the two is missed."""
-        pending: dict[str, WorkerInfo | None] = {}
-        applied_at = reread_at = -float("inf")
-        while not self._loops.stopping:
-            now = time.monotonic()
-            if now >= reread_at:
-                await self.refresh()
-                pending.clear()  # received before the read was sent: the read is as new
-                reread_at = now + self.reread_s
-            elif pending and now >= applied_at + self.refresh_s:
-                self.apply_changes(pending)
-                pending, applied_at = {}, now
-            wait = reread_at - now
-            if pending:
-                wait = min(wait, applied_at + self.refresh_s - now)
-            message = await pubsub.get_message(timeout=max(wait, 0.0))
-            if message is not None and message.get("type") == "message":
-                try:
-                    worker_id, info = parse_change(message["data"])
-                except (ValueError, KeyError, TypeError) as exc:
-                    log.warning("ignored a malformed registry change: %s", exc)
-                    continue
-                pending[worker_id] = info
 
     async def refresh(self) -> None:
         self.registry_reads += 1
