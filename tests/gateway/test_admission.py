@@ -168,8 +168,8 @@ def test_no_ready_decode_worker_is_503(gateway, sync_redis):
     assert len(h.router.seen) == 1
 
 
-def test_depth_is_cached_between_reads(gateway):
-    h = gateway(depth_cache_s=30.0)
+def _count_depth_reads(h) -> list[float]:
+    """The times the gateway reads the queue depth from now on."""
     calls = []
     original = h.core.queue.depth
 
@@ -178,6 +178,12 @@ def test_depth_is_cached_between_reads(gateway):
         return await original()
 
     h.core.queue.depth = counting
+    return calls
+
+
+def test_depth_is_cached_between_reads(gateway):
+    h = gateway(depth_cache_s=30.0)
+    calls = _count_depth_reads(h)
     with httpx.Client(base_url=h.url, timeout=10) as http:
         for _ in range(3):
             assert http.post("/v1/completions", json=BODY).status_code == 200
@@ -186,14 +192,7 @@ def test_depth_is_cached_between_reads(gateway):
 
 def test_an_idle_gateway_does_not_read_the_queue_depth(gateway):
     h = gateway(depth_cache_s=0.01)
-    calls = []
-    original = h.core.queue.depth
-
-    async def counting():
-        calls.append(time.monotonic())
-        return await original()
-
-    h.core.queue.depth = counting
+    calls = _count_depth_reads(h)
 
     async def start():  # what `pdserve gateway` starts: the background views
         h.core.start()

@@ -23,6 +23,7 @@ from services.engine.sampling_params import SamplingParams
 from services.router.prefix_index import KVEventFollower, PrefixIndex
 from services.worker import WorkerConfig, WorkerRuntime
 from tests.engine.conftest import TINY_BLOCK_BYTES
+from tests.services.stack import until
 
 pytestmark = pytest.mark.timeout(60)
 ROLE = "idle-test"  # the engine loop's metric label, this test's alone
@@ -41,16 +42,6 @@ def test_an_idle_worker_does_no_work_and_a_busy_one_still_publishes(with_redis):
     first, second = list(range(100, 140)), list(range(300, 340))  # 2 full blocks each
     params = SamplingParams(max_tokens=1, temperature=0)
 
-    async def until(condition, timeout_s: float = 10) -> bool:
-        async def poll():
-            while not await condition():
-                await asyncio.sleep(0.01)
-
-        try:
-            await asyncio.wait_for(poll(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
 
     async def go(r):
         runtime.redis = r
