@@ -52,13 +52,13 @@ step() {  # step NAME SECONDS COMMAND...: time-limited, its log in $out/NAME.log
   tail -n 6 "$out/$name.log"
 }
 
-step calibrate 200 python3 -m services.sim.calibrate "$out/calibration-h200.json" --model dummy:llama-3.1-8b \
+step calibrate 230 python3 -m services.sim.calibrate "$out/calibration-h200.json" --model dummy:llama-3.1-8b \
   --device cuda --repeats 3
 step lora 130 python3 "$runner" services.engine.lora_bench lora --device cuda --model dummy:llama-3.2-1b --ranks 16,64 \
-  --batch 8,32 --lora-dtype bf16,int8 --rounds 2 --max-tokens 64 --kv-cache-gb 8 --accuracy-prompts 0 \
+  --batch 8,16 --lora-dtype bf16,int8 --rounds 2 --max-tokens 64 --kv-cache-gb 8 --accuracy-prompts 0 \
   --json --save "$out"
 step tests 110 python3 -m pytest -q -p no:cacheprovider --timeout 90 tests/kernels/test_triton_lora.py \
   tests/engine/test_lora_cuda.py tests/kernels/test_cuda_graph_replay.py tests/kernels/test_cuda_graph_padding.py \
   tests/kernels/test_engine_triton_path.py tests/engine/test_cuda_graph_buckets.py tests/engine/test_spill_tier_cuda.py
-step gpu 110 python3 "$runner" services.engine.gpu_bench gpu --requests 256 --json --save "$out"
+step gpu 90 python3 "$runner" services.engine.gpu_bench gpu --requests 256 --json --save "$out"
 echo "=== done $(date -u +%T)"
