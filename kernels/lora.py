@@ -91,6 +91,18 @@ def _expand_kernel(y_ptr, u_ptr, bt_ptr, idx_ptr, bounds_ptr, N, NSEG,
         tl.store(yp, (yv + delta).to(y_ptr.dtype.element_ty), mask=nm)
 
 
+_BOUNDS: dict[tuple, torch.Tensor] = {}
+
+
+def _bounds_on(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A projection's segment bounds on ``device``, copied there once: a copy from host memory per call
+    would be a synchronizing copy each step, and is not allowed while a CUDA graph is being captured."""
+    key = (tuple(bounds), str(device))
+    if key not in _BOUNDS:
+        _BOUNDS[key] = torch.tensor(bounds, dtype=torch.int32, device=device)
+    return _BOUNDS[key]
+
+
 def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
                bounds: tuple[int, ...], idx: torch.Tensor, ranks: torch.Tensor | None = None,
                scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -124,7 +136,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tens
         raise ValueError(f"lora_apply: int8 scales must be contiguous [{S}, {nseg * R}]")
     _shrink_kernel[(T, nseg)](x, a, idx, u, sa, sb, K, x.stride(0), a.stride(0), a.stride(1), u.stride(0),
                               sa.stride(0), R=R, BLOCK_K=min(128, next_pow2(K)), SCALED=fmt == "int8")
-    bounds_t = torch.tensor(bounds, dtype=torch.int32, device=x.device)
+    bounds_t = _bounds_on(bounds, x.device)
     block_n = min(128, next_pow2(N))
     _expand_kernel[(T, -(-N // block_n))](y, u, bt, idx, bounds_t, N, nseg, y.stride(0), u.stride(0),
                                           bt.stride(0), bt.stride(1), R=R, BLOCK_N=block_n)

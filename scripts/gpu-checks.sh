@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The checks and figures that need a CUDA GPU, in one run (a lent GPU's time is short: each step has its
-# own time limit, the most wanted first, and writes its output as it ends).
+# own time limit, the most wanted first (GPU_STEPS picks some), and writes its output as it ends).
 #
 #   bash scripts/gpu-checks.sh OUT_DIR [WHEEL_DIR]
+#   GPU_STEPS="tests lora" bash scripts/gpu-checks.sh OUT_DIR [WHEEL_DIR]   # some steps, in that order
 #
 # 1. the simulator's GPU profile: services/sim/calibrate.py on dummy:llama-3.1-8b (bf16, CUDA graphs)
 # 2. pdserve bench lora on the Triton kernels: every request its own adapter vs none
@@ -10,7 +11,8 @@
 # 4. pdserve bench gpu (decode MBU, paged attention vs SDPA, the mixed workload against HF)
 #
 # The benches run through their own modules, not `pdserve`, so that a machine with only torch,
-# triton and transformers (a GPU image) needs no more than the wheels in WHEEL_DIR (llguidance, gguf).
+# triton and transformers (a GPU image) needs no more than the wheels in WHEEL_DIR (llguidance, gguf;
+# jsonschema and its needs for the tests' conftest).
 set -u
 out=${1:?usage: gpu-checks.sh OUT_DIR [WHEEL_DIR]}
 wheels=${2:-}
@@ -52,13 +54,25 @@ step() {  # step NAME SECONDS COMMAND...: time-limited, its log in $out/NAME.log
   tail -n 6 "$out/$name.log"
 }
 
-step calibrate 230 python3 -m services.sim.calibrate "$out/calibration-h200.json" --model dummy:llama-3.1-8b \
-  --device cuda --repeats 3
-step lora 130 python3 "$runner" services.engine.lora_bench lora --device cuda --model dummy:llama-3.2-1b --ranks 16,64 \
-  --batch 8,16 --lora-dtype bf16,int8 --rounds 2 --max-tokens 64 --kv-cache-gb 8 --accuracy-prompts 0 \
-  --json --save "$out"
-step tests 110 python3 -m pytest -q -p no:cacheprovider --timeout 90 tests/kernels/test_triton_lora.py \
-  tests/engine/test_lora_cuda.py tests/kernels/test_cuda_graph_replay.py tests/kernels/test_cuda_graph_padding.py \
-  tests/kernels/test_engine_triton_path.py tests/engine/test_cuda_graph_buckets.py tests/engine/test_spill_tier_cuda.py
-step gpu 90 python3 "$runner" services.engine.gpu_bench gpu --requests 256 --json --save "$out"
+calibrate() {
+  step calibrate 230 python3 -m services.sim.calibrate "$out/calibration-h200.json" --model dummy:llama-3.1-8b \
+    --device cuda --repeats 3
+}
+lora() {
+  step lora 130 python3 "$runner" services.engine.lora_bench lora --device cuda --model dummy:llama-3.2-1b \
+    --ranks 16,64 --batch 8,16 --lora-dtype bf16,int8 --rounds 2 --max-tokens 64 --kv-cache-gb 8 \
+    --accuracy-prompts 0 --json --save "$out"
+}
+tests() {
+  step tests 110 python3 -m pytest -q -p no:cacheprovider --timeout 90 tests/kernels/test_triton_lora.py \
+    tests/engine/test_lora_cuda.py tests/kernels/test_cuda_graph_replay.py tests/kernels/test_cuda_graph_padding.py \
+    tests/kernels/test_engine_triton_path.py tests/engine/test_cuda_graph_buckets.py \
+    tests/engine/test_spill_tier_cuda.py
+}
+gpu() {
+  step gpu 90 python3 "$runner" services.engine.gpu_bench gpu --requests 256 --json --save "$out"
+}
+for s in ${GPU_STEPS:-calibrate lora tests gpu}; do
+  "$s"
+done
 echo "=== done $(date -u +%T)"

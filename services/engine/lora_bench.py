@@ -154,6 +154,7 @@ def projection_bytes(cfg, rank: int, lora_dtype: str = "bf16") -> tuple[int, int
 
 def run(args: argparse.Namespace) -> int:
     from services.engine.engine import Engine
+    from services.engine.model_source import resolve_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -161,20 +162,17 @@ def run(args: argparse.Namespace) -> int:
     result: dict = {"batches": args.batch, "rounds": args.rounds, "max_tokens": args.max_tokens, "goal": 0.7,
                     "lora_dtypes": args.lora_dtype, "cases": [], "accuracy": []}
     with tempfile.TemporaryDirectory(prefix="pdserve-lora-bench-") as tmp:
+        model_config = resolve_model(args.model).config
         for rank in args.ranks:
+            # the adapters given at start, as `--lora` gives them: on a GPU their steps get CUDA graphs too
+            names = [f"bench-r{rank}-{i}" for i in range(most)]
+            paths = [write_random_adapter(model_config, Path(tmp) / name, rank, i) for i, name in enumerate(names)]
             engines = {d: Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                               max_num_seqs=most, kv_cache_bytes=int(args.kv_cache_gb * 2**30),
-                                              max_loras=most,
+                                              max_loras=most, loras={n: str(p) for n, p in zip(names, paths)},
                                               max_lora_rank=max(8, 1 << (rank - 1).bit_length()), lora_dtype=d))
                        for d in args.lora_dtype}
             first = next(iter(engines.values()))
-            names, paths = [], []
-            for i in range(most):
-                name = f"bench-r{rank}-{i}"
-                paths.append(write_random_adapter(first.model_config, Path(tmp) / name, rank, i))
-                for engine in engines.values():
-                    engine.register_lora(name, str(paths[-1]))
-                names.append(name)
             tok = first.tokenizer
             prompts = [tok.encode(PROMPT.format(i=i)) if tok else list(range(10 + i, 40 + i)) for i in range(most)]
             base_bytes = projection_bytes(first.model_config, rank)[1]
