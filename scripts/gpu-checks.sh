@@ -69,6 +69,10 @@ tests() {
     tests/kernels/test_engine_triton_path.py tests/engine/test_cuda_graph_buckets.py \
     tests/engine/test_spill_tier_cuda.py
 }
+lora_tests() {  # the LoRA kernels and their CUDA graphs alone
+  step lora_tests 90 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/kernels/test_triton_lora.py \
+    tests/engine/test_lora_cuda.py tests/kernels/test_cuda_graph_padding.py
+}
 gpu() {
   step gpu 90 python3 "$runner" services.engine.gpu_bench gpu --requests 256 --json --save "$out"
 }
