@@ -60,13 +60,13 @@ def test_a_measured_gpu_profile_keeps_only_the_transfer_and_start_up_of_its_base
     shutil.copy(CALIBRATION, cal)
     pts = _points(model="dummy:llama-3.1-8b", dtype="bfloat16", device="NVIDIA H200", engine_start_s=12.0,
                   timed_by="wall clock")
-    into_profile(pts, str(cal), "calibrate --device cuda", profile="h200", base="h100")
-    h200, h100 = load_profile("h200", cal), load_profile("h100", cal)
+    into_profile(pts, str(cal), "calibrate --device cuda", profile="new-gpu", base="h100")
+    h200, h100 = load_profile("new-gpu", cal), load_profile("h100", cal)
     assert h200.decode_step_s(8, 8 * 2048) == pytest.approx(0.01 + 8e-4 + 8 * 2048e-8, rel=1e-6)
     assert (h200.kv_blocks, h200.block_size, h200.kv_bytes_per_token) == (5000, 16, 131072)  # the engine's
     assert (h200.transfer_bytes_per_s, h200.cold_start_s, h200.max_num_seqs) == \
         (h100.transfer_bytes_per_s, h100.cold_start_s, h100.max_num_seqs)
-    source = json.loads(cal.read_text())["profiles"]["h200"]["source"]
+    source = json.loads(cal.read_text())["profiles"]["new-gpu"]["source"]
     assert "NVIDIA H200" in source["measured"] and "transfer" in source["kept from h100"]
     assert "decode [batch, context, s per step]" in source["points"]  # wall seconds, not CPU seconds
     assert load_profile("h100", cal).decode_base_s == load_profile("h100").decode_base_s  # the base is untouched
@@ -81,4 +81,4 @@ def test_a_new_profile_without_a_base_is_refused(tmp_path):
     cal = tmp_path / "calibration.json"
     shutil.copy(CALIBRATION, cal)
     with pytest.raises(ValueError, match="--base"):
-        into_profile(_points(), str(cal), "note", profile="h200", base=None)
+        into_profile(_points(), str(cal), "note", profile="new-gpu", base=None)
