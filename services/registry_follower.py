@@ -38,8 +38,16 @@ class RegistryFollower:
         self.redis = redis
         self.read, self.apply = read, apply
         self.batch_s, self.reread_s = batch_s, reread_s
-        self.stopping = stopping
+        self._stopping = stopping
+        self._stopped = False
         self.read_at = -float("inf")  # monotonic time of the last whole read that succeeded
+
+    def stopping(self) -> bool:
+        return self._stopped or self._stopping()
+
+    def stop(self) -> None:
+        """Ends ``run`` after its current read even if a cancel was swallowed (redis-py #2028, loops.py)."""
+        self._stopped = True
 
     @property
     def healthy(self) -> bool:

@@ -541,6 +541,7 @@ class GatewayCore:
     async def close(self, timeout_s: float = 5.0) -> None:
         """Let pending detaches (cancels) finish, then stop."""
         await self.delivery.close()
+        self.workers.stop()
         for task in self._refreshers:
             task.cancel()
         await asyncio.gather(*self._refreshers, return_exceptions=True)

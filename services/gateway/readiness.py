@@ -58,6 +58,11 @@ class DecodeWorkers:
         if self._follower is not None:
             await self._follower.run()
 
+    def stop(self) -> None:
+        """``keep_fresh`` ends even if the cancel that follows is swallowed."""
+        if self._follower is not None:
+            self._follower.stop()
+
     async def check(self) -> None:
         """Raise ``NoWorkerError`` (503, ``retry_after_s``) when no decode worker could take a request."""
         if not await self.ready():
