@@ -67,7 +67,7 @@ class Subscription:
         self.last = id_key(last_id)
         self._ready: list[Event] = []
         self._held: list[Event] | None = None  # while catching up: what the reader delivered meanwhile
-        self._wake = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # the follower's wait in next(), woken by the first event
 
     def push(self, event: Event) -> None:
         if self._held is not None:
@@ -81,8 +81,8 @@ class Subscription:
             if key > self.last:
                 self.last = key
                 self._ready.append(event)
-        if self._ready:
-            self._wake.set()
+        if self._ready and self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def hold(self) -> None:
         if self._held is None:
@@ -98,13 +98,27 @@ class Subscription:
         return f"{self.last[0]}-{self.last[1]}"
 
     async def next(self, timeout_s: float) -> list[Event]:
-        """The events that arrived (waiting up to ``timeout_s`` for one); [] when none came."""
-        if not self._ready:
-            self._wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout_s)
+        """The events that arrived (waiting up to ``timeout_s`` for one); [] when none came.
+
+        A bare future and one timer, not ``asyncio.wait_for`` on an ``Event``: on Python 3.11 wait_for
+        starts a task per call, so each chunk of each open stream cost a task, its scheduling and its
+        teardown on the loop every other stream's chunks wait on."""
+        if not self._ready and timeout_s > 0:
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_later(timeout_s, _wake_up, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
         events, self._ready = self._ready, []
         return events
+
+
+def _wake_up(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class ResultDelivery:
