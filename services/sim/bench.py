@@ -95,7 +95,9 @@ def run(args: argparse.Namespace) -> int:
                                          threshold_targets=args.threshold_targets,
                                          headline_target=args.headline_target, ablations=not args.no_ablations,
                                          static_start=args.static_start,
-                                         static_known=_static_from(args, len(trace)))
+                                         static_known=(known := _static_from(args, len(trace))))
+        if known and not args.threshold_targets:  # the threshold rule's runs too: a baseline of the same trace
+            auto["threshold"] = known.get("threshold", [])
         auto.update(static_from=Path(args.static_from).name if args.static_from else None,
                     requests=len(trace), trace_shape=args.trace_shape, seed=args.seed,
                     burst_factor=args.burst_factor, period_s=args.period_s, rate=args.autoscale_rate,
@@ -265,8 +267,9 @@ def add_parser(sub) -> None:
                    help="start the static-peak search at P prefill + D decode workers (default: the headline "
                         "planner's 95th-percentile counts); the search still goes down to the smallest meeting 99%%")
     p.add_argument("--static-from", default=None, metavar="RESULT.json",
-                   help="take the static-peak search from a saved bench sim result on the same trace (seed, shape, "
-                        "rate, day, profile, SLOs checked); its peak is re-run once to confirm it")
+                   help="take the static-peak search (and, with --threshold-targets '', the threshold rule's runs) "
+                        "from a saved bench sim result on the same trace (seed, shape, rate, day, profile, SLOs "
+                        "checked); the static peak is re-run once to confirm the simulator still gives it")
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots there")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
