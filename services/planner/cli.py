@@ -118,8 +118,8 @@ def add_parser(sub) -> None:
     p.add_argument("--burst-utilisation", type=float, default=0.9,
                    help="the utilisation the SLO survives during that burst (sizes the warm pool)")
     p.add_argument("--warm-fraction", type=float, default=0.0, help="and at least this share of the active workers warm")
-    p.add_argument("--warm-min", type=int, default=0, help="standby workers kept at least")
-    p.add_argument("--local-prefill-below", type=float, default=0.5,
+    p.add_argument("--warm-min", type=int, default=1, help="standby workers kept at least")
+    p.add_argument("--local-prefill-below", type=float, default=0.0,
                    help="no prefill worker while the prefill demand is under this share of one: the decode "
                         "workers prefill it (0: always at least one prefill worker when there is demand)")
     p.add_argument("--idle-to-zero-s", type=float, default=900.0)

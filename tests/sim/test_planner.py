@@ -236,8 +236,8 @@ def test_a_steady_noisy_demand_is_served_near_its_mean_not_its_noise_peaks():
 def test_a_trough_under_half_a_prefill_worker_runs_none_the_decode_workers_prefill_it():
     # 2,500 tokens/s against 10,000 at target 0.6: 0.42 of a prefill worker. The router prefills on the decode
     # worker when no prefill worker is registered; the old rule kept one (min_prefill 1) at ~0.4 of its capacity
-    assert planner(down_after_s=0).decide(signals(0, prefill=1, decode=1, tokens_per_s=2_500)).prefill == 0
-    assert planner(down_after_s=0).decide(signals(0, prefill=1, decode=1, tokens_per_s=3_500)).prefill == 1  # 0.58
+    assert planner(down_after_s=0, local_prefill_below=0.5).decide(signals(0, prefill=1, decode=1, tokens_per_s=2_500)).prefill == 0
+    assert planner(down_after_s=0, local_prefill_below=0.5).decide(signals(0, prefill=1, decode=1, tokens_per_s=3_500)).prefill == 1  # 0.58
     assert planner(down_after_s=0, local_prefill_below=0).decide(
         signals(0, prefill=1, decode=1, tokens_per_s=2_500)).prefill == 1
 
@@ -251,7 +251,7 @@ def test_missed_ttfts_with_no_prefill_worker_order_one():
 def test_no_warm_standby_at_a_steady_trough():
     # a steady demand well inside the one decode worker's headroom, even 1.5x: nothing stands by (the old
     # rule's warm_min kept one, a third of the trough's workers)
-    p = planner(lookahead_s=120, trend_window_s=60)
+    p = planner(lookahead_s=120, trend_window_s=60, warm_min=0, local_prefill_below=0.5)
     for t in range(0, 120, 10):
         d = p.decide(signals(t, prefill=0, decode=1, tokens_per_s=1_000, kv=100, running=5))
     assert (d.prefill, d.decode, d.warm) == (0, 1, 0)
