@@ -214,7 +214,8 @@ def _static_from(args, requests: int) -> dict | None:
     want = {"profile": args.profile, "slo": {"ttft_s": args.ttft_slo, "itl_s": args.itl_slo}, "seed": args.seed,
             "trace_shape": args.trace_shape, "rate": args.autoscale_rate, "period_s": args.period_s,
             "burst_factor": args.burst_factor, "requests": requests}
-    have = {k: saved.get(k, auto.get(k)) for k in want}
+    have = {k: auto[k] if k in auto else saved.get(k) for k in want}  # top-level "requests": the policy part's
+
     if have != want or not auto.get("static_peak"):
         raise ValueError(f"--static-from {args.static_from}: not this run's trace, or no static search in it "
                          f"(saved {have}; this run {want})")

@@ -85,7 +85,8 @@ def test_static_from_refuses_another_trace(tmp_path):
 
     from services.sim import bench
 
-    saved = {"profile": "h100", "slo": {"ttft_s": 2.0, "itl_s": 0.05}, "seed": 1,
+    saved = {"profile": "h100", "slo": {"ttft_s": 2.0, "itl_s": 0.05}, "seed": 1, "requests": 100_000,  # the policy part's
+
              "autoscale": {"trace_shape": "coding", "rate": 8.0, "period_s": 7200.0, "burst_factor": 1.5,
                            "requests": 1000, "static_peak": {"prefill": 5, "decode": 2}}}
     path = tmp_path / "sim.json"
