@@ -18,7 +18,8 @@ Runs, in one command (each part can be skipped):
    ``conversation``: ~2.4x) with bursts (``--burst-factor``): the planner at several
    target utilisations (and without its trend lookahead, and without a warm pool), the
    HPA-like threshold rule, and static provisioning searched down to the smallest meeting
-   99% (prefill and decode sized apart); SLO attainment against worker-hours, beside perfect
+   99% (prefill and decode sized apart; ``--static-from`` takes a saved search of the same
+   trace and re-runs only its answer); SLO attainment against worker-hours, beside perfect
    foresight's (the day's mean rate over its peak). Then the
    headline planner and the static search again on ``--check-trace`` (another shape and
    seed): a planner tuned to one trace would show it there.
