@@ -110,7 +110,7 @@ def add_parser(sub) -> None:
     p.add_argument("--boost-every-s", type=float, default=30.0, help="at most one SLO boost per role this often")
     p.add_argument("--lookahead-s", type=float, default=0.0,
                    help="read rising demand this far ahead (set it to a worker's cold start; 0: react to now)")
-    p.add_argument("--trend-window-s", type=float, default=120.0, help="the window the demand's slope is fitted over")
+    p.add_argument("--trend-window-s", type=float, default=300.0, help="the window the demand's slope is fitted over")
     p.add_argument("--down-after-s", type=float, default=300.0, help="hysteresis before scaling down")
     p.add_argument("--down-step", type=float, default=0.25, help="at most this share of a role released per decision")
     p.add_argument("--burst-factor", type=float, default=1.5,

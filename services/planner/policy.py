@@ -116,7 +116,10 @@ class PlannerConfig:
     # workers than the prefill worker saved (k = 12, coding seed 1: 1.072x static at 0.993, 1.035x without)
     local_prefill_below: float = 0.0
     lookahead_s: float = 0.0  # 0: react to the demand now; else read it this far ahead on its rising trend
-    trend_window_s: float = 120.0
+    # 300 s of a real day: at 120 the demand's level was noisy enough that the hysteresis floor (the highest need
+    # of its window) ran the day's peak at twice the mean's need (k = 12, coding seed 1, target 0.6: 1.071x static
+    # at 120, 0.922x at 300; target 0.8: 0.997x -> 0.935x; benchmarks/probes/planner_config_probe.py)
+    trend_window_s: float = 300.0
     min_prefill: int = 0
     min_decode: int = 1
     max_workers: int = 10_000
