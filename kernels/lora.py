@@ -48,24 +48,24 @@ def lora_apply_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.
 def _shrink_kernel(x_ptr, a_ptr, idx_ptr, u_ptr, sa_ptr, sb_ptr, K,
                    stride_xt, stride_as, stride_ar, stride_ut, stride_ss,
                    R: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
-    # one program per (row, segment): u[t, seg*R : seg*R + R] = a[slot, seg*R : ..., :] @ x[t]
-    # (int8 stacks, SCALED: times the rows' A and B^T scales, which makes the expand's int8 B exact)
+    # one program per (row, segment, K block), split-K: u[t, seg*R : seg*R + R] += a[slot, seg*R : ..., kb] @ x[t, kb]
+    # (u starts at zero; a batch of 8 rows is 8 x 3 programs without the split, a few percent of a GPU's cores,
+    # each reading R x K of its adapter alone). int8 stacks, SCALED: times the rows' A and B^T scales, which
+    # makes the expand's int8 B exact (a sum of scaled partials is the scaled sum).
     t = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
     slot = tl.load(idx_ptr + t).to(tl.int64)
     if slot >= 0:
         r = tl.arange(0, R)
-        acc = tl.zeros((R,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            km = k < K
-            xv = tl.load(x_ptr + t * stride_xt + k, mask=km, other=0.0).to(tl.float32)
-            av = tl.load(a_ptr + slot * stride_as + (seg * R + r)[:, None] * stride_ar + k[None, :],
-                         mask=km[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(av * xv[None, :], axis=1)
+        k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+        km = k < K
+        xv = tl.load(x_ptr + t * stride_xt + k, mask=km, other=0.0).to(tl.float32)
+        av = tl.load(a_ptr + slot * stride_as + (seg * R + r)[:, None] * stride_ar + k[None, :],
+                     mask=km[None, :], other=0.0).to(tl.float32)
+        acc = tl.sum(av * xv[None, :], axis=1)
         if SCALED:
             acc *= tl.load(sa_ptr + slot * stride_ss + seg * R + r) * tl.load(sb_ptr + slot * stride_ss + seg * R + r)
-        tl.store(u_ptr + t * stride_ut + seg * R + r, acc)
+        tl.atomic_add(u_ptr + t * stride_ut + seg * R + r, acc)
 
 
 @lazy_jit
@@ -91,10 +91,22 @@ def _expand_kernel(y_ptr, u_ptr, bt_ptr, idx_ptr, bounds_ptr, N, NSEG,
         tl.store(yp, (yv + delta).to(y_ptr.dtype.element_ty), mask=nm)
 
 
+_BOUNDS: dict[tuple, torch.Tensor] = {}
+
+
+def _bounds_on(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A projection's segment bounds on ``device``, copied there once: a copy from host memory per call
+    would be a synchronizing copy each step, and is not allowed while a CUDA graph is being captured."""
+    key = (tuple(bounds), str(device))
+    if key not in _BOUNDS:
+        _BOUNDS[key] = torch.tensor(bounds, dtype=torch.int32, device=device)
+    return _BOUNDS[key]
+
+
 def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
                bounds: tuple[int, ...], idx: torch.Tensor, ranks: torch.Tensor | None = None,
                scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Triton ``lora_apply_ref``: a shrink kernel (row, segment) into fp32 ``u``, then an expand
+    """Triton ``lora_apply_ref``: a split-K shrink kernel (row, segment, K block) into fp32 ``u``, then an expand
     kernel (row, column block) adding ``u @ bt`` to ``y``; rows without an adapter return at once."""
     fmt = stack_format(a)
     if fmt == "int4":
@@ -117,14 +129,16 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tens
     if T == 0:
         return
     idx = idx.to(device=x.device, dtype=torch.int32).contiguous()
-    u = torch.empty((T, nseg * R), dtype=torch.float32, device=x.device)
+    u = torch.zeros((T, nseg * R), dtype=torch.float32, device=x.device)  # the split-K shrink adds into it
     sa, sb = scales if fmt == "int8" else (u, u)  # unread unless SCALED
     if fmt == "int8" and (sa.shape != (S, nseg * R) or sb.shape != (S, nseg * R) or not sa.is_contiguous()
                           or not sb.is_contiguous()):
         raise ValueError(f"lora_apply: int8 scales must be contiguous [{S}, {nseg * R}]")
-    _shrink_kernel[(T, nseg)](x, a, idx, u, sa, sb, K, x.stride(0), a.stride(0), a.stride(1), u.stride(0),
-                              sa.stride(0), R=R, BLOCK_K=min(128, next_pow2(K)), SCALED=fmt == "int8")
-    bounds_t = torch.tensor(bounds, dtype=torch.int32, device=x.device)
+    block_k = min(128, next_pow2(K))
+    _shrink_kernel[(T, nseg, -(-K // block_k))](x, a, idx, u, sa, sb, K, x.stride(0), a.stride(0), a.stride(1),
+                                               u.stride(0), sa.stride(0), R=R, BLOCK_K=block_k,
+                                               SCALED=fmt == "int8")
+    bounds_t = _bounds_on(bounds, x.device)
     block_n = min(128, next_pow2(N))
     _expand_kernel[(T, -(-N // block_n))](y, u, bt, idx, bounds_t, N, nseg, y.stride(0), u.stride(0),
                                           bt.stride(0), bt.stride(1), R=R, BLOCK_N=block_n)

@@ -26,6 +26,11 @@ from collections.abc import Coroutine
 
 log = logging.getLogger(__name__)
 LOOPS = ("auto", "uvloop", "asyncio")
+# The gateway's: a full (generation-2) collection walks every object of every open stream (80-106 ms at 1,000
+# streams on this project's 2-core Xeon, the longest stop of its loop); after ten times as many younger
+# collections as Python's default, it comes once in minutes of serving instead of once or twice a minute.
+# Cyclic garbage waits longer for it: BENCHMARKS.md (bench frontdoor) has the memory at 10,000 clients.
+GATEWAY_GC_THRESHOLDS = (700, 10, 100)
 
 
 def run(main: Coroutine, loop: str = "auto"):
@@ -53,7 +58,7 @@ def settle_gc(thresholds: tuple[int, int, int] | None = None) -> None:
     gc.freeze()
     if thresholds is not None:
         gc.set_threshold(*thresholds)
-    log.debug("gc: %d startup objects frozen, thresholds %s", gc.get_freeze_count(), gc.get_threshold())
+    log.info("gc: %d startup objects frozen, thresholds %s", gc.get_freeze_count(), gc.get_threshold())
 
 
 def parse_gc_thresholds(text: str) -> tuple[int, int, int]:

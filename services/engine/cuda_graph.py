@@ -10,15 +10,25 @@ choice made while it was captured (the decode kernel's split count). So:
 - Inputs live in one static buffer, written before each replay. They are
   packed so that a step is one host-to-device copy from pinned memory::
 
-      [ ids | positions | slots | context_lens | sample_rows | block_table ]
-        B     B           B       B              B             b * w
+      [ ids | positions | slots | context_lens | sample_rows | lora_rows | block_table ]
+        B     B           B       B              B             B           b * w
       (B = the largest captured batch; the (b, w) graph reads the first b of
        each region and sees the block table as a contiguous [b, w])
 
 - A batch of n decodes runs in the graph of the next captured size b >= n.
   Rows n..b-1 are padding: token 0 at position 0, slot -1 (write_kv skips
   negative slots), context length 1 over block 0 (the null block, which is
-  never allocated, so reading it is harmless). Their outputs are dropped.
+  never allocated, so reading it is harmless), adapter slot -1 (the base
+  model). Their outputs are dropped.
+
+- An engine started with LoRA adapters (``--lora``) captures a second set of
+  graphs whose forward runs the gathered LoRA kernels (kernels/lora.py) over
+  ``lora_rows``, each row's adapter slot (-1: none), and over the adapter
+  stacks, allocated before the capture so that their addresses stay what the
+  graphs read (loading an adapter writes into its slot). A batch with an
+  adapter replays those; a batch without replays the plain set, which
+  launches no LoRA kernels. An engine started without adapters captures only
+  the plain set: adapters registered later run their steps eagerly.
   Padding is cheap: a decode step reads every weight once whatever the batch.
 
 - The block table has a captured width w (columns), the next power of two
@@ -47,6 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.attention_metadata import AttentionMetadata
+from services.engine.lora_slots import LoRABatch, LoRASlots
 from services.engine.model import LlamaForCausalLM
 from services.engine.request import Request
 from services.engine.scheduler import ScheduledRequest
@@ -100,6 +111,7 @@ class StaticDecodeInputs:
     slot_mapping: torch.Tensor  # [b]
     context_lens: torch.Tensor  # [b]
     sample_rows: torch.Tensor  # [b], read after the replay (which rows' logits are computed)
+    lora_rows: torch.Tensor  # [b], each row's adapter slot (-1: the base model)
     block_table: torch.Tensor  # [b, w], contiguous
 
 
@@ -112,11 +124,11 @@ class DecodeInputLayout:
 
     @property
     def size(self) -> int:
-        return 5 * self.max_batch + self.max_batch * self.max_width
+        return 6 * self.max_batch + self.max_batch * self.max_width
 
     def used(self, batch: int, width: int) -> int:
         """Leading entries a (batch, width) step reads: what must be copied to the device."""
-        return 5 * self.max_batch + batch * width
+        return 6 * self.max_batch + batch * width
 
     def views(self, buf: torch.Tensor, batch: int, width: int) -> StaticDecodeInputs:
         B = self.max_batch
@@ -126,13 +138,15 @@ class DecodeInputLayout:
             slot_mapping=buf[2 * B : 2 * B + batch],
             context_lens=buf[3 * B : 3 * B + batch],
             sample_rows=buf[4 * B : 4 * B + batch],
-            block_table=buf[5 * B : 5 * B + batch * width].view(batch, width),
+            lora_rows=buf[5 * B : 5 * B + batch],
+            block_table=buf[6 * B : 6 * B + batch * width].view(batch, width),
         )
 
     def pack(self, out, batch: int, width: int, tokens: list[int], positions: list[int], slots: list[int],
-             block_rows: list[list[int]], sample_rows: list[int]) -> int:
+             block_rows: list[list[int]], sample_rows: list[int], lora_rows: list[int] | None = None) -> int:
         """Write ``len(tokens)`` real rows padded up to ``batch`` into ``out`` (a 1-D numpy array
-        or CPU tensor of ``size`` entries). Context length is position + 1. Returns ``used()``."""
+        or CPU tensor of ``size`` entries). Context length is position + 1; ``lora_rows`` None:
+        no adapters. Returns ``used()``."""
         n, B = len(tokens), self.max_batch
         if not 0 < n <= batch <= B or not width <= self.max_width:
             raise ValueError(f"cannot pack {n} rows into batch {batch}, width {width} (max {B}, {self.max_width})")
@@ -142,6 +156,7 @@ class DecodeInputLayout:
         out[2 * B : 2 * B + batch] = slots + [-1] * pad
         out[3 * B : 3 * B + batch] = [p + 1 for p in positions] + [1] * pad
         out[4 * B : 4 * B + len(sample_rows)] = sample_rows
+        out[5 * B : 5 * B + batch] = (lora_rows or [-1] * n) + [-1] * pad
         table: list[int] = []
         for row in block_rows:
             if len(row) > width:
@@ -149,7 +164,7 @@ class DecodeInputLayout:
             table += row
             table += [0] * (width - len(row))
         table += [0] * (pad * width)
-        out[5 * B : 5 * B + batch * width] = table
+        out[6 * B : 6 * B + batch * width] = table
         return self.used(batch, width)
 
 
@@ -157,8 +172,9 @@ class CudaGraphRunner:
     """Replays captured graphs for decode-only batches; ``execute`` answers None for anything else."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int, max_batch: int,
-                 max_model_len: int):
+                 max_model_len: int, lora_slots: LoRASlots | None = None):
         self.model = model
+        self.lora_slots = lora_slots  # None: no LoRA graphs (a batch with an adapter runs eagerly)
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = kv_cache.device
@@ -175,8 +191,9 @@ class CudaGraphRunner:
         self._buf = torch.zeros(self.layout.size, dtype=dtype, device=self.device) if on_cuda else self._host
         # The host buffer is rewritten each step; the previous step's copy out of it must be done.
         self._copied = torch.cuda.Event() if on_cuda else None
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        # (batch, width, with LoRA) -> the graph and its output
+        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, int, bool], torch.Tensor] = {}
         self.num_replays = 0
 
     # ---- which graph ----------------------------------------------------
@@ -194,15 +211,22 @@ class CudaGraphRunner:
         return len(self._graphs)
 
     # ---- running --------------------------------------------------------
+    @staticmethod
+    def _with_lora(batch: list[ScheduledRequest]) -> bool:
+        return any(s.request.lora_slot >= 0 for s in batch)
+
     def execute(self, batch: list[ScheduledRequest]) -> tuple[list[Request], torch.Tensor] | None:
         """Replay the graph for ``batch``; None (nothing done) when it has none: run it eagerly."""
         key = self.plan(batch)
-        if key is None or key not in self._graphs:
+        if key is None:
+            return None
+        graph_key = (*key, self._with_lora(batch))
+        if graph_key not in self._graphs:
             return None
         sampled = self._load(batch, *key)
-        self._graphs[key].replay()
+        self._graphs[graph_key].replay()
         self.num_replays += 1
-        return sampled, self._logits(self._outputs[key], key, len(batch), len(sampled))
+        return sampled, self._logits(self._outputs[graph_key], key, len(batch), len(sampled))
 
     def run_padded(self, batch: list[ScheduledRequest]) -> tuple[list[Request], torch.Tensor] | None:
         """What ``execute`` computes, run eagerly on the same static, padded inputs (no graph).
@@ -212,12 +236,15 @@ class CudaGraphRunner:
         key = self.plan(batch)
         if key is None:
             return None
+        lora = self._with_lora(batch)
+        if lora and self.lora_slots is None:
+            return None
         sampled = self._load(batch, *key)
-        return sampled, self._logits(self._forward(*key), key, len(batch), len(sampled))
+        return sampled, self._logits(self._forward(*key, lora), key, len(batch), len(sampled))
 
     def _load(self, batch: list[ScheduledRequest], b: int, w: int) -> list[Request]:
         bs = self.block_size
-        tokens, positions, slots, rows, sample_rows, sampled = [], [], [], [], [], []
+        tokens, positions, slots, rows, sample_rows, sampled, lora_rows = [], [], [], [], [], [], []
         for i, s in enumerate(batch):
             req = s.request
             pos = req.num_computed_tokens
@@ -226,18 +253,19 @@ class CudaGraphRunner:
             positions.append(pos)
             slots.append(blocks[-1] * bs + pos % bs)
             rows.append(blocks)
+            lora_rows.append(req.lora_slot)
             if s.samples:
                 sample_rows.append(i)
                 sampled.append(req)
         if self._copied is not None:
             self._copied.synchronize()
-        used = self.layout.pack(self._host_np, b, w, tokens, positions, slots, rows, sample_rows)
+        used = self.layout.pack(self._host_np, b, w, tokens, positions, slots, rows, sample_rows, lora_rows)
         if self._buf is not self._host:
             self._buf[:used].copy_(self._host[:used], non_blocking=True)
             self._copied.record()
         return sampled
 
-    def _forward(self, b: int, w: int) -> torch.Tensor:
+    def _forward(self, b: int, w: int, lora: bool = False) -> torch.Tensor:
         v = self.layout.views(self._buf, b, w)
         meta = AttentionMetadata(
             kv_cache=self.kv_cache,
@@ -249,6 +277,8 @@ class CudaGraphRunner:
             prefill_cu_seqlens_q=None,
             prefill_context_lens=None,
         )
+        if lora:  # the gathered kernels over every row, padding (-1) included: one graph for any adapters
+            meta.lora = LoRABatch(self.lora_slots, v.lora_rows)
         return self.model(v.input_ids, v.positions, meta)
 
     def _logits(self, hidden: torch.Tensor, key: tuple[int, int], n: int, num_sampled: int) -> torch.Tensor:
@@ -267,10 +297,14 @@ class CudaGraphRunner:
         """Capture every (batch, width) graph, largest first so later ones reuse its memory pool."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
-        keys = sorted(((b, w) for b in self.batch_sizes for w in self.widths), reverse=True)
+        sets = (False, True) if self.lora_slots is not None else (False,)
+        keys = sorted(((b, w, lora) for b in self.batch_sizes for w in self.widths for lora in sets), reverse=True)
+        if self.lora_slots is not None:
+            self.lora_slots.allocate()
         if log:
             log(f"capturing {len(keys)} CUDA graphs for decode: batch {self.batch_sizes[0]}-{self.batch_sizes[-1]}"
-                f" x block-table width {self.widths[0]}-{self.widths[-1]} blocks")
+                f" x block-table width {self.widths[0]}-{self.widths[-1]} blocks"
+                + (" x with and without LoRA" if len(sets) == 2 else ""))
         t0 = time.monotonic()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
@@ -281,8 +315,8 @@ class CudaGraphRunner:
         gc.freeze()
         try:
             with torch.inference_mode(), torch.cuda.device(self.device):
-                for i, (b, w) in enumerate(keys):
-                    self._capture_one(b, w, pool)
+                for i, (b, w, lora) in enumerate(keys):
+                    self._capture_one(b, w, lora, pool)
                     if log and (i + 1) % max(1, len(keys) // 10) == 0 and i + 1 < len(keys):
                         log(f"  {i + 1}/{len(keys)} graphs")
                 torch.cuda.synchronize(self.device)
@@ -293,32 +327,33 @@ class CudaGraphRunner:
             log(f"captured {len(keys)} CUDA graphs in {time.monotonic() - t0:.1f}s ({used:.0f} MiB)")
         return self
 
-    def _capture_one(self, b: int, w: int, pool) -> None:
-        # Inputs of an all-padding batch: no cache writes, every read in the null block.
+    def _capture_one(self, b: int, w: int, lora: bool, pool) -> None:
+        # Inputs of an all-padding batch: no cache writes, every read in the null block, no adapter.
         used = self.layout.pack(self._host_np, b, w, [0] * b, [0] * b, [-1] * b, [[0]] * b, [])
         self._buf[:used].copy_(self._host[:used])
         # One eager run first: triton compiles a kernel per specialisation at its
         # first launch, which must not happen inside a capture.
-        self._forward(b, w)
+        self._forward(b, w, lora)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            out = self._forward(b, w)
-        self._graphs[(b, w)] = graph
-        self._outputs[(b, w)] = out
+            out = self._forward(b, w, lora)
+        self._graphs[(b, w, lora)] = graph
+        self._outputs[(b, w, lora)] = out
 
 
 def _stderr(msg: str) -> None:
     print(f"[pdserve] {msg}", file=sys.stderr, flush=True)
 
 
-def capture_decode_graphs(config, model: LlamaForCausalLM, kv_cache: torch.Tensor,
-                          max_model_len: int) -> CudaGraphRunner | None:
-    """The engine's graph runner: captured on CUDA with the Triton ops unless ``enforce_eager``; else None."""
+def capture_decode_graphs(config, model: LlamaForCausalLM, kv_cache: torch.Tensor, max_model_len: int,
+                          lora_slots: LoRASlots | None = None) -> CudaGraphRunner | None:
+    """The engine's graph runner: captured on CUDA with the Triton ops unless ``enforce_eager``; else None.
+    With ``lora_slots``, also the graphs of batches with adapters."""
     if config.enforce_eager or kv_cache.device.type != "cuda":
         return None
     if model.ops.name != "triton":
         _stderr(f"CUDA graphs off: the {model.ops.name} kernel backend is not graph-safe (use --kernels triton)")
         return None
-    runner = CudaGraphRunner(model, kv_cache, config.block_size, config.max_num_seqs, max_model_len)
+    runner = CudaGraphRunner(model, kv_cache, config.block_size, config.max_num_seqs, max_model_len, lora_slots)
     return runner.capture(_stderr)

@@ -95,12 +95,14 @@ class Engine:
         )
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, config.device)
         self.kv.copy_blocks = self.runner.copy_blocks  # a repeated prompt's last block (KVManager._copy_tail)
-        self.runner.cuda_graphs = capture_decode_graphs(config, self.model, self.kv_cache, self.max_model_len)
         self.loras = LoRASlots(self.model, config.max_loras, config.max_lora_rank, self.model.ops.lora, dtype,
                                config.device, config.lora_dtype)
         for name, path in config.loras.items():
             self.loras.register(name, path)
         self.runner.lora_slots = self.loras
+        # adapters at start: their steps get graphs too (cuda_graph.py)
+        self.runner.cuda_graphs = capture_decode_graphs(config, self.model, self.kv_cache, self.max_model_len,
+                                                        self.loras if config.loras else None)
         self._lora_waiting: list[Request] = []  # admitted, waiting for a free adapter slot
         self.sampler = Sampler()
         # Speculative decoding (prompt lookup): decoding requests verify draft tokens each step

@@ -123,6 +123,12 @@ class LoRASlots:
             return None
         return self.loaded.pop(victim)
 
+    def allocate(self) -> None:
+        """The stacks, now (else at the first adapter's load): a CUDA graph captured over them keeps
+        their addresses, which loads then write into."""
+        if not self.a:
+            self._allocate()
+
     def _allocate(self) -> None:
         L, S, R = self.num_layers, self.max_loras, self.max_rank
         dev = self.device

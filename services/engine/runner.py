@@ -106,13 +106,9 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         return input_ids, pos_t, meta, sample_rows, sampled
 
-    @staticmethod
-    def _any_lora(sched: SchedulerOutput) -> bool:
-        return any(s.request.lora_slot >= 0 for s in sched.scheduled)
-
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[Request], torch.Tensor]:
-        if self.cuda_graphs is not None and not self._any_lora(sched):  # graphs hold no adapters
+        if self.cuda_graphs is not None:  # None: a step it has no graph for (services/engine/cuda_graph.py)
             replayed = self.cuda_graphs.execute(sched.scheduled)
             if replayed is not None:
                 return replayed

@@ -67,7 +67,7 @@ class Subscription:
         self.last = id_key(last_id)
         self._ready: list[Event] = []
         self._held: list[Event] | None = None  # while catching up: what the reader delivered meanwhile
-        self._wake = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # the follower's wait in next(), woken by the first event
 
     def push(self, event: Event) -> None:
         if self._held is not None:
@@ -81,8 +81,8 @@ class Subscription:
             if key > self.last:
                 self.last = key
                 self._ready.append(event)
-        if self._ready:
-            self._wake.set()
+        if self._ready and self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def hold(self) -> None:
         if self._held is None:
@@ -98,13 +98,27 @@ class Subscription:
         return f"{self.last[0]}-{self.last[1]}"
 
     async def next(self, timeout_s: float) -> list[Event]:
-        """The events that arrived (waiting up to ``timeout_s`` for one); [] when none came."""
-        if not self._ready:
-            self._wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout_s)
+        """The events that arrived (waiting up to ``timeout_s`` for one); [] when none came.
+
+        A bare future and one timer, not ``asyncio.wait_for`` on an ``Event``: on Python 3.11 wait_for
+        starts a task per call, so each chunk of each open stream cost a task, its scheduling and its
+        teardown on the loop every other stream's chunks wait on."""
+        if not self._ready and timeout_s > 0:
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_later(timeout_s, _wake_up, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
         events, self._ready = self._ready, []
         return events
+
+
+def _wake_up(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class ResultDelivery:
@@ -256,12 +270,23 @@ class ResultDelivery:
     # -- the reader ---------------------------------------------------------------------------
 
     async def _read(self) -> None:
+        # one of the pool's connections, held for good: taking one from the pool for each XREAD queued the
+        # reader, and so every open stream's next chunks, behind whatever else the gateway was sending (a
+        # wave of new requests' admissions, catch-ups) first come, first served (fair_pool.py)
+        reader = self.redis.client()
+        try:
+            await self._follow_inbox(reader)
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(reader.aclose())  # back to the pool, even when cancelled
+
+    async def _follow_inbox(self, reader) -> None:
         # from the start, not "$": the tag is this process's, so everything in its inbox is for it, and a
         # subscription made before this first read (it caught up already) must still get what follows
         last, unread_since_trim, failing = "0-0", 0, False
         while not self._stopping:
             try:
-                reply = await self.redis.xread({self.inbox: last}, count=self.batch, block=self.block_ms)
+                reply = await reader.xread({self.inbox: last}, count=self.batch, block=self.block_ms)
                 if failing:  # back after an outage: whatever was written meanwhile is in the result streams
                     failing = False
                     log.info("result delivery: reading %s again", self.inbox)
@@ -278,16 +303,16 @@ class ResultDelivery:
                 continue
             read_at = time.time() if fanout_probe.enabled() else 0.0
             for _, entries in reply or ():
-                for entry_id, fields in entries:
+                for position, (entry_id, fields) in enumerate(entries):
                     last = text(entry_id)
-                    self._dispatch(fields, read_at, len(entries))
+                    self._dispatch(fields, read_at, len(entries), position)
                 unread_since_trim += len(entries)
             if unread_since_trim >= _TRIM_EVERY:
                 unread_since_trim = 0
                 with contextlib.suppress(Exception):  # the cap bounds it anyway
-                    await self.redis.xtrim(self.inbox, minid=last, approximate=True)
+                    await reader.xtrim(self.inbox, minid=last, approximate=True)
 
-    def _dispatch(self, fields: dict, read_at: float = 0.0, batch: int = 0) -> None:
+    def _dispatch(self, fields: dict, read_at: float = 0.0, batch: int = 0, position: int = 0) -> None:
         f = {text(k): v for k, v in fields.items()}
         event_rid = text(f.get("rid", b""))
         subs = self._subs.get(event_rid)
@@ -299,7 +324,7 @@ class ResultDelivery:
             log.warning("result delivery: skipping a malformed inbox entry: %s", exc)
             return
         if read_at and event[1] == "chunk":
-            fanout_probe.read(event_rid, event[0], read_at, batch)
+            fanout_probe.read(event_rid, event[0], read_at, batch, position)
         if event[1] == "chunk" and hops.enabled() and event_rid not in self._hop_marked:
             self._hop_marked.add(event_rid)
             hops.mark(event_rid, "gw.delivered")

@@ -5,7 +5,8 @@ frontdoor --probe`` sets it for the stack it starts); off, each hook is one
 global lookup. On, the gateway notes, in memory:
 
 - ``read``: per chunk entry of the delivery stream, the wall time the XREAD that
-  carried it returned and how many entries that XREAD carried;
+  carried it returned, how many entries that XREAD carried and the entry's
+  place among them (0: the oldest);
 - ``written``: per chunk, the wall time its SSE event had been handed to the
   HTTP server (the body iterator resumed after Starlette's ``send``, so the
   bytes are in the socket's transport);
@@ -35,7 +36,7 @@ _probe: _Probe | None = None
 class _Probe:
     def __init__(self, directory: str):
         self.path = os.path.join(directory, f"gateway-{os.getpid()}.json")
-        self.reads: list[tuple[str, str, float, int]] = []
+        self.reads: list[tuple[str, str, float, int, int]] = []
         self.writes: list[tuple[str, str, float]] = []
         self.lag = LoopLag()
         self._sent = {"reads": 0, "writes": 0, "lag": 0, "gc": 0}
@@ -74,9 +75,9 @@ def start() -> asyncio.Task | None:
     return asyncio.get_running_loop().create_task(_probe.run(), name="fanout-probe")
 
 
-def read(request_id: str, entry_id: str, at: float, batch: int) -> None:
+def read(request_id: str, entry_id: str, at: float, batch: int, position: int = 0) -> None:
     if _probe is not None:
-        _probe.reads.append((request_id, entry_id, at, batch))
+        _probe.reads.append((request_id, entry_id, at, batch, position))
 
 
 def written(request_id: str, entry_id: str) -> None:

@@ -49,12 +49,33 @@ def gc_summary(pauses: list, since: float, until: float) -> dict:
     return by_gen
 
 
+def write_order(rows: list[dict]) -> dict:
+    """Whether the gateway writes one delivery read's chunks in the order it read them (oldest first), and how long
+    writing out one read takes: per read of two or more joined chunks, the time from its first chunk written to
+    its last (``span_ms``), and the share of successive chunks (by place in the read) written in that order."""
+    by_read: dict[float, list[dict]] = {}
+    for r in rows:
+        if r["position"] is not None:
+            by_read.setdefault(r["read_at"], []).append(r)
+    spans, in_order, pairs = [], 0, 0
+    for group in by_read.values():
+        if len(group) < 2:
+            continue
+        group.sort(key=lambda r: r["position"])
+        times = [r["written"] for r in group]
+        spans.append((max(times) - min(times)) * 1e3)
+        in_order += sum(b >= a for a, b in zip(times, times[1:]))
+        pairs += len(times) - 1
+    return {"reads": len(spans), "span_ms": _spread(spans),
+            "in_read_order_share": round(in_order / pairs, 3) if pairs else None}
+
+
 def breakdown(chunks: list[tuple[str, str, float, float]], probe: dict, client_lag: list,
               since: float, until: float, client_gc: list = ()) -> dict:
     """``chunks``: (request id, entry id, tapped, client) of the chunks compared; ``probe``: fanout_probe.load();
     ``client_lag``, ``client_gc``: the load generator's LoopLag samples and GC pauses; [since, until]: the
     steady window (unix times)."""
-    reads = {(rid, eid): (at, batch) for rid, eid, at, batch in probe["reads"]}
+    reads = {(rid, eid): (at, batch, *rest[:1]) for rid, eid, at, batch, *rest in probe["reads"]}
     writes = {(rid, eid): at for rid, eid, at in probe["writes"]}
     rows = []
     for rid, eid, tapped, client in chunks:
@@ -62,7 +83,8 @@ def breakdown(chunks: list[tuple[str, str, float, float]], probe: dict, client_l
         if read is None or written is None:
             continue
         rows.append({"added": (client - tapped) * 1e3, "delivery": (read[0] - tapped) * 1e3,
-                     "gateway": (written - read[0]) * 1e3, "client": (client - written) * 1e3, "batch": read[1]})
+                     "gateway": (written - read[0]) * 1e3, "client": (client - written) * 1e3, "batch": read[1],
+                     "read_at": read[0], "position": read[2] if len(read) > 2 else None, "written": written})
     out = {"chunks_joined": len(rows), "chunks_unjoined": len(chunks) - len(rows)}
     for part in ("added", *PARTS):
         out[f"{part}_ms"] = _spread([r[part] for r in rows])
@@ -72,7 +94,9 @@ def breakdown(chunks: list[tuple[str, str, float, float]], probe: dict, client_l
             "chunks": len(tail),
             "mean_ms": {part: round(sum(r[part] for r in tail) / len(tail), 1) for part in ("added", *PARTS)},
             "dominant_part": dict(Counter(max(PARTS, key=lambda p: r[p]) for r in tail)),
+            "batch_p50": pct([r["batch"] for r in tail], 50),
         }
+    out["write_order"] = write_order(rows)
     batches = [r["batch"] for r in rows]
     out["xread_entries_per_batch"] = _spread(batches)
     out["gateway_loop_lag_ms"] = lag_summary(probe["lag"], since, until)

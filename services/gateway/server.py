@@ -189,9 +189,11 @@ def add_parser(sub) -> None:
     p.add_argument("--loop", default="auto", choices=event_loop.LOOPS,
                    help="the event loop: uvloop (auto: when installed; a fraction of the stdlib loop's CPU per "
                         "callback and socket write, which is most of what thousands of open streams cost) or asyncio")
-    p.add_argument("--gc-thresholds", type=event_loop.parse_gc_thresholds, default=None, metavar="G0,G1,G2",
-                   help="the garbage collector's thresholds after startup (gc.set_threshold; default: Python's "
-                        "700,10,10)")
+    p.add_argument("--gc-thresholds", type=event_loop.parse_gc_thresholds, default=event_loop.GATEWAY_GC_THRESHOLDS,
+                   metavar="G0,G1,G2",
+                   help="the garbage collector's thresholds after startup (gc.set_threshold). Default 700,10,100: "
+                        "full collections ten times rarer than Python's 700,10,10, each of which stopped the loop "
+                        "every open stream waits on for 80-106 ms at 1,000 streams (BENCHMARKS.md, bench frontdoor)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open streams get on shutdown")
     p.add_argument("--enable-lora-admin", action="store_true",
                    help="answer POST /v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter "

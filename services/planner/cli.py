@@ -31,6 +31,8 @@ async def _main(args) -> int:
                            burst_factor=args.burst_factor, burst_utilisation=args.burst_utilisation,
                            idle_to_zero_s=args.idle_to_zero_s, lookahead_s=args.lookahead_s,
                            trend_window_s=args.trend_window_s, boost=args.boost, boost_every_s=args.boost_every_s,
+                           slo_window_s=args.slo_window_s, slo_sigmas=args.slo_sigmas,
+                           warm_min=args.warm_min, local_prefill_below=args.local_prefill_below,
                            min_prefill=args.min_prefill,
                            min_decode=args.min_decode, max_workers=args.max_workers)
     planner = Planner(config, _capacity(args))
@@ -100,11 +102,15 @@ def add_parser(sub) -> None:
     p.add_argument("--slo-target", type=float, default=0.99)
     p.add_argument("--slo-min-requests", type=int, default=20,
                    help="judge a window's SLO attainment only with at least this many requests in it")
+    p.add_argument("--slo-window-s", type=float, default=120.0,
+                   help="SLO attainment is judged over the requests of this window")
+    p.add_argument("--slo-sigmas", type=float, default=2.0,
+                   help="a missed SLO: misses over what --slo-target allows by this many binomial std devs")
     p.add_argument("--boost", type=float, default=1.25, help="workers x this when a window misses the SLO target")
     p.add_argument("--boost-every-s", type=float, default=30.0, help="at most one SLO boost per role this often")
     p.add_argument("--lookahead-s", type=float, default=0.0,
                    help="read rising demand this far ahead (set it to a worker's cold start; 0: react to now)")
-    p.add_argument("--trend-window-s", type=float, default=120.0, help="the window the demand's slope is fitted over")
+    p.add_argument("--trend-window-s", type=float, default=300.0, help="the window the demand's slope is fitted over")
     p.add_argument("--down-after-s", type=float, default=300.0, help="hysteresis before scaling down")
     p.add_argument("--down-step", type=float, default=0.25, help="at most this share of a role released per decision")
     p.add_argument("--burst-factor", type=float, default=1.5,
@@ -112,6 +118,10 @@ def add_parser(sub) -> None:
     p.add_argument("--burst-utilisation", type=float, default=0.9,
                    help="the utilisation the SLO survives during that burst (sizes the warm pool)")
     p.add_argument("--warm-fraction", type=float, default=0.0, help="and at least this share of the active workers warm")
+    p.add_argument("--warm-min", type=int, default=1, help="standby workers kept at least")
+    p.add_argument("--local-prefill-below", type=float, default=0.0,
+                   help="no prefill worker while the prefill demand is under this share of one: the decode "
+                        "workers prefill it (0: always at least one prefill worker when there is demand)")
     p.add_argument("--idle-to-zero-s", type=float, default=900.0)
     p.add_argument("--min-prefill", type=int, default=0)
     p.add_argument("--min-decode", type=int, default=1)

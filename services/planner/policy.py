@@ -20,12 +20,15 @@ Rule, per role::
     are ready when the demand is (set it to the cold start: a worker started now serves
     lookahead_s from now)
 
-Scale up at once; scale down only after ``need`` stayed below the current count for
-``down_after_s`` (hysteresis), by at most ``down_step`` of it per tick. A warm pool of
-standby workers (model loaded, not registered) of ``warm_fraction`` of the active ones
-(at least ``warm_min``) hides cold starts: the next scale-up takes them first (a warm
-start of seconds instead of minutes). With no traffic for ``idle_to_zero_s`` a model
-scales to zero active workers and keeps ``warm_min`` warm.
+Prefill demand under ``local_prefill_below`` of one prefill worker runs no prefill worker: the decode
+workers prefill it (the router does when none is registered). Scale up at once; scale down only after
+``need`` stayed below the current count for ``down_after_s`` (hysteresis), by at most ``down_step`` of it
+per tick. A warm pool of standby workers (model loaded, not registered) hides cold starts: the next
+scale-up takes them first (a warm start of seconds instead of minutes). It holds what the demand would
+need beyond the decided workers, served at ``burst_utilisation``, in a burst (the last window's demand x
+``burst_factor``) or a cold start (``lookahead_s``) up the trend's fitted slope, whichever is more; at
+least ``warm_min`` (1) and ``warm_fraction`` of the active workers. With no traffic for
+``idle_to_zero_s`` a model scales to zero active workers and keeps ``warm_min`` warm.
 
 ``ThresholdRule`` is the baseline: an HPA on utilisation (desired = ceil(current *
 utilisation / target)), with HPA's default 300 s scale-down stabilisation and no warm pool.
@@ -64,6 +67,7 @@ class Signals:
     ttft_attainment: float | None = None  # fraction of the window's requests within the TTFT SLO
     itl_attainment: float | None = None
     requests_in_window: int = 0
+    judged_requests: int = 0  # the requests the attainments are over (0: requests_in_window)
     # of prefill_workers / decode_workers, those ordered and still starting (not yet serving); the live
     # reader counts registered workers only and leaves these 0
     prefill_starting: int = 0
@@ -84,7 +88,13 @@ class PlannerConfig:
     kv_target: float = 0.7
     lag_target_s: float = 1.0
     slo_target: float = 0.99
-    slo_min_requests: int = 20  # fewer in a window: its attainment is noise (one slow request of 5 is 80%)
+    slo_min_requests: int = 20  # fewer in the SLO window: its attainment is noise (one slow request of 5 is 80%)
+    # the SLO is judged over the requests of the last slo_window_s, and missed when their misses exceed what
+    # slo_target allows by slo_sigmas binomial standard deviations: judged per 10 s window against 0.99, a
+    # window of 50 requests at a true 0.995 misses one 22% of the time, and the boosts that noise ordered ran
+    # the day's peak at 1.8x the prefill workers its demand needed (k = 12, coding seed 1)
+    slo_window_s: float = 120.0
+    slo_sigmas: float = 2.0
     boost: float = 1.25
     boost_every_s: float = 30.0  # at most one boost per role this often
     down_after_s: float = 300.0
@@ -94,11 +104,23 @@ class PlannerConfig:
     burst_factor: float = 1.5
     burst_utilisation: float = 0.9
     warm_fraction: float = 0.0  # and at least this share of the active workers
+    # a fixed standby: 0 (the pool from the burst and the rise alone) cost attainment on the day (k = 12, coding
+    # seed 1: 0.9717 against 0.9909): the pool those two size is ~0 when the decided counts already stand over
+    # the demand, and each ramp's first scale-up then starts cold
     warm_min: int = 1
     idle_to_zero_s: float = 900.0
+    # no prefill worker while the prefill demand is under this share of one (at the target utilisation): the
+    # decode workers prefill it themselves (the router prefills on the decode worker when no prefill worker
+    # is registered). Off (0) by default: the decode worker's own prefills stall its steps (~76 ms for 2k
+    # tokens on the h100 profile against a 50 ms ITL SLO), and at 0.5 the day's ITL misses ordered more decode
+    # workers than the prefill worker saved (k = 12, coding seed 1: 1.072x static at 0.993, 1.035x without)
+    local_prefill_below: float = 0.0
     lookahead_s: float = 0.0  # 0: react to the demand now; else read it this far ahead on its rising trend
-    trend_window_s: float = 120.0
-    min_prefill: int = 1
+    # 300 s of a real day: at 120 the demand's level was noisy enough that the hysteresis floor (the highest need
+    # of its window) ran the day's peak at twice the mean's need (k = 12, coding seed 1, target 0.6: 1.071x static
+    # at 120, 0.922x at 300; target 0.8: 0.997x -> 0.935x; benchmarks/probes/planner_config_probe.py)
+    trend_window_s: float = 300.0
+    min_prefill: int = 0
     min_decode: int = 1
     max_workers: int = 10_000
 
@@ -110,6 +132,10 @@ class PlannerConfig:
             raise ValueError("burst_factor must be >= 1 (1: no burst to survive)")
         if self.boost < 1 or self.lag_target_s <= 0 or self.down_after_s < 0 or self.idle_to_zero_s <= 0:
             raise ValueError("boost >= 1, lag_target_s > 0, down_after_s >= 0 and idle_to_zero_s > 0 needed")
+        if not 0 <= self.local_prefill_below <= 1:
+            raise ValueError("local_prefill_below must be in [0, 1]")
+        if not self.slo_window_s > 0 or self.slo_sigmas < 0:
+            raise ValueError("slo_window_s > 0 and slo_sigmas >= 0 needed")
         if self.lookahead_s < 0 or not self.trend_window_s > 0:
             raise ValueError("lookahead_s >= 0 and trend_window_s > 0 needed")
         if min(self.warm_min, self.min_prefill, self.min_decode) < 0 or self.warm_fraction < 0:
@@ -125,11 +151,12 @@ class Planner:
     _history: deque = field(default_factory=deque)  # (now, prefill tokens/s, KV blocks, sequences) for the trend
     _boosted_at: dict = field(default_factory=dict)
     _needs: dict = field(default_factory=dict)  # per role: (now, need) over the last down_after_s
+    _slo: dict = field(default_factory=dict)  # per SLO: (now, requests, misses) over the last slo_window_s
 
-    def _ahead(self, s: Signals) -> tuple[tuple, tuple]:
-        """The demand now (the window's trimmed mean), and that plus its rise to now and over ``lookahead_s``
-        when the least-squares slope over ``trend_window_s`` rises by more than its noise (both raw while the
-        history is short)."""
+    def _ahead(self, s: Signals) -> tuple[tuple, tuple, tuple]:
+        """The demand now (the window's trimmed mean); that plus its rise to now and over ``lookahead_s``
+        when the least-squares slope over ``trend_window_s`` rises by more than its noise (the cold orders);
+        and that plus the fitted slope's rise (the warm pool). All three raw while the history is short."""
         now = (s.prefill_tokens_per_s, float(s.kv_blocks_used), float(s.running_seqs))
         c = self.config
         self._history.append((s.now, *now))
@@ -137,7 +164,7 @@ class Planner:
             self._history.popleft()
         span = s.now - self._history[0][0]
         if span < c.trend_window_s / 2 or len(self._history) < 4:  # one window's noise is not a trend
-            return now, now
+            return now, now, now
         # not the last window alone: a window's demand is noisy (+-60% at 0.2 s windows; prompts are counted
         # as they finish, in clumps), and the hysteresis holds what the noise orders. The level is the mean of
         # the trend window's windows less its highest and lowest (one window's spike is not a step). A median
@@ -150,7 +177,7 @@ class Planner:
         n = len(ts)
         mean_t = sum(ts) / n
         var = sum((t - mean_t) ** 2 for t in ts)
-        levels, ahead = [], []
+        levels, ahead, likely = [], [], []
         for i in range(1, len(now) + 1):
             ys = [h[i] for h in self._history]
             mean_y = sum(ys) / n
@@ -170,7 +197,8 @@ class Planner:
                 level = recent
             levels.append(level)
             ahead.append(max(0.0, level + rise * (s.now - mean_t + c.lookahead_s)))
-        return tuple(levels), tuple(ahead)
+            likely.append(max(0.0, level + max(0.0, slope) * (s.now - mean_t + c.lookahead_s)))
+        return tuple(levels), tuple(ahead), tuple(likely)
 
     def decide(self, s: Signals) -> Decision:
         c, cap = self.config, self.capacity
@@ -183,11 +211,12 @@ class Planner:
             return Decision(0, 0, c.warm_min, "idle: scaled to zero")
 
         def counts(tokens_per_s, kv_blocks, seqs, utilisation=c.target_utilisation, kv_target=c.kv_target):
-            return (math.ceil(tokens_per_s / (cap.prefill_tokens_per_s * utilisation)),
+            prefill = tokens_per_s / (cap.prefill_tokens_per_s * utilisation)
+            return (0 if prefill < c.local_prefill_below else math.ceil(prefill),
                     max(math.ceil(kv_blocks / (cap.kv_blocks * kv_target)),
                         math.ceil(seqs / (cap.max_num_seqs * utilisation))))
 
-        level, ahead = self._ahead(s)
+        level, ahead, likely = self._ahead(s)
         prefill, decode = counts(*ahead)
         reasons = []
         if (prefill, decode) != counts(*level):
@@ -203,18 +232,19 @@ class Planner:
             backlog = math.ceil(s.queued_prefill_tokens / (cap.prefill_tokens_per_s * drain_s))
             prefill = max(prefill, ready + max(backlog, s.prefill_starting))
             reasons.append(f"queue lag {lag_s:.1f} s")
-        judged = s.requests_in_window >= c.slo_min_requests
-        if judged and s.ttft_attainment is not None and s.ttft_attainment < c.slo_target:
-            prefill = max(prefill, self._boost("prefill", s.now, s.prefill_workers, s.prefill_starting))
-            reasons.append(f"TTFT attainment {s.ttft_attainment:.3f}")
+        ttft_missed = self._missed("ttft", s, s.ttft_attainment)
+        itl_missed = self._missed("itl", s, s.itl_attainment)
+        if ttft_missed:
+            prefill = max(prefill, self._boost("prefill", s.now, s.prefill_workers, s.prefill_starting, "ttft"))
+            reasons.append(f"TTFT attainment {ttft_missed:.3f}")
             # a first token also waits for KV room on a decode worker: with their KV at target, the
             # missed TTFTs are theirs too
             if s.kv_blocks_used >= cap.kv_blocks * c.kv_target * max(s.decode_workers, 1):
                 decode = max(decode, self._boost("decode", s.now, s.decode_workers, s.decode_starting))
                 reasons.append("KV at target")
-        if judged and s.itl_attainment is not None and s.itl_attainment < c.slo_target:
-            decode = max(decode, self._boost("decode", s.now, s.decode_workers, s.decode_starting))
-            reasons.append(f"ITL attainment {s.itl_attainment:.3f}")
+        if itl_missed:
+            decode = max(decode, self._boost("decode", s.now, s.decode_workers, s.decode_starting, "itl"))
+            reasons.append(f"ITL attainment {itl_missed:.3f}")
         prefill = self._hysteresis("prefill", s.now, s.prefill_workers, max(prefill, c.min_prefill))
         decode = self._hysteresis("decode", s.now, s.decode_workers, max(decode, c.min_decode))
         prefill = min(prefill, c.max_workers)
@@ -229,17 +259,39 @@ class Planner:
         burst = counts(*(d * c.burst_factor for d in now_demand), utilisation=c.burst_utilisation,
                        kv_target=c.burst_utilisation)
         warm = max(0, burst[0] - prefill) + max(0, burst[1] - decode)
+        # and the rise the trend's own slope (not its lower bound, which the cold orders follow) brings within
+        # a cold start (lookahead_s), served at burst_utilisation: a ramp's next workers start warm
+        rising = counts(*likely, utilisation=c.burst_utilisation, kv_target=c.burst_utilisation)
+        warm = max(warm, max(0, rising[0] - prefill) + max(0, rising[1] - decode))
         warm = max(warm, c.warm_min, math.ceil(c.warm_fraction * (prefill + decode)))
         return Decision(prefill, decode, warm, "; ".join(reasons) or "demand")
 
-    def _boost(self, role: str, now: float, current: int, starting: int) -> int:
+    def _missed(self, slo: str, s: Signals, attainment: float | None) -> float | None:
+        """The attainment over the last ``slo_window_s`` when its misses stand over what ``slo_target``
+        allows by more than ``slo_sigmas`` standard deviations (and it has ``slo_min_requests``), else None."""
+        c = self.config
+        window = self._slo.setdefault(slo, deque())
+        if attainment is not None:
+            n = s.judged_requests or s.requests_in_window
+            window.append((s.now, n, (1 - attainment) * n))
+        while window and window[0][0] <= s.now - c.slo_window_s:
+            window.popleft()
+        total, misses = sum(w[1] for w in window), sum(w[2] for w in window)
+        allowed = total * (1 - c.slo_target)
+        if total < c.slo_min_requests or misses <= allowed + c.slo_sigmas * math.sqrt(max(allowed, 1.0)):
+            return None
+        return 1 - misses / total
+
+    def _boost(self, role: str, now: float, current: int, starting: int, slo: str = "") -> int:
         """``current * boost``, at most once per ``boost_every_s`` and never while workers of the role are
         still starting: the misses are from before they serve, and a boost on every tick of a cold start
-        compounds (1.25 ** 12 in 2 min)."""
+        compounds (1.25 ** 12 in 2 min). A boost answers the ``slo`` misses before it: their window restarts."""
         if starting or now - self._boosted_at.get(role, -math.inf) < self.config.boost_every_s:
             return current
         self._boosted_at[role] = now
-        return math.ceil(current * self.config.boost)
+        self._slo.pop(slo, None)
+        # at least one more: a role at 0 (the decode workers prefilling) boosted by a factor stays at 0
+        return max(current + 1, math.ceil(current * self.config.boost))
 
     def _hysteresis(self, role: str, now: float, current: int, need: int) -> int:
         """Up at once. Down once ``need`` stayed below ``current`` for ``down_after_s``, then to the highest

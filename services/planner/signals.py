@@ -132,5 +132,6 @@ class SignalReader:
             running_seqs=sum(w.num_running + w.num_waiting for w in decode),
             ttft_attainment=ttft_good / ttft_n if ttft_n else None,
             itl_attainment=itl_good / itl_n if itl_n else None,
-            requests_in_window=int(ttft_n) + depth.requests + sum(w.num_running for w in active))
+            requests_in_window=int(ttft_n) + depth.requests + sum(w.num_running for w in active),
+            judged_requests=int(ttft_n))
         return Snapshot(signals, workers, unreachable)

@@ -109,7 +109,7 @@ class SimAutoscaler:
                 itl_attainment=sum(itl(j) <= self.slo.itl_s for j in jobs) / len(jobs) if jobs else None,
                 # dispatched, unfinished requests count as traffic: one waiting for a worker of a model
                 # scaled to zero is in neither the queue nor a batch
-                requests_in_window=len(jobs) + len(sim.admission) + sim.inflight,
+                requests_in_window=len(jobs) + len(sim.admission) + sim.inflight, judged_requests=len(jobs),
                 prefill_starting=sum(w.ready_at > now for w in active["prefill"]),
                 decode_starting=sum(w.ready_at > now for w in active["decode"]))
             d = self.planner.decide(signals)

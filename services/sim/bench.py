@@ -18,7 +18,8 @@ Runs, in one command (each part can be skipped):
    ``conversation``: ~2.4x) with bursts (``--burst-factor``): the planner at several
    target utilisations (and without its trend lookahead, and without a warm pool), the
    HPA-like threshold rule, and static provisioning searched down to the smallest meeting
-   99% (prefill and decode sized apart); SLO attainment against worker-hours, beside perfect
+   99% (prefill and decode sized apart; ``--static-from`` takes a saved search of the same
+   trace and re-runs only its answer); SLO attainment against worker-hours, beside perfect
    foresight's (the day's mean rate over its peak). Then the
    headline planner and the static search again on ``--check-trace`` (another shape and
    seed): a planner tuned to one trace would show it there.
@@ -94,8 +95,12 @@ def run(args: argparse.Namespace) -> int:
         auto = experiments.run_autoscale(profile, trace, slo, scale, planner_targets=args.planner_targets,
                                          threshold_targets=args.threshold_targets,
                                          headline_target=args.headline_target, ablations=not args.no_ablations,
-                                         static_start=args.static_start)
-        auto.update(requests=len(trace), trace_shape=args.trace_shape, seed=args.seed,
+                                         static_start=args.static_start,
+                                         static_known=(known := _static_from(args, len(trace))))
+        if known and not args.threshold_targets:  # the threshold rule's runs too: a baseline of the same trace
+            auto["threshold"] = known.get("threshold", [])
+        auto.update(static_from=Path(args.static_from).name if args.static_from else None,
+                    requests=len(trace), trace_shape=args.trace_shape, seed=args.seed,
                     burst_factor=args.burst_factor, period_s=args.period_s, rate=args.autoscale_rate,
                     ideal_worker_hours_vs_static=experiments.ideal_ratio(arrivals))
         result["autoscale"] = auto
@@ -201,6 +206,23 @@ def print_table(result: dict) -> None:
               f"{c['ideal_worker_hours_vs_static']}")
 
 
+def _static_from(args, requests: int) -> dict | None:
+    """The ``autoscale`` object of ``--static-from``'s saved result, refused unless its trace is this run's."""
+    if not args.static_from:
+        return None
+    saved = json.loads(Path(args.static_from).read_text())["result"]
+    auto = saved.get("autoscale") or {}
+    want = {"profile": args.profile, "slo": {"ttft_s": args.ttft_slo, "itl_s": args.itl_slo}, "seed": args.seed,
+            "trace_shape": args.trace_shape, "rate": args.autoscale_rate, "period_s": args.period_s,
+            "burst_factor": args.burst_factor, "requests": requests}
+    have = {k: auto[k] if k in auto else saved.get(k) for k in want}  # top-level "requests": the policy part's
+
+    if have != want or not auto.get("static_peak"):
+        raise ValueError(f"--static-from {args.static_from}: not this run's trace, or no static search in it "
+                         f"(saved {have}; this run {want})")
+    return auto
+
+
 def _workers_pair(text: str) -> tuple[int, int]:
     p, plus, d = text.partition("+")
     if not plus or not p.isdigit() or not d.isdigit() or int(p) < 1 or int(d) < 1:
@@ -224,7 +246,8 @@ def add_parser(sub) -> None:
     p.add_argument("--requests", type=int, default=100_000)
     p.add_argument("--rate-per-worker", type=float, default=0.3, help="session starts per second per worker")
     p.add_argument("--layout-workers", type=int, default=100)
-    p.add_argument("--profile", default="h100", help="worker profile from the calibration file (h100, cpu)")
+    p.add_argument("--profile", default="h100",
+                   help="worker profile from the calibration file (h100: derived; h200: measured on an H200; cpu)")
     p.add_argument("--calibration", default=None, help=f"calibration file (default {CALIBRATION.name} in services/sim)")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
     p.add_argument("--itl-slo", type=float, default=0.05, help="seconds")
@@ -246,6 +269,10 @@ def add_parser(sub) -> None:
     p.add_argument("--static-start", type=_workers_pair, default=None, metavar="P+D",
                    help="start the static-peak search at P prefill + D decode workers (default: the headline "
                         "planner's 95th-percentile counts); the search still goes down to the smallest meeting 99%%")
+    p.add_argument("--static-from", default=None, metavar="RESULT.json",
+                   help="take the static-peak search (and, with --threshold-targets '', the threshold rule's runs) "
+                        "from a saved bench sim result on the same trace (seed, shape, rate, day, profile, SLOs "
+                        "checked); the static peak is re-run once to confirm the simulator still gives it")
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots there")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")

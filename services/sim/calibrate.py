@@ -18,9 +18,16 @@ as work (the 2026-11-25 points, timed by the wall at load 6-8, put 1,024 tokens 
 bench routing's workers spent under half that CPU per request). The simulator's shared
 host (host.py) adds the waiting back from the cores the run actually had.
 
-The fit and the raw points go into the calibration file (``--calibration-out``,
-default ``services/sim/calibration.json``), beside the GPU profile, which is
-derived from published H100 figures (see ``profiles.py``).
+The fit and the raw points go into the calibration file (``--into``, the profile
+``--profile``, default ``cpu``), beside the GPU profiles.
+
+On a GPU (``--device cuda``, e.g. ``--model dummy:llama-3.1-8b``) the same points are
+taken by the wall clock (each step ends in the sampler's copy to the host, so a step's
+wall time is the device's), with CUDA graphs as served, over a grid sized for a GPU
+(prompts up to 8,192 tokens, batches up to 128 at contexts up to 8,192). What one
+engine does not measure (the KV transfer between machines, a container's cold start)
+comes from ``--base``, another profile of the file, and the profile's source says which
+fields are measured and which are not.
 """
 
 from __future__ import annotations
@@ -36,17 +43,27 @@ def _log(msg: str) -> None:
     print(f"[calibrate] {msg}", file=sys.stderr, flush=True)
 
 
-def _prefill_s(engine, prompt: list[int], rid: str) -> float:
+# (prefill sizes, decode (context, batches) grid, prompt tokens per step) per device kind: a GPU
+# step of 128 sequences costs about what one of 8 does, so its grid goes further
+GRIDS = {
+    "cpu": ((16, 64, 128, 256, 512, 1024, 2048), ((128, (1, 4, 16, 64)), (512, (1, 4, 16, 64)),
+                                                  (1024, (1, 4, 16, 64))), 2048),
+    "cuda": ((16, 64, 256, 512, 1024, 2048, 4096, 8192), ((512, (1, 8, 32, 128)), (2048, (1, 8, 32, 128)),
+                                                          (8192, (1, 8))), 8192),
+}
+
+
+def _prefill_s(engine, prompt: list[int], rid: str, clock) -> float:
     from services.engine.sampling_params import SamplingParams
 
     engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-    t = time.process_time()
+    t = clock()
     while engine.has_unfinished():
         engine.step()
-    return time.process_time() - t
+    return clock() - t
 
 
-def measure(repeats: int = 3, threads: int = 1) -> dict:
+def measure(repeats: int = 3, threads: int = 1, model: str | None = None, device: str = "cpu") -> dict:
     import random
 
     import torch
@@ -55,9 +72,14 @@ def measure(repeats: int = 3, threads: int = 1) -> dict:
     from services.engine.engine import Engine
     from services.engine.sampling_params import SamplingParams
 
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    prefill_sizes, decode_grid, step_tokens = GRIDS[kind]
+    # CPU: the thread's CPU time (the compute; see above); GPU: the wall clock, the step's own end syncing
+    clock = time.perf_counter if kind == "cuda" else time.process_time
     torch.set_num_threads(threads)
     started = time.perf_counter()
-    engine = Engine(EngineConfig(max_num_batched_tokens=2048, long_prefill_chunk=2048, max_num_seqs=128))
+    engine = Engine(EngineConfig(model=model, device=device, max_num_batched_tokens=step_tokens,
+                                 long_prefill_chunk=step_tokens, max_num_seqs=128))
     load_s = time.perf_counter() - started  # the model load of a worker's start (cached weights)
     _log(f"engine start (model load from the cache): {load_s:.2f} s")
     vocab = engine.model_config.vocab_size
@@ -67,23 +89,23 @@ def measure(repeats: int = 3, threads: int = 1) -> dict:
         return [rng.randrange(100, vocab - 100) for _ in range(n)]
 
     with torch.inference_mode():
-        _prefill_s(engine, fresh(256), "warm")
+        _prefill_s(engine, fresh(256), "warm", clock)
         prefill = []  # (new tokens, context incl. cached, seconds)
-        for n in (16, 64, 128, 256, 512, 1024, 2048):
+        for n in prefill_sizes:
             for r in range(repeats):
-                prefill.append((n, n, _prefill_s(engine, fresh(n), f"p{n}.{r}")))
+                prefill.append((n, n, _prefill_s(engine, fresh(n), f"p{n}.{r}", clock)))
             _log(f"prefill {n} tokens: {min(p[2] for p in prefill if p[0] == n) * 1e3:.1f} ms")
         for cached in (1024,):
             base = fresh(cached)
-            _prefill_s(engine, base + fresh(16), f"seed{cached}")
+            _prefill_s(engine, base + fresh(16), f"seed{cached}", clock)
             for n in (16, 64, 256):
                 for r in range(repeats):
-                    prefill.append((n, cached + n, _prefill_s(engine, base + fresh(n), f"h{cached}.{n}.{r}")))
+                    prefill.append((n, cached + n, _prefill_s(engine, base + fresh(n), f"h{cached}.{n}.{r}", clock)))
                 _log(f"prefill {n} tokens after {cached} cached: "
                      f"{min(p[2] for p in prefill if p[0] == n and p[1] == cached + n) * 1e3:.1f} ms")
         decode = []  # (batch, context, seconds per step)
-        for ctx in (128, 512, 1024):
-            for b in (1, 4, 16, 64):
+        for ctx, batches in decode_grid:
+            for b in batches:
                 ids = [f"d{ctx}.{b}.{i}" for i in range(b)]
                 for rid in ids:
                     engine.add_request(rid, fresh(ctx), SamplingParams(max_tokens=10_000, temperature=0,
@@ -92,18 +114,29 @@ def measure(repeats: int = 3, threads: int = 1) -> dict:
                     engine.step()
                 steps = []
                 for _ in range(8):
-                    t = time.process_time()
+                    t = clock()
                     engine.step()
-                    steps.append(time.process_time() - t)
+                    steps.append(clock() - t)
                 for rid in ids:
                     engine.abort(rid)
                 engine.step_outputs_discard()
                 decode.append((b, ctx, float(np.median(steps))))
                 _log(f"decode batch {b} context {ctx}: {decode[-1][2] * 1e3:.1f} ms/step")
     return {"prefill_points": prefill, "decode_points": decode, "threads": threads, "engine_start_s": load_s,
-            "model": engine.model_name, "dtype": engine.config.dtype,
+            "model": engine.model_name, "dtype": engine.config.dtype, "device": _device_name(device),
+            "timed_by": "wall clock" if kind == "cuda" else "the thread's CPU time",
             "kv_bytes_per_block": engine.kv_spec.block_bytes, "kv_blocks_default": engine.block_pool.num_blocks,
             "block_size": engine.config.block_size}
+
+
+def _device_name(device: str) -> str:
+    import platform
+
+    import torch
+
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+    return f"{platform.processor() or platform.machine()}, torch {torch.__version__}"
 
 
 def _relative_lstsq(rows: list[tuple], seconds: list[float]):
@@ -128,19 +161,40 @@ def fit(points: dict) -> dict:
                               "per_seq_context": max(float(dc), 0.0)}}
 
 
-def into_profile(points: dict, calibration: str, note: str) -> dict:
-    """Write the fit and the raw points into the calibration file's cpu profile; the profile returned."""
+# what a profile measured on one engine keeps of its --base: costs outside one engine
+_FROM_BASE = ("transfer", "cold_start_s", "warm_start_s", "max_num_seqs")
+
+
+def into_profile(points: dict, calibration: str, note: str, profile: str = "cpu", base: str | None = None) -> dict:
+    """Write the fit and the raw points into the calibration file's ``profile``; the profile returned.
+
+    A profile the file does not have yet starts as a copy of ``base``, whose KV capacity and block
+    shape are then replaced by the measured engine's, and whose source names what stays ``base``'s."""
+    import copy
     from pathlib import Path
 
     path = Path(calibration)
     cal = json.loads(path.read_text())
-    cpu = cal["profiles"]["cpu"]
-    cpu.update(points["fit"])
-    cpu["source"]["measured"] = note
-    cpu["source"]["points"] = {"prefill [new tokens, context, CPU s]": points["prefill_points"],
-                               "decode [batch, context, CPU s per step]": points["decode_points"]}
+    profiles = cal["profiles"]
+    if profile not in profiles:
+        if base not in profiles:
+            raise ValueError(f"profile {profile!r} is new: --base must name one of {', '.join(sorted(profiles))} "
+                             "for what one engine does not measure (KV transfer, cold start)")
+        entry = copy.deepcopy(profiles[base])
+        entry["source"] = {f"kept from {base}": ", ".join(_FROM_BASE), base: profiles[base]["source"]}
+        entry["kv_blocks"] = points["kv_blocks_default"]
+        entry["block_size"] = points["block_size"]
+        entry["kv_bytes_per_token"] = points["kv_bytes_per_block"] // points["block_size"]
+        profiles[profile] = entry
+    entry = profiles[profile]
+    entry.update(points["fit"])
+    unit = "CPU s" if points.get("timed_by", "").endswith("CPU time") or "timed_by" not in points else "s"
+    entry["source"]["measured"] = note + (f" ({points['model']}, {points['dtype']}, {points['device']}; engine "
+                                          f"start {points['engine_start_s']:.1f} s)" if "device" in points else "")
+    entry["source"]["points"] = {f"prefill [new tokens, context, {unit}]": points["prefill_points"],
+                                 f"decode [batch, context, {unit} per step]": points["decode_points"]}
     path.write_text(json.dumps(cal, indent=1) + "\n")
-    return cpu
+    return entry
 
 
 if __name__ == "__main__":
@@ -150,13 +204,23 @@ if __name__ == "__main__":
     parser.add_argument("out", nargs="?", default="calibration-cpu.json", help="the raw points and the fit")
     parser.add_argument("--from-points", default=None, help="fit a saved points file instead of measuring")
     parser.add_argument("--into", default=None, metavar="CALIBRATION", help="also write the fit into this "
-                        "calibration file's cpu profile (services/sim/calibration.json)")
+                        "calibration file (services/sim/calibration.json), as the profile --profile")
+    parser.add_argument("--profile", default="cpu", help="the profile written by --into (default cpu)")
+    parser.add_argument("--base", default=None, help="for a profile the file does not have: the profile whose "
+                        "KV transfer, cold start and max_num_seqs it keeps (e.g. h100)")
+    parser.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    parser.add_argument("--repeats", type=int, default=3, help="timings of each prefill point (the fastest is fitted)")
     parser.add_argument("--note", default="python -m services.sim.calibrate", help="how it was measured (the source)")
     args = parser.parse_args()
-    pts = json.loads(open(args.from_points).read()) if args.from_points else measure()
-    pts["fit"] = fit(pts)
-    with open(args.out, "w") as f:
-        json.dump(pts, f, indent=1)
-    if args.into:
-        into_profile(pts, args.into, args.note)
+    try:
+        pts = (json.loads(open(args.from_points).read()) if args.from_points
+               else measure(repeats=args.repeats, model=args.model, device=args.device))
+        pts["fit"] = fit(pts)
+        with open(args.out, "w") as f:
+            json.dump(pts, f, indent=1)
+        if args.into:
+            into_profile(pts, args.into, args.note, args.profile, args.base)
+    except (ValueError, OSError) as exc:
+        sys.exit(f"calibrate: {exc}")
     _log(json.dumps(pts["fit"]))

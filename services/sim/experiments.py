@@ -214,6 +214,17 @@ def static_peak(profile, requests, slo, hint: tuple[int, int], goal: float = 0.9
     return best, runs
 
 
+def recheck_static(profile, requests, slo, known: dict, heartbeat_s: float) -> tuple[dict, list[dict]]:
+    """A saved static search's answer, its peak run again: the simulator may have changed since."""
+    peak = known["static_peak"]
+    again = _static(profile, requests, slo, peak["prefill"], peak["decode"], heartbeat_s)
+    if (again["slo_attainment"], again["worker_hours"]) != (peak["slo_attainment"], peak["worker_hours"]):
+        raise ValueError(f"the saved static peak {peak['prefill']}+{peak['decode']} now gives attainment "
+                         f"{again['slo_attainment']} and {again['worker_hours']} worker-h (saved: "
+                         f"{peak['slo_attainment']}, {peak['worker_hours']}): the simulator changed; search again")
+    return again, [again if r is peak or r == peak else r for r in known["static"]]
+
+
 def static_hint(run: dict, quantile: float = 0.95) -> tuple[int, int]:
     """Where to start the static search: the planner run's decided counts at their ``quantile`` over
     the day, per role (its peak is a burst's or a churn's, often several times static's)."""
@@ -237,12 +248,15 @@ def planner_variants(profile: WorkerProfile, scale: DayScale, targets, headline_
 
 
 def run_autoscale(profile: WorkerProfile, requests, slo: SLO, scale: DayScale, planner_targets, threshold_targets,
-                  headline_target: float, ablations: bool = True, static_start: tuple[int, int] | None = None) -> dict:
+                  headline_target: float, ablations: bool = True, static_start: tuple[int, int] | None = None,
+                  static_known: dict | None = None) -> dict:
     """The planner at several target utilisations (and, at the headline target, without its trend
     lookahead and without a warm pool), the HPA-like threshold rule at several targets, and static
     provisioning searched from the headline planner's 95th-percentile counts to the smallest meeting
     99%: the trade-off curve. ``static_start``: start the static search there instead (a known answer
-    costs three runs: it, one prefill fewer, one decode fewer).
+    costs three runs: it, one prefill fewer, one decode fewer). ``static_known``: a saved run's ``autoscale``
+    object on the same trace (``static_from`` checks that): its search is taken, its peak re-run once here
+    and refused if the simulator now gives it another attainment.
     ``profile``: the real one; its start-up times are compressed with the day here."""
     day = scale.profile(profile)
     variants = planner_variants(profile, scale, planner_targets, headline_target, ablations)
@@ -260,7 +274,9 @@ def run_autoscale(profile: WorkerProfile, requests, slo: SLO, scale: DayScale, p
         planner[name] = run
         _log(f"planner {name}: attainment {run['slo_attainment']}, {run['worker_hours']} worker-h, "
              f"peak {run['peak']}, by state {run['worker_hours_by_state']}")
-        if name == headline_name:
+        if name == headline_name and static_known:
+            peak, static = recheck_static(day, requests, slo, static_known, scale.heartbeat_s)
+        elif name == headline_name:
             peak, static = static_peak(day, requests, slo, static_start or static_hint(run), heartbeat_s=scale.heartbeat_s)
             _log(f"static peak {peak['prefill']}+{peak['decode']}: {peak['worker_hours']} worker-h")
     threshold = []

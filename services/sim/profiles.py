@@ -9,7 +9,10 @@ this module, ``--calibration`` to use another), one entry per hardware profile:
   bench kvtransfer`` / ``routing`` (BENCHMARKS.md).
 * ``h100``: Llama-3.1-8B in bf16 on one H100 SXM, a roofline from the published
   datasheet figures (HBM3 3.35 TB/s, 989 dense bf16 TFLOP/s; ConnectX-7 400 Gb/s) at
-  stated efficiencies: derived, not measured (no GPU was lent to this work).
+  stated efficiencies: derived, not measured.
+* ``h200``: Llama-3.1-8B's shapes (random weights) in bf16 on a lent H200, prefill and decode
+  measured by ``python -m services.sim.calibrate --device cuda`` (CUDA graphs, wall clock), its
+  KV capacity the engine's; the KV transfer and the start-up times kept from ``h100``.
 
 Cost models (seconds)::
 

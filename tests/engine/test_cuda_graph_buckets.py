@@ -60,7 +60,7 @@ def test_pack_pads_rows_to_the_batch_and_columns_to_the_width():
     out = np.full(layout.size, 99, dtype=np.int32)
     used = layout.pack(out, batch=4, width=4, tokens=[11, 12, 13], positions=[5, 0, 8], slots=[21, 32, 40],
                        block_rows=[[3, 5], [8], [6, 2, 10]], sample_rows=[0, 2])
-    assert used == layout.used(4, 4) == 5 * 8 + 4 * 4
+    assert used == layout.used(4, 4) == 6 * 8 + 4 * 4
     assert (out[used:] == 99).all(), "pack wrote past what a (4, 4) step reads"
     v = layout.views(torch.from_numpy(out), 4, 4)
     assert v.input_ids.tolist() == [11, 12, 13, 0]
@@ -69,8 +69,16 @@ def test_pack_pads_rows_to_the_batch_and_columns_to_the_width():
     assert v.slot_mapping.tolist() == [21, 32, 40, -1]
     assert v.context_lens.tolist() == [6, 1, 9, 1]
     assert v.sample_rows[:2].tolist() == [0, 2]
+    assert v.lora_rows.tolist() == [-1, -1, -1, -1], "no adapters given: every row on the base model"
     assert v.block_table.tolist() == [[3, 5, 0, 0], [8, 0, 0, 0], [6, 2, 10, 0], [0, 0, 0, 0]]
     assert v.block_table.is_contiguous()
+
+
+def test_pack_gives_each_row_its_adapter_slot_and_the_padding_none():
+    layout = DecodeInputLayout(max_batch=8, max_width=4)
+    out = np.zeros(layout.size, dtype=np.int32)
+    layout.pack(out, 4, 2, [1, 2, 3], [0, 0, 0], [4, 8, 12], [[1], [2], [3]], [0, 1, 2], lora_rows=[2, -1, 0])
+    assert layout.views(torch.from_numpy(out), 4, 2).lora_rows.tolist() == [2, -1, 0, -1]
 
 
 def test_pack_refuses_what_does_not_fit():

@@ -1,6 +1,7 @@
 """Multi-LoRA on a CUDA engine (skipped without a GPU): the Triton gathered kernels (kernels/lora.py)
-run a batch of four adapters and the base model, decode steps eager and with CUDA graphs (a step
-with an adapter runs eagerly); each request's greedy tokens equal the fp32 CPU engine's."""
+run a batch of four adapters and the base model, decode steps eager and with CUDA graphs (an engine
+started with adapters captures graphs for steps with adapters: services/engine/cuda_graph.py); each
+request's greedy tokens equal the fp32 CPU engine's."""
 
 from __future__ import annotations
 
@@ -35,3 +36,5 @@ def test_cuda_mixed_adapter_batch_matches_cpu(eager, tmp_path):
     prompts = {n: (torch.randint(2, 512, (9,), generator=g).tolist(), n) for n in loras}
     prompts["base"] = (torch.randint(2, 512, (9,), generator=g).tolist(), None)
     assert _run(cuda, prompts) == _run(cpu, prompts)
+    if not eager:  # every decode step of the batch had adapters, and replayed a LoRA graph
+        assert cuda.runner.cuda_graphs.num_replays >= GREEDY.max_tokens - 1

@@ -197,6 +197,40 @@ def test_a_stream_that_sent_its_200_waits_out_a_busy_pool_instead_of_ending_with
     assert not [rec for rec in caplog.records if rec.exc_info or rec.levelno >= logging.WARNING]
 
 
+def test_the_reader_keeps_its_connection_while_other_commands_wait_in_line_for_the_pool(redis_url):
+    # the reader took a pooled connection for each XREAD, first come first served: a line of other commands
+    # (a wave of new requests' admissions) held every open stream's next chunk back until it was served
+    from services.gateway.delivery import ResultDelivery
+    from services.queue.results import ResultWriter
+    from services.registry import connect_redis
+
+    async def run():
+        redis = await connect_redis(redis_url, max_connections=3, pool_timeout_s=60.0)
+        other = await connect_redis(redis_url, max_connections=2)
+        delivery, writer = ResultDelivery(redis, block_ms=50), ResultWriter(other)
+        rid, blockers = delivery.new_request_id(), []
+        try:
+            async with delivery.subscribe(rid) as sub:
+                await writer.append_chunks([(rid, {"text": "a"})])
+                assert [kind for _, kind, _ in await sub.next(30)] == ["chunk"]
+                # the pool's other two connections busy, and a third command in line for one
+                blockers = [asyncio.create_task(redis.blpop(f"pd:test:nothing:{i}", timeout=20)) for i in range(3)]
+                await asyncio.sleep(0.5)  # the reader's 50 ms reads come back meanwhile
+                await writer.append_chunks([(rid, {"text": "b"})])
+                got = await sub.next(30)
+                return [kind for _, kind, _ in got], [t.done() for t in blockers]
+        finally:
+            for task in blockers:
+                task.cancel()
+            await asyncio.gather(*blockers, return_exceptions=True)
+            await delivery.close()
+            await redis.aclose()
+            await other.aclose()
+
+    kinds, blockers_done = asyncio.run(run())
+    assert kinds == ["chunk"] and blockers_done == [False, False, False]  # delivered while the line still waits
+
+
 def test_grpc_streams_share_the_bounded_pool(gateway, sync_redis):
     h = gateway(grpc=True, redis_max_connections=4, sse_heartbeat_s=60.0)
     h.router.plan = lambda req: Plan(pieces=PIECES, delay_s=0.1)

@@ -31,7 +31,7 @@ def test_every_streamed_chunk_is_timed_where_it_was_read_and_where_it_went_out(g
         return {eid for r_, eid, *_ in got["writes"] if r_ == rid} >= chunk_ids
 
     assert wait_for(flushed, timeout_s=10), got
-    reads = {eid: at for r_, eid, at, batch in got["reads"] if r_ == rid and batch >= 1}
+    reads = {eid: at for r_, eid, at, batch, position in got["reads"] if r_ == rid and 0 <= position < batch}
     writes = {eid: at for r_, eid, at in got["writes"] if r_ == rid}
     assert chunk_ids <= set(reads)
     assert all(reads[eid] <= writes[eid] for eid in chunk_ids)  # read from the inbox before it went out
@@ -60,7 +60,7 @@ def test_breakdown_splits_added_latency_and_names_what_dominated_the_slowest():
         if i == 9:
             client = written + 0.3
         chunks.append(("r", f"{i}-0", tapped, client))
-        reads.append(("r", f"{i}-0", read, 4))
+        reads.append(("r", f"{i}-0", read, 4, 0))
         writes.append(("r", f"{i}-0", written))
     chunks.append(("r", "999-0", 2000.0, 2000.1))  # the probe missed it: not joined, counted
     probe = {"reads": reads, "writes": writes, "lag": [(1001.0, 2.0), (1002.0, 150.0), (5000.0, 900.0)],
@@ -74,6 +74,19 @@ def test_breakdown_splits_added_latency_and_names_what_dominated_the_slowest():
     assert out["gateway_loop_lag_ms"]["ticks_over_100ms"] == 1  # the 900 ms tick is outside the window
     assert out["gateway_gc_pauses"]["2"] == {"count": 1, "ms_total": 40.0, "ms_max": 40.0}
     assert out["client_gc_pauses"] == {"2": {"count": 1, "ms_total": 90.0, "ms_max": 90.0}}  # 999.0: before
+
+
+def test_write_order_says_whether_one_reads_chunks_went_out_oldest_first_and_how_long_they_took():
+    # two reads of three chunks at 10.0 and 20.0: the first written in read order over 4 ms, the second's
+    # last-read chunk written first
+    rows = []
+    for read_at, written in ((10.0, (10.001, 10.003, 10.005)), (20.0, (20.004, 20.006, 20.002))):
+        for position, at in enumerate(written):
+            rows.append({"read_at": read_at, "position": position, "written": at})
+    rows.append({"read_at": 30.0, "position": 0, "written": 30.1})  # a read of one chunk: no order to speak of
+    out = frontdoor_probe.write_order(rows)
+    assert out["reads"] == 2 and out["in_read_order_share"] == 0.75  # 3 of the 4 successive pairs
+    assert round(out["span_ms"]["max"]) == 4 and round(out["span_ms"]["p50"]) == 4
 
 
 def test_the_load_generators_quiet_collector_runs_no_full_collection_and_restores_pythons_after():

@@ -25,12 +25,12 @@ from tests.kernels.conftest import DEVICE
 BLOCK_SIZE = 4
 
 
-def _tiny_triton_engine() -> Engine:
+def _tiny_triton_engine(loras: dict | None = None) -> Engine:
     cfg = preset_config("tiny")
     block = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE, "float32").block_bytes
     return Engine(EngineConfig(model="dummy:tiny", dtype="fp32", device=DEVICE, kernels="triton",
                                block_size=BLOCK_SIZE, kv_cache_bytes=128 * block, long_prefill_chunk=6,
-                               enforce_eager=True))
+                               enforce_eager=True, loras=loras or {}))
 
 
 @torch.inference_mode()
@@ -72,6 +72,53 @@ def test_padded_static_forward_equals_the_eager_runner():
         changed = (engine.kv_cache != before).flatten(1).any(dim=1).nonzero().flatten().tolist()
         expected = sorted({s.request.block_ids[s.request.num_computed_tokens // BLOCK_SIZE] for s in rows})
         assert changed == expected, "only the real rows' current blocks may change"
+    finally:
+        drain(engine)
+    assert_no_leaks(engine)
+
+
+@torch.inference_mode()
+def test_padded_static_forward_with_adapters_equals_the_eager_runner(tmp_path):
+    """A LoRA graph's forward: two adapters and the base model in one padded batch, each row through its
+    own adapter slot (the static lora_rows), equal to the eager runner's gathered LoRA step."""
+    from tests.engine.lora_adapters import make_adapter
+
+    plain = _tiny_triton_engine()
+    loras = {n: str(make_adapter(plain.model, tmp_path / n, seed=i + 1, r=8, scale=0.3)) for i, n in enumerate("ab")}
+    drain(plain)
+    engine = _tiny_triton_engine(loras)
+    try:
+        for rid, first, lora in (("a", 20, "a"), ("base", 30, None), ("b", 50, "b")):
+            engine.add_request(rid, [first + i for i in range(5)],
+                               SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, lora=lora))
+        engine.step()  # the three prompts
+        rows = engine.scheduler.schedule().scheduled
+        assert sorted(s.request.request_id for s in rows) == ["a", "b", "base"]
+        assert all(s.num_new_tokens == 1 for s in rows)
+        assert sorted(s.request.lora_slot for s in rows)[0] == -1 and len({s.request.lora_slot for s in rows}) == 3
+
+        no_lora = CudaGraphRunner(engine.model, engine.kv_cache, BLOCK_SIZE, max_batch=8,
+                                  max_model_len=engine.max_model_len)
+        assert no_lora.run_padded(rows) is None, "without LoRA graphs a batch with an adapter runs eagerly"
+        graphs = CudaGraphRunner(engine.model, engine.kv_cache, BLOCK_SIZE, max_batch=8,
+                                 max_model_len=engine.max_model_len, lora_slots=engine.loras)
+        assert graphs.plan(rows)[0] == 4, "three rows pad to a batch of 4"
+
+        before = engine.kv_cache.clone()
+        eager_sampled, eager_logits = engine.runner.execute(SchedulerOutput(rows))
+        eager_kv = engine.kv_cache.clone()
+        engine.kv_cache.copy_(before)
+        padded_sampled, padded_logits = graphs.run_padded(rows)
+        assert [r.request_id for r in padded_sampled] == [r.request_id for r in eager_sampled]
+        torch.testing.assert_close(padded_logits, eager_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(engine.kv_cache, eager_kv, rtol=1e-6, atol=1e-6)
+        # and the adapters matter: the same rows on the base model give other logits
+        base_rows = graphs.layout.views(graphs._buf, *graphs.plan(rows)).lora_rows
+        base_rows.fill_(-1)
+        engine.kv_cache.copy_(before)
+        base_logits = graphs._logits(graphs._forward(*graphs.plan(rows), lora=True), graphs.plan(rows), len(rows),
+                                     len(padded_sampled))
+        assert not torch.allclose(base_logits, padded_logits, atol=1e-3)
     finally:
         drain(engine)
     assert_no_leaks(engine)

@@ -100,6 +100,9 @@ def test_up_serves_grpc_and_http_then_stops_on_ctrl_c():
                     text += choices[0].get("delta", {}).get("content") or ""
         assert done and "Paris" in text
 
+        # the gateway's collector: startup frozen, full collections ten times rarer than Python's (GATEWAY_GC_THRESHOLDS)
+        assert re.search(r"^\[gateway\] .*gc: \d+ startup objects frozen, thresholds \(700, 10, 100\)$", out, re.M), out
+
         # the engine workers' sessions yield the cores to the front door (pdserve up's default --engine-nice 19)
         redis_url = re.search(r"^  redis\s+(\S+)", out, re.M).group(1)
         with open("/proc/sys/kernel/sched_autogroup_enabled") as f:

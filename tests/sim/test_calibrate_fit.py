@@ -38,3 +38,47 @@ def test_a_served_worker_costs_the_engines_compute_times_its_measured_factor():
     assert served.decode_loop_cpu_share == pytest.approx(0.5)
     plain = dataclasses.replace(p, worker_cpu_factor={}).served()
     assert plain.prefill_s(64, 64) == p.prefill_s(64, 64) and plain.decode_loop_cpu_share == 0
+
+
+def _points(**extra) -> dict:
+    prefill = [(n, n, 0.01 + 1e-4 * n) for n in (16, 256, 1024)] + [(16, 1040, 0.012)]
+    decode = [(b, ctx, 0.01 + 1e-4 * b + 1e-8 * b * ctx) for b in (1, 8) for ctx in (512, 2048)]
+    pts = {"prefill_points": prefill, "decode_points": decode, "kv_blocks_default": 5000, "block_size": 16,
+           "kv_bytes_per_block": 16 * 131072, **extra}
+    pts["fit"] = fit(pts)
+    return pts
+
+
+def test_a_measured_gpu_profile_keeps_only_the_transfer_and_start_up_of_its_base(tmp_path):
+    import json
+    import shutil
+
+    from services.sim.calibrate import into_profile
+    from services.sim.profiles import CALIBRATION, load_profile
+
+    cal = tmp_path / "calibration.json"
+    shutil.copy(CALIBRATION, cal)
+    pts = _points(model="dummy:llama-3.1-8b", dtype="bfloat16", device="NVIDIA H200", engine_start_s=12.0,
+                  timed_by="wall clock")
+    into_profile(pts, str(cal), "calibrate --device cuda", profile="new-gpu", base="h100")
+    h200, h100 = load_profile("new-gpu", cal), load_profile("h100", cal)
+    assert h200.decode_step_s(8, 8 * 2048) == pytest.approx(0.01 + 8e-4 + 8 * 2048e-8, rel=1e-6)
+    assert (h200.kv_blocks, h200.block_size, h200.kv_bytes_per_token) == (5000, 16, 131072)  # the engine's
+    assert (h200.transfer_bytes_per_s, h200.cold_start_s, h200.max_num_seqs) == \
+        (h100.transfer_bytes_per_s, h100.cold_start_s, h100.max_num_seqs)
+    source = json.loads(cal.read_text())["profiles"]["new-gpu"]["source"]
+    assert "NVIDIA H200" in source["measured"] and "transfer" in source["kept from h100"]
+    assert "decode [batch, context, s per step]" in source["points"]  # wall seconds, not CPU seconds
+    assert load_profile("h100", cal).decode_base_s == load_profile("h100").decode_base_s  # the base is untouched
+
+
+def test_a_new_profile_without_a_base_is_refused(tmp_path):
+    import shutil
+
+    from services.sim.calibrate import into_profile
+    from services.sim.profiles import CALIBRATION
+
+    cal = tmp_path / "calibration.json"
+    shutil.copy(CALIBRATION, cal)
+    with pytest.raises(ValueError, match="--base"):
+        into_profile(_points(), str(cal), "note", profile="new-gpu", base=None)

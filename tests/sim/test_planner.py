@@ -82,13 +82,13 @@ def test_warm_pool_follows_the_active_count():
 
 
 def test_idle_model_scales_to_zero_and_comes_back():
-    p = planner(idle_to_zero_s=600)
+    p = planner(idle_to_zero_s=600, warm_min=1)
     p.decide(signals(0, tokens_per_s=5000))
     assert p.decide(signals(300, reqs=0)).prefill == 1  # idle, not for long enough
     d = p.decide(signals(700, reqs=0))
     assert (d.prefill, d.decode, d.warm) == (0, 0, 1) and "zero" in d.reason
     d = p.decide(signals(710, prefill=0, decode=0, queued=5000, reqs=3))  # a request arrives
-    assert d.prefill >= 1 and d.decode >= 1
+    assert d.decode >= 1  # it prefills the prompt itself: half a second of one prefill worker's work
 
 
 def test_threshold_rule_is_an_hpa():
@@ -231,3 +231,75 @@ def test_a_steady_noisy_demand_is_served_near_its_mean_not_its_noise_peaks():
     # average and 15 at most, the trimmed mean 6.1 and 10
     assert max(settled) <= 10 and sum(settled) / len(settled) <= 6.5
 
+
+
+def test_a_trough_under_half_a_prefill_worker_runs_none_the_decode_workers_prefill_it():
+    # 2,500 tokens/s against 10,000 at target 0.6: 0.42 of a prefill worker. The router prefills on the decode
+    # worker when no prefill worker is registered; the old rule kept one (min_prefill 1) at ~0.4 of its capacity
+    assert planner(down_after_s=0, local_prefill_below=0.5).decide(signals(0, prefill=1, decode=1, tokens_per_s=2_500)).prefill == 0
+    assert planner(down_after_s=0, local_prefill_below=0.5).decide(signals(0, prefill=1, decode=1, tokens_per_s=3_500)).prefill == 1  # 0.58
+    assert planner(down_after_s=0, local_prefill_below=0).decide(
+        signals(0, prefill=1, decode=1, tokens_per_s=2_500)).prefill == 1
+
+
+def test_missed_ttfts_with_no_prefill_worker_order_one():
+    # a boost by a factor of 0 workers is 0: the decode workers prefilling locally miss, and one is ordered
+    d = planner(boost=1.25, min_prefill=0).decide(signals(0, prefill=0, decode=1, ttft=0.9, reqs=50))
+    assert d.prefill == 1 and "TTFT" in d.reason
+
+
+def test_no_warm_standby_at_a_steady_trough():
+    # a steady demand well inside the one decode worker's headroom, even 1.5x: nothing stands by (the old
+    # rule's warm_min kept one, a third of the trough's workers)
+    p = planner(lookahead_s=120, trend_window_s=60, warm_min=0, local_prefill_below=0.5)
+    for t in range(0, 120, 10):
+        d = p.decide(signals(t, prefill=0, decode=1, tokens_per_s=1_000, kv=100, running=5))
+    assert (d.prefill, d.decode, d.warm) == (0, 1, 0)
+
+
+def test_the_warm_pool_covers_a_noisy_ramps_rise_over_a_cold_start():
+    # prefill demand climbs 200 tokens/s a second with +-4,000 of noise per window: the cold orders follow
+    # the slope's lower bound, and the standbys cover the rest of what its fitted slope brings in a cold
+    # start; with no burst to survive (burst_factor 1) the old rule kept none
+    p = planner(target_utilisation=0.9, lookahead_s=120, trend_window_s=60, burst_factor=1.0, warm_min=0)
+    current = 2
+    for t in range(0, 70, 5):
+        d = p.decide(signals(t, prefill=current, tokens_per_s=10_000 + 200 * t + (4_000 if t % 10 else -4_000)))
+        current = d.prefill
+    # at 65 s the slope's lower bound reads ~11,000 tokens/s more a cold start ahead (the cold orders), the
+    # fitted slope ~30,000 more: 6 prefill workers at 90%
+    assert d.warm >= 1 and d.prefill + d.warm >= 6
+    flat = planner(target_utilisation=0.9, lookahead_s=120, trend_window_s=60, burst_factor=1.0, warm_min=0)
+    for t in range(0, 70, 5):
+        d = flat.decide(signals(t, prefill=2, tokens_per_s=10_000 + (4_000 if t % 10 else -4_000)))
+    assert d.warm == 0
+
+
+def test_one_late_request_in_a_window_is_noise_a_sustained_miss_is_not():
+    # 50 requests a 10 s window, one late in every fourth: 0.995 over the SLO window, above the 0.99 target.
+    # Judged window by window (the old rule) each such window (0.98) boosted the prefill workers
+    p = planner(boost=1.5, boost_every_s=0, slo_window_s=120)
+    for t in range(0, 240, 10):
+        d = p.decide(signals(t, prefill=4, tokens_per_s=1000, ttft=0.98 if t % 40 == 0 else 1.0, reqs=50))
+        assert d.prefill == 4 and "TTFT" not in d.reason
+    # 0.96 window after window: 2 late of 50 is within the noise of one window (0.5 allowed + 2 sigma), 4 of
+    # 100 is not
+    p = planner(boost=1.5, boost_every_s=0, slo_window_s=120)
+    counts = [p.decide(signals(t, prefill=4, tokens_per_s=1000, ttft=0.96, reqs=50)).prefill for t in (0, 10)]
+    assert counts == [4, 6]
+
+
+def test_the_default_trend_window_holds_less_of_a_steady_demands_noise():
+    # the steady noisy demand above (4 workers serve its mean) under the default trend window (300 s): 5.7 on
+    # average; the old default (120 s) ran 6.1. On the simulated day the same change took target 0.8 from 0.997x
+    # to 0.935x static's worker-hours (coding seed 1, k = 12)
+    import random
+
+    rng = random.Random(0)
+    p = planner(target_utilisation=0.5, lookahead_s=120, down_after_s=300, down_step=0.25)
+    current, counts = 1, []
+    for t in range(0, 3600, 10):
+        current = p.decide(signals(t, prefill=current, tokens_per_s=20_000 * rng.lognormvariate(-0.18, 0.6))).prefill
+        counts.append(current)
+    settled = counts[60:]
+    assert sum(settled) / len(settled) <= 5.8

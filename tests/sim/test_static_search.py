@@ -65,3 +65,35 @@ def test_a_static_run_that_cannot_meet_the_goal_stops_early_and_one_that_can_is_
     assert short["stopped"] and short["slo_attainment"] < 0.99 and short["stopped_at_s"] < 30
     whole = experiments._static(profile, reqs, slo, 12, 2, goal=0.99)
     assert "stopped" not in whole and whole == experiments._static(profile, reqs, slo, 12, 2)
+
+
+def test_a_saved_search_is_reused_with_its_peak_run_again_and_refused_when_the_simulator_changed(calls):
+    saved = {"static_peak": {"workers": 8, "prefill": 5, "decode": 3, "slo_attainment": 1.0, "worker_hours": 8.0},
+             "static": [{"workers": 7, "prefill": 4, "decode": 3, "slo_attainment": 0.9, "worker_hours": 7.0},
+                        {"workers": 8, "prefill": 5, "decode": 3, "slo_attainment": 1.0, "worker_hours": 8.0}]}
+    peak, runs = experiments.recheck_static(None, [], None, saved, 1.0)
+    assert calls == [(5, 3)]  # one run, not the search's three or more
+    assert peak == saved["static_peak"] and runs == saved["static"]
+    saved["static_peak"] = {**saved["static_peak"], "slo_attainment": 0.995}  # what an older simulator gave
+    with pytest.raises(ValueError, match="simulator changed"):
+        experiments.recheck_static(None, [], None, saved, 1.0)
+
+
+def test_static_from_refuses_another_trace(tmp_path):
+    import argparse
+    import json
+
+    from services.sim import bench
+
+    saved = {"profile": "h100", "slo": {"ttft_s": 2.0, "itl_s": 0.05}, "seed": 1, "requests": 100_000,  # the policy part's
+
+             "autoscale": {"trace_shape": "coding", "rate": 8.0, "period_s": 7200.0, "burst_factor": 1.5,
+                           "requests": 1000, "static_peak": {"prefill": 5, "decode": 2}}}
+    path = tmp_path / "sim.json"
+    path.write_text(json.dumps({"result": saved}))
+    args = argparse.Namespace(static_from=str(path), profile="h100", ttft_slo=2.0, itl_slo=0.05, seed=1,
+                              trace_shape="coding", autoscale_rate=8.0, period_s=7200.0, burst_factor=1.5)
+    assert bench._static_from(args, 1000)["static_peak"] == {"prefill": 5, "decode": 2}
+    args.seed = 0
+    with pytest.raises(ValueError, match="not this run's trace"):
+        bench._static_from(args, 1000)

@@ -1,0 +1,67 @@
+"""One planner configuration on the k = 12 day, without the static search: how its worker-hours and
+attainment move, and why (the reasons its decisions gave, and the demand it read, by tenth of the day).
+
+Used to choose the planner's defaults (BENCHMARKS.md, "Autoscaling, thirteenth session"): each run
+is one simulated day (~3 min on a quiet core, ~7 at load 10). The static peak's worker-hours are
+given, from a saved ``bench sim --parts autoscale`` result of the same trace.
+
+Usage: PYTHONPATH=. python benchmarks/probes/planner_config_probe.py coding 1 14.013 '{"warm_min": 0}'
+"""
+
+import argparse
+import json
+import time
+from collections import Counter
+
+from services.planner import policy
+from services.planner.policy import PlannerConfig
+from services.sim import experiments
+from services.sim.day_scale import DayScale
+from services.sim.metrics import SLO
+from services.sim.profiles import load_profile
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shape", choices=list(experiments.TRACE_SHAPES))
+    ap.add_argument("seed", type=int)
+    ap.add_argument("static_worker_hours", type=float)
+    ap.add_argument("config", nargs="?", default="{}", help="PlannerConfig fields as JSON (target_utilisation 0.9)")
+    ap.add_argument("--rate", type=float, default=8.0)
+    args = ap.parse_args()
+    overrides = json.loads(args.config)
+    profile, scale = load_profile("h100"), DayScale(7200)
+    trace, _ = experiments.diurnal_day(args.seed, profile, args.rate, scale, args.shape)
+    config = scale.planner(PlannerConfig(**{"target_utilisation": 0.9, **overrides}), profile.cold_start_s)
+    reasons, read = Counter(), []
+    decide = policy.Planner.decide
+
+    def traced(self, s):
+        d = decide(self, s)
+        for reason in d.reason.split("; "):
+            reasons[reason.rstrip("0123456789. s").strip()] += 1  # "queue lag 2.1 s" -> "queue lag"
+        read.append((s.now, s.prefill_tokens_per_s, s.kv_blocks_used))
+        return d
+
+    policy.Planner.decide = traced
+    started = time.time()
+    run = experiments._autoscaled(scale.profile(profile), trace, SLO(2.0, 0.05), scale, "planner", config)
+    print(f"{args.shape} seed {args.seed} {overrides}: attainment {run['slo_attainment']}, {run['worker_hours']} "
+          f"worker-h = {run['worker_hours'] / args.static_worker_hours:.3f} of static, peak {run['peak']}, "
+          f"wall {time.time() - started:.0f} s")
+    print("  by state", run["worker_hours_by_state"])
+    print("  reasons (ticks)", reasons.most_common(6))
+    span = scale.period_s / 10
+    print(f"{'from s':>7}{'prefill':>9}{'decode':>8}{'warm':>6}{'tokens/s':>10}{'KV blocks':>11}")
+    for b in range(10):
+        ds = [d for d in run["decisions"] if b * span <= d["t"] < (b + 1) * span]
+        rs = [r for r in read if b * span <= r[0] < (b + 1) * span]
+        if ds and rs:
+            print(f"{b * span:>7.0f}{sum(d['prefill'] for d in ds) / len(ds):>9.1f}"
+                  f"{sum(d['decode'] for d in ds) / len(ds):>8.1f}"
+                  f"{sum(d['warm'] + d['warming'] for d in ds) / len(ds):>6.1f}"
+                  f"{sum(r[1] for r in rs) / len(rs):>10.0f}{sum(r[2] for r in rs) / len(rs):>11.0f}")
+
+
+if __name__ == "__main__":
+    main()
