@@ -211,7 +211,7 @@ INLINE void dot4v(int fmt, const uint8_t *const a[4], const uint16_t *const s[4]
         const int left = K - k, nbytes = fmt == LORA_INT4 ? left / 2 : left;
         const __mmask64 mb = nbytes >= 64 ? ~0ULL : (1ULL << nbytes) - 1;
         const int half = fmt == LORA_INT4 ? 0 : (k / 64) & 1;
-        for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(a[i] + wbytes(fmt, k + pf)), _MM_HINT_T0);
+        for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(a[i] + wbytes(fmt, k + pf)), _MM_HINT_T1);
         for (int i = 0; i < 4; i++) {
             const lora_qx *q = xq[i] + k / 128;
             const __m512i b = _mm512_maskz_loadu_epi8(mb, a[i] + wbytes(fmt, k));
@@ -438,29 +438,36 @@ INLINE int64_t q4_work_ints(int R, int N) { /* int32s of wk per x row */
     return (int64_t)(R / 4 + 2) * (N / 32 + 16) + LORA_Q4COLS / 128 * 8 * 16 + 16;
 }
 
-/* row i's coefficients from its u (u_s,j at u[s * R + j]) and B^T's scales Bsc [R, ng] */
+/* row i's coefficients from its u (u_s,j at u[s * R + j]) and B^T's scales Bsc [R, ng]: per 16 groups
+ * one pass computing c_j = u_j s_j (kept in c, 16 KiB at rank 256) with four independent max chains,
+ * one quantizing and packing them. The first version recomputed c_j in both passes and chained every
+ * max on the last: ~10% of int4's kernel time, most at the small projections (o, down: 18 groups) */
 INLINE void q4_coefficients(const float *u, const uint16_t *Bsc, int r, int R, int N, int nseg, const int32_t *bounds,
                             int32_t *cq, int32_t *cs, float *ts) {
     const int ng = N / 32, r4 = (r + 3) & ~3;
+    __m512 c[LORA_MAX_U]; /* r4 <= R <= LORA_MAX_U / nseg: 64 KiB of stack at most */
     for (int s = 0; s < nseg; s++)
         for (int g = bounds[s] / 32; g < bounds[s + 1] / 32; g += 16) {
             const __mmask16 m = mask16(bounds[s + 1] / 32 - g);
-            __m512 mx = _mm512_setzero_ps();
-            for (int j = 0; j < r; j++) /* first pass: the groups' largest |c| */
-                mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_mul_ps(_mm512_set1_ps(u[s * R + j]), load16m_bf16(Bsc + (int64_t)j * ng + g, m))));
-            const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(mx, _mm512_setzero_ps(), _CMP_GT_OQ),
-                                                   _mm512_set1_ps(127.0f), mx);
-            _mm512_mask_storeu_ps(ts + g, m, _mm512_div_ps(mx, _mm512_set1_ps(127.0f)));
+            __m512 mx[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int j = 0; j < r4; j++) { /* rows r..r4 (padding) get c = 0 */
+                c[j] = j < r ? _mm512_mul_ps(_mm512_set1_ps(u[s * R + j]), load16m_bf16(Bsc + (int64_t)j * ng + g, m))
+                             : _mm512_setzero_ps();
+                mx[j & 3] = _mm512_max_ps(mx[j & 3], _mm512_abs_ps(c[j]));
+            }
+            const __m512 top = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+            const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(top, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                                   _mm512_set1_ps(127.0f), top);
+            _mm512_mask_storeu_ps(ts + g, m, _mm512_div_ps(top, _mm512_set1_ps(127.0f)));
             __m512i sum = _mm512_setzero_si512();
+            const __m512i byte = _mm512_set1_epi32(255);
             for (int j = 0; j < r4; j += 4) {
-                __m512i packed = _mm512_setzero_si512();
-                for (int jj = 0; jj < 4; jj++) {
-                    if (j + jj >= r) break;
-                    const __m512 c = _mm512_mul_ps(_mm512_set1_ps(u[s * R + j + jj]), load16m_bf16(Bsc + (int64_t)(j + jj) * ng + g, m));
-                    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(c, inv));
-                    sum = _mm512_add_epi32(sum, q);
-                    packed = _mm512_or_si512(packed, _mm512_slli_epi32(_mm512_and_si512(q, _mm512_set1_epi32(255)), 8 * jj));
-                }
+                const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(c[j], inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(c[j + 1], inv));
+                const __m512i q2 = _mm512_cvtps_epi32(_mm512_mul_ps(c[j + 2], inv)), q3 = _mm512_cvtps_epi32(_mm512_mul_ps(c[j + 3], inv));
+                sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_add_epi32(q0, q1), _mm512_add_epi32(q2, q3)));
+                const __m512i packed = _mm512_or_si512(
+                    _mm512_or_si512(_mm512_and_si512(q0, byte), _mm512_slli_epi32(_mm512_and_si512(q1, byte), 8)),
+                    _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(q2, byte), 16), _mm512_slli_epi32(q3, 24)));
                 _mm512_mask_storeu_epi32(cq + (int64_t)(j / 4) * ng + g, m, packed);
             }
             _mm512_mask_storeu_epi32(cs + g, m, _mm512_slli_epi32(sum, 3));
@@ -488,20 +495,20 @@ INLINE void expand4v(uint16_t *y, int64_t ldy, int m, const uint8_t *B, const ui
             for (int cb = c0, blk = 0; cb < c1; cb += 128, blk++) {
                 const int nb = (c1 - cb) / 2;
                 const __mmask64 mb = nb >= 64 ? ~0ULL : (1ULL << nb) - 1;
-                __m512i L[4], H[4];
+                /* the four rows' bytes interleaved first (dword k = rows j..j+3 at byte position 4q + k),
+                 * then each byte's low and high nibble: unpacks commute with bytewise and / shift, so
+                 * this is the same Q as nibbles first, with 8 unpacks (port 5 only) instead of 16 */
+                __m512i X[4], Q[8];
                 for (int k = 0; k < 4; k++) {
-                    _mm_prefetch((const char *)(rows[k] + pf + cb / 2), _MM_HINT_T0);
-                    const __m512i b = _mm512_maskz_loadu_epi8(mb, rows[k] + cb / 2);
-                    L[k] = _mm512_and_si512(b, low), H[k] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+                    _mm_prefetch((const char *)(rows[k] + pf + cb / 2), _MM_HINT_T1);
+                    X[k] = _mm512_maskz_loadu_epi8(mb, rows[k] + cb / 2);
                 }
-                __m512i Q[8];
-                for (int h = 0; h < 2; h++) {
-                    const __m512i *X = h ? H : L;
-                    const __m512i a01 = _mm512_unpacklo_epi8(X[0], X[1]), b01 = _mm512_unpackhi_epi8(X[0], X[1]);
-                    const __m512i a23 = _mm512_unpacklo_epi8(X[2], X[3]), b23 = _mm512_unpackhi_epi8(X[2], X[3]);
-                    Q[4 * h + 0] = _mm512_unpacklo_epi16(a01, a23), Q[4 * h + 1] = _mm512_unpackhi_epi16(a01, a23);
-                    Q[4 * h + 2] = _mm512_unpacklo_epi16(b01, b23), Q[4 * h + 3] = _mm512_unpackhi_epi16(b01, b23);
-                }
+                const __m512i a01 = _mm512_unpacklo_epi8(X[0], X[1]), b01 = _mm512_unpackhi_epi8(X[0], X[1]);
+                const __m512i a23 = _mm512_unpacklo_epi8(X[2], X[3]), b23 = _mm512_unpackhi_epi8(X[2], X[3]);
+                const __m512i P[4] = {_mm512_unpacklo_epi16(a01, a23), _mm512_unpackhi_epi16(a01, a23),
+                                      _mm512_unpacklo_epi16(b01, b23), _mm512_unpackhi_epi16(b01, b23)};
+                for (int q = 0; q < 4; q++)
+                    Q[q] = _mm512_and_si512(P[q], low), Q[4 + q] = _mm512_and_si512(_mm512_srli_epi16(P[q], 4), low);
                 const int g = cb / 32;
                 const __mmask8 mg = (__mmask8)((1u << ((c1 - cb + 31) / 32 > 4 ? 4 : (c1 - cb + 31) / 32)) - 1u);
                 for (int i = 0; i < m; i++) {
