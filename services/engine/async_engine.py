@@ -97,6 +97,9 @@ class AsyncEngine:
                     outputs = self._fail_all(f"engine step failed: {exc}")
                 self._publish(outputs)
             loop_seconds.observe(time.perf_counter() - started)
+        # Commands submitted before shutdown still run: a release or abort queued just before it
+        # (a transfer's owner giving back its blocks) would otherwise leave its request behind.
+        self._run_commands()
 
     def _run_commands(self) -> None:
         while True:

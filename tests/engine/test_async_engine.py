@@ -280,3 +280,25 @@ def test_a_finals_only_stream_gets_its_last_output_while_the_step_hook_sees_ever
     assert len(finals) == 1 and finals[0].finished and finals[0].num_output_tokens == 9
     assert len(every) > 1 and hooked == token_ids(every)  # the other stream is unchanged; the hook saw them all
     async_engine.finals_only.discard("f")
+
+
+def test_a_command_submitted_just_before_shutdown_still_runs(tiny_engine):
+    # a decode worker's transfer owner gives a reservation's blocks back by submitting a release to the
+    # engine thread; submitted as the worker shut down, after the loop's last pass over its commands, it
+    # never ran and the request stayed with its blocks (CI: "requests left behind: ['r']")
+    engine = tiny_engine()
+    async_engine = AsyncEngine(engine)
+    ran = []
+    take = engine.take_pending_outputs
+
+    def last_pass():  # runs on the engine thread after its commands: submit one, then stop
+        if not ran:
+            ran.append(False)
+            async_engine.submit(lambda: ran.append(True))
+            async_engine._stopped = True
+        return take()
+
+    engine.take_pending_outputs = last_pass
+    async_engine.submit(lambda: None)
+    async_engine._thread.join(timeout=10)
+    assert ran == [False, True]
