@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from contextlib import contextmanager
 
 import httpx
@@ -33,20 +34,34 @@ def stack(redis_url):
         yield s
 
 
+class _Sent(list):
+    """The trace ids sent, and each request's (seconds, HTTP status or error): what a failure prints."""
+
+    def __init__(self):
+        super().__init__()
+        self.outcomes: list[tuple[float, str]] = []
+
+
 @contextmanager
 def traffic(stack):
     """Completions through the gateway, one after another, until the block ends; each in a trace of its own
     that the client started (a ``traceparent`` header), whose ids the block yields as they are sent."""
     stop = threading.Event()
-    sent: list[str] = []
+    sent = _Sent()
 
     def send():
         with httpx.Client(base_url=f"http://{stack.gateway_address}", timeout=60) as client:
             while not stop.is_set():
                 trace_id = os.urandom(16).hex()
                 sent.append(trace_id)
-                client.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 8},
-                            headers={"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"})
+                started = time.monotonic()
+                try:
+                    reply = client.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 8},
+                                        headers={"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"})
+                    outcome = str(reply.status_code)
+                except httpx.HTTPError as exc:
+                    outcome = type(exc).__name__
+                sent.outcomes.append((round(time.monotonic() - started, 2), outcome))
 
     thread = threading.Thread(target=send, daemon=True)
     thread.start()
@@ -93,8 +108,9 @@ def test_profile_writes_one_aligned_trace_per_process_and_follows_a_request(stac
     for role in roles:
         assert traces[role], role
     # the workers' torch profiler saw engine steps and their aten ops
-    assert any(e.get("name") == "engine.step" for e in traces["decode"])
-    assert any(e.get("cat") == "cpu_op" for e in traces["prefill"])
+    ops = {role: sum(e.get("cat") == "cpu_op" for e in traces[role]) for role in ("prefill", "decode")}
+    assert any(e.get("name") == "engine.step" for e in traces["decode"]), (ops, sent.outcomes)
+    assert ops["prefill"], (ops, sent.outcomes[:5], {name: p.tail(15) for name, p in stack.procs.items()})
     # one request followed across the four processes by its trace id
     by_role = {role: {e["args"]["trace_id"] for e in _spans(traces[role])} for role in roles}
     assert by_role["gateway"] & by_role["router"] & by_role["prefill"] & by_role["decode"]
