@@ -89,6 +89,11 @@ def tokenizer_cache(model: str | None) -> tuple[Path, str]:
     for file in _TOKENIZER_FILES:
         if (Path(resolved.tokenizer_dir) / file).exists():
             shutil.copyfile(Path(resolved.tokenizer_dir) / file, snapshot / file)
+    if not (snapshot / "config.json").exists():
+        # transformers 5.2x's AutoTokenizer reads the model's config before the tokenizer's (a GGUF's
+        # tokenizer files come without one) and, offline, fails without it; the tokenizer class still
+        # comes from tokenizer_config.json. pdserve serves Llama-architecture models.
+        (snapshot / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (snapshot.parents[1] / "refs").mkdir(exist_ok=True)
     (snapshot.parents[1] / "refs" / "main").write_text("local")
     return cache, repo
