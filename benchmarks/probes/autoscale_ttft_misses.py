@@ -38,8 +38,9 @@ def main() -> None:
     sim.run()
     workers = {w.worker_id: w for w in [*sim.workers.values(), *sim.retired]}
     done = [j for j in sim.jobs if j.finished_at > 0]
+    late = sum(ttft(j) > slo.ttft_s for j in done)
     print(f"{args.shape} seed {args.seed} {args.config}: {len(done)} finished of {len(sim.jobs)}; "
-          f"TTFT missed {sum(ttft(j) > slo.ttft_s for j in done)}, ITL missed {sum(not slo.met(j) for j in done) - sum(ttft(j) > slo.ttft_s for j in done)} (ITL alone)")
+          f"TTFT missed {late}, ITL missed {sum(not slo.met(j) for j in done) - late} (ITL alone)")
     span = scale.period_s / 5
     print(f"{'from s':>7}{'side':>7}{'n':>7}{'wait s':>8}{'prefill s':>10}{'hit':>6}{'prompt':>8}{'age<30s':>8}"
           f"{'local':>7}{'same-worker share':>19}")
@@ -61,8 +62,9 @@ def main() -> None:
     missed_at = sorted(j.req.arrival for j in done if ttft(j) > slo.ttft_s)
     if missed_at:
         by_10s = Counter(int(t // 10) for t in missed_at)
+        gap = median(b - a for a, b in zip(missed_at, missed_at[1:])) if len(missed_at) > 1 else 0.0
         print("misses in their busiest 10 s windows:", by_10s.most_common(8),
-              f"; windows with any: {len(by_10s)}; median gap {median(b - a for a, b in zip(missed_at, missed_at[1:])) if len(missed_at) > 1 else 0:.1f} s")
+              f"; windows with any: {len(by_10s)}; median gap {gap:.1f} s")
 
 
 if __name__ == "__main__":
