@@ -27,7 +27,8 @@ async def _main(args) -> int:
     config = PlannerConfig(target_utilisation=args.target_utilisation, kv_target=args.kv_target,
                            lag_target_s=args.lag_target_s, slo_target=args.slo_target,
                            slo_min_requests=args.slo_min_requests,
-                           down_after_s=args.down_after_s, down_step=args.down_step, warm_fraction=args.warm_fraction,
+                           down_after_s=args.down_after_s, down_step=args.down_step,
+                           down_floor_quantile=args.down_floor_quantile, warm_fraction=args.warm_fraction,
                            burst_factor=args.burst_factor, burst_utilisation=args.burst_utilisation,
                            idle_to_zero_s=args.idle_to_zero_s, lookahead_s=args.lookahead_s,
                            trend_window_s=args.trend_window_s, boost=args.boost, boost_every_s=args.boost_every_s,
@@ -112,6 +113,8 @@ def add_parser(sub) -> None:
                    help="read rising demand this far ahead (set it to a worker's cold start; 0: react to now)")
     p.add_argument("--trend-window-s", type=float, default=300.0, help="the window the demand's slope is fitted over")
     p.add_argument("--down-after-s", type=float, default=300.0, help="hysteresis before scaling down")
+    p.add_argument("--down-floor-quantile", type=float, default=1.0,
+                   help="a scale-down goes to this quantile of the hysteresis window's needs (1: the highest)")
     p.add_argument("--down-step", type=float, default=0.25, help="at most this share of a role released per decision")
     p.add_argument("--burst-factor", type=float, default=1.5,
                    help="the warm pool covers a jump of demand by this factor (1: warm_min standbys only)")

@@ -303,3 +303,21 @@ def test_the_default_trend_window_holds_less_of_a_steady_demands_noise():
         counts.append(current)
     settled = counts[60:]
     assert sum(settled) / len(settled) <= 5.8
+
+
+def test_a_scale_down_goes_to_a_quantile_of_the_windows_needs_not_its_one_spike():
+    # 20 workers held; over the next down_after_s the need is 2 on every tick but one, which needed 12 (one
+    # noisy window). The highest need of the window (the old floor) would hold 12; its 0.8 quantile is 2
+    def run(quantile):
+        p = planner(down_after_s=100, down_step=1.0, target_utilisation=0.5, trend_window_s=20,
+                    down_floor_quantile=quantile)
+        current = p.decide(signals(0, prefill=20, tokens_per_s=100_000)).prefill
+        for t in range(10, 130, 10):
+            demand = 60_000 if t == 60 else 10_000
+            current = p.decide(signals(t, prefill=current, tokens_per_s=demand)).prefill
+        return current
+
+    assert run(1.0) == 12  # the highest need of the window: the old rule
+    assert run(0.8) == 2
+    with pytest.raises(ValueError):
+        PlannerConfig(down_floor_quantile=0)
