@@ -111,7 +111,9 @@ def test_padded_static_forward_with_adapters_equals_the_eager_runner(tmp_path):
         padded_sampled, padded_logits = graphs.run_padded(rows)
         assert [r.request_id for r in padded_sampled] == [r.request_id for r in eager_sampled]
         torch.testing.assert_close(padded_logits, eager_logits, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(engine.kv_cache, eager_kv, rtol=1e-6, atol=1e-6)
+        # fp32 rounding, not a wrong row: the graph's split-K shrink adds its column blocks into u in another
+        # order than the eager step (2e-6 seen on an AMD EPYC); a row through the wrong slot differs by its adapter's delta
+        torch.testing.assert_close(engine.kv_cache, eager_kv, rtol=1e-5, atol=1e-5)
         # and the adapters matter: the same rows on the base model give other logits
         base_rows = graphs.layout.views(graphs._buf, *graphs.plan(rows)).lora_rows
         base_rows.fill_(-1)

@@ -93,8 +93,8 @@ def _spans(events: list[dict]) -> list[dict]:
     return [e for e in events if e.get("cat") == "span" and e.get("ph") == "b"]
 
 
-def test_profile_writes_one_aligned_trace_per_process_and_follows_a_request(stack, tmp_path):
-    out = tmp_path / "profile"
+def _record(stack, out):
+    """`pdserve profile` for 5 s under traffic: (the requests sent, role -> that process's trace events)."""
     with traffic(stack) as sent:
         done = subprocess.run([sys.executable, "-m", "services.cli", "profile", "--seconds", "5", "--no-stack",
                                "--address", stack.router_address, "--out", str(out)],
@@ -103,8 +103,21 @@ def test_profile_writes_one_aligned_trace_per_process_and_follows_a_request(stac
     files = sorted(p.name for p in out.iterdir())
     roles = sorted(name.split("-")[0] for name in files if name != "merged.json")
     assert roles == ["decode", "gateway", "prefill", "router"], files
-    traces = {name.split("-")[0]: json.loads((out / name).read_text())["traceEvents"]
-              for name in files if name != "merged.json"}
+    return sent, {name.split("-")[0]: json.loads((out / name).read_text())["traceEvents"]
+                  for name in files if name != "merged.json"}
+
+
+def test_profile_writes_one_aligned_trace_per_process_and_follows_a_request(stack, tmp_path):
+    # A window can pass with no request on the prefill worker: a KV hand-off that fails (CI saw "peer closed
+    # the connection after 0 of 4 header bytes") makes the router serve the request by local prefill and
+    # hold the prefill worker out for 5 s, as designed. Then the window says nothing of the prefill worker's
+    # profile, and one more is recorded; the assertions below hold for a window in which it served.
+    for attempt in range(3):
+        out = tmp_path / f"profile-{attempt}"
+        sent, traces = _record(stack, out)
+        if _spans(traces["prefill"]):
+            break
+    roles = sorted(traces)
     for role in roles:
         assert traces[role], role
     # the workers' torch profiler saw engine steps and their aten ops
