@@ -1,6 +1,6 @@
 """Where one streaming user's CPU goes, per process and per thread: `pdserve up`'s stack on the
 default model's GGUF file (2 threads), one chat stream of 1,500 tokens, /proc per-thread CPU over
-8 s; with --py-spy DIR also a py-spy raw profile of the gateway, decode worker and router (10 s).
+8 s (psutil); with --py-spy DIR also a py-spy raw profile of the gateway, decode worker and router (10 s).
 
     python benchmarks/probes/batch1_thread_cpu.py [--py-spy OUT_DIR]
 
@@ -16,20 +16,14 @@ import threading
 import time
 
 import httpx
+import psutil
 
 from services.launcher import LocalStack, StackSpec
 
 
-def thread_ticks(pid: int) -> dict[str, int]:
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            stat = open(f"/proc/{pid}/task/{tid}/stat").read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[tid] = int(fields[11]) + int(fields[12])  # utime + stime, clock ticks
-    return out
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """Thread id -> CPU seconds so far (user + system), every thread of ``pid``."""
+    return {t.id: t.user_time + t.system_time for t in psutil.Process(pid).threads()}
 
 
 def main() -> None:
@@ -37,7 +31,6 @@ def main() -> None:
     ap.add_argument("--py-spy", metavar="DIR", help="also record py-spy raw profiles into DIR")
     ap.add_argument("--tokens", type=int, default=1500)
     args = ap.parse_args()
-    tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
     with LocalStack(StackSpec(prefill=1, decode=1, quantization="gguf", threads=2)) as stack:
         url = f"http://{stack.gateway_address}/v1/chat/completions"
 
@@ -53,7 +46,7 @@ def main() -> None:
         user = threading.Thread(target=stream, args=(args.tokens,))
         user.start()
         time.sleep(1)
-        before = {name: thread_ticks(pid) for name, pid in pids.items()}
+        before = {name: thread_cpu_s(pid) for name, pid in pids.items()}
         started = time.monotonic()
         spies = []
         if args.py_spy:
@@ -63,10 +56,10 @@ def main() -> None:
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                      for name in ("gateway", "decode-0", "router")]
         time.sleep(8)
-        after = {name: thread_ticks(pid) for name, pid in pids.items()}
+        after = {name: thread_cpu_s(pid) for name, pid in pids.items()}
         seconds = time.monotonic() - started
         for name in pids:
-            per_thread = sorted(((after[name][t] - before[name].get(t, 0)) * tick_ms / seconds, t)
+            per_thread = sorted(((after[name][t] - before[name].get(t, 0)) * 1e3 / seconds, t)
                                 for t in after[name])[::-1]
             total = sum(ms for ms, _ in per_thread)
             busiest = ", ".join(f"{ms:.0f}" for ms, _ in per_thread[:4] if ms)
