@@ -54,7 +54,7 @@ class Sample:
     status: int = 0
     retry_after: bool = False  # a refusal that said when to come back
     request_id: str = ""
-    chunks: list[tuple[str, float]] = field(default_factory=list)  # (SSE id, wall time read), when recorded
+    chunks: list[tuple[str, float, float | None]] = field(default_factory=list)  # (SSE id, read, at the socket)
     text: str = ""  # the streamed output, joined (greedy-output checks compare it)
 
     @property
@@ -68,9 +68,11 @@ class Sample:
 
 class OpenAIClient:
     def __init__(self, host: str, port: int, model: str, record_chunks: bool = False,
-                 on_request_id: Callable[[str], None] | None = None, timeout_s: float = 900.0):
+                 on_request_id: Callable[[str], None] | None = None, timeout_s: float = 900.0,
+                 socket_times: bool = False):
         self.host, self.port, self.model = host, port, model
-        self.record_chunks = record_chunks  # keep each chunk's (id, time read): added-latency studies
+        self.record_chunks = record_chunks  # keep each chunk's (id, time read, time at the socket): latency studies
+        self.socket_times = socket_times  # the kernel's stamp of each chunk's arrival (http_client.py)
         self.on_request_id = on_request_id  # told each request id as soon as its headers arrive
         self.timeout_s = timeout_s
         self.open = 0  # requests sent and not yet answered in full (open streams, waiting clients)
@@ -107,7 +109,7 @@ class OpenAIClient:
         self.peak_open = max(self.peak_open, self.open)
         try:
             response = await asyncio.wait_for(
-                Connection(self.host, self.port).request("POST", path, body, headers, on_headers=on_headers,
+                Connection(self.host, self.port, self.socket_times).request("POST", path, body, headers, on_headers=on_headers,
                                                          on_event=state.on_event if item.stream else None),
                 self.timeout_s)
         except Exception as exc:  # a refused or dropped connection, a timeout: counted, never raised
@@ -142,10 +144,10 @@ class _StreamState:
         self.done = False
         self.error = ""
         self.request_id = ""
-        self.chunks: list[tuple[str, float]] = []
+        self.chunks: list[tuple[str, float, float | None]] = []  # (SSE id, read, reached the socket)
         self.pieces: list[str] = []
 
-    def on_event(self, event_id: str | None, data: str, wall: float) -> None:
+    def on_event(self, event_id: str | None, data: str, wall: float, at_socket: float | None = None) -> None:
         if data == "[DONE]":
             self.done = True
             return
@@ -174,7 +176,7 @@ class _StreamState:
             self.content_chunks += 1
             self.pieces.append(piece if isinstance(piece, str) else "".join(piece))  # logprobs' tokens: a list
         if self.record and event_id:
-            self.chunks.append((event_id, wall))
+            self.chunks.append((event_id, wall, at_socket))
 
     def sample(self, end: float) -> Sample:
         if self.error or not self.done:

@@ -19,9 +19,12 @@ load generator (services/bench/load.py):
    (result_tap.py) got the same entry; the difference is what the gateway adds
    (delivery stream, fan-out, formatting, HTTP). The figures count the chunks
    written once every client had its first stream open (the ramp is reported
-   apart). Both clocks are this machine's. The load generator is the instrument:
-   it reads every stream in one event loop on the same cores as the stack, so
-   its own lateness would count as added latency. While it times chunks it
+   apart). Both clocks are this machine's. Each side's time is when the bytes
+   reached its socket, as the kernel stamped them (socket_time.py), so neither
+   reader's own lateness counts: the load generator reads every stream in one
+   event loop on the same cores as the stack, and by its read times (reported
+   beside, ``added_by_reads_*``) its waits for a core were most of the slowest
+   chunks' added latency. While it times chunks it
    runs no full garbage collection (``--client-gc quiet``: one such collection
    walked every chunk record kept so far and stopped that loop for 94 ms in the
    steady window of a measured run); ``--client-loop uvloop`` is an option.
@@ -47,6 +50,7 @@ import tempfile
 import time
 
 from services import event_loop, front_first, sched_priority, sched_stat
+from services.bench import result_tap
 from services.bench import results as result_files
 from services.bench.http_client import Connection
 from services.bench.load import (
@@ -136,9 +140,7 @@ async def burst(args, stack, model: str, host: str, port: int) -> dict:
 async def added_latency(args, stack, model: str, host: str, port: int) -> dict:
     """A closed loop of ``latency_streams`` streaming clients (each opens its next stream when one ends), so
     that many streams stay open; chunks written once every client had its first stream open are compared."""
-    from services.bench.result_tap import ResultTap
-
-    tap = ResultTap(stack.redis_url).start()
+    tap = result_tap.ResultTap(stack.redis_url, source=args.tap).start()
     admitted = {"n": 0, "all_open_at": math.inf}
 
     pids = {name: p.proc.pid for name, p in stack.procs.items()} | {"load generator": os.getpid()}
@@ -154,11 +156,11 @@ async def added_latency(args, stack, model: str, host: str, port: int) -> dict:
             sched.update({f"{name} (loop thread)": sched_stat.read(pids[name], main_thread=True) for name in loops})
 
     client = OpenAIClient(host, port, model, record_chunks=True, on_request_id=on_request_id,
-                          timeout_s=args.timeout + 60)
+                          timeout_s=args.timeout + 60, socket_times=True)
     n_requests = args.latency_requests or 2 * args.latency_streams
     items = workload(n_requests, args.latency_max_tokens, args.seed + 1, stream_share=1.0, timeout_s=args.timeout)
     _log(f"added latency: {args.latency_streams} streaming clients in a closed loop ({n_requests} requests, "
-         f"max_tokens {args.latency_max_tokens}), each chunk against a separate process reading the result streams")
+         f"max_tokens {args.latency_max_tokens}), each chunk against a separate process reading Redis ({args.tap})")
     await asyncio.sleep(1.0)  # the tap's process is up
     client_lag = LoopLag().start()  # the client side's own lateness: a slow reader inflates the figure
     with client_gc(args.client_gc):
@@ -171,26 +173,38 @@ async def added_latency(args, stack, model: str, host: str, port: int) -> dict:
                                                           sched_stat.read(pids[name], main_thread=True))
                 for name in loops}}
     direct = await asyncio.to_thread(tap.stop)
-    steady, every, via_gateway, via_redis, joined = [], [], [], [], []
+    # Two clocks per chunk on each side: when its bytes reached the process's socket (the kernel's stamp) and when
+    # the process had read them. The added latency is socket against socket: what the gateway's path adds before
+    # the client could read, without either reader's own lateness (the load generator reads 1,000 sockets in one
+    # loop on the stack's two cores). The same by read times, the figure of the sessions before, is kept beside it.
+    steady, every, by_reads, via_gateway, via_redis, client_late, joined = [], [], [], [], [], [], []
     for s in samples:
-        for entry_id, read_at in s.chunks:
+        for entry_id, read_at, at_socket in s.chunks:
             tapped = direct.get((s.request_id, entry_id))
             if tapped is None:
                 continue
+            tap_stamp, tap_read = tapped
+            at_socket = read_at if at_socket is None else at_socket
+            tap_stamp = tap_read if tap_stamp is None else tap_stamp
             written = int(entry_id.split("-")[0]) / 1e3  # the entry id is Redis's clock at the XADD, in ms
-            added = (read_at - tapped) * 1e3
+            added = (at_socket - tap_stamp) * 1e3
             every.append(added)
             if written >= admitted["all_open_at"]:
                 steady.append(added)
-                joined.append((s.request_id, entry_id, tapped, read_at))
-                via_gateway.append((read_at - written) * 1e3)
-                via_redis.append((tapped - written) * 1e3)
+                by_reads.append((read_at - tap_read) * 1e3)
+                client_late.append((read_at - at_socket) * 1e3)
+                joined.append((s.request_id, entry_id, tap_stamp, at_socket))
+                via_gateway.append((at_socket - written) * 1e3)
+                via_redis.append((tap_stamp - written) * 1e3)
     counts = outcomes(samples)
     result = {
         "streams": args.latency_streams, "requests": n_requests, **counts, "peak_open_streams": client.peak_open,
         "errors": sorted({s.error for s in samples if s.outcome == "other"})[:5],
-        "wall_s": round(wall, 2), "chunks_compared": len(steady),
+        "wall_s": round(wall, 2), "chunks_compared": len(steady), "chunk_times": "socket", "tap": args.tap,
         "added_ms_p50": pct(steady, 50), "added_ms_p90": pct(steady, 90), "added_ms_p99": pct(steady, 99),
+        "added_by_reads_ms_p50": pct(by_reads, 50), "added_by_reads_ms_p90": pct(by_reads, 90),
+        "added_by_reads_ms_p99": pct(by_reads, 99),
+        "client_read_late_ms_p50": pct(client_late, 50), "client_read_late_ms_p99": pct(client_late, 99),
         "gateway_since_write_ms_p50": pct(via_gateway, 50), "gateway_since_write_ms_p99": pct(via_gateway, 99),
         "direct_since_write_ms_p50": pct(via_redis, 50), "direct_since_write_ms_p99": pct(via_redis, 99),
         "chunks_compared_incl_ramp": len(every), "added_ms_p50_incl_ramp": pct(every, 50),
@@ -203,7 +217,10 @@ async def added_latency(args, stack, model: str, host: str, port: int) -> dict:
         result["probe"] = frontdoor_probe.breakdown(joined, fanout_probe.load(args.probe_dir), client_lag.samples,
                                                     admitted["all_open_at"], ended_at, client_lag.gc_pauses)
     _log(f"  {len(steady)} chunks with every client's stream open: added p50 {result['added_ms_p50']:.1f} ms, "
-         f"p99 {result['added_ms_p99']:.1f} ms (incl. the ramp: p99 {result['added_ms_p99_incl_ramp']:.1f} ms)")
+         f"p99 {result['added_ms_p99']:.1f} ms at the sockets (incl. the ramp: p99 "
+         f"{result['added_ms_p99_incl_ramp']:.1f} ms; by the readers' read times: p99 "
+         f"{result['added_by_reads_ms_p99']:.1f} ms, the load generator reading p99 "
+         f"{result['client_read_late_ms_p99']:.1f} ms after the bytes arrived)")
     return result
 
 
@@ -342,8 +359,13 @@ def format_table(result: dict) -> str:
     if lat:
         lines.append(f"added latency per chunk at {lat['peak_open_streams']} open streams ({lat['chunks_compared']} "
                      f"chunks): p50 {lat['added_ms_p50']:.1f} ms, p90 {lat['added_ms_p90']:.1f} ms, "
-                     f"p99 {lat['added_ms_p99']:.1f} ms (since the write: gateway p99 "
+                     f"p99 {lat['added_ms_p99']:.1f} ms, socket against socket (since the write: gateway p99 "
                      f"{lat['gateway_since_write_ms_p99']:.1f} ms, direct p99 {lat['direct_since_write_ms_p99']:.1f} ms)")
+        if "added_by_reads_ms_p99" in lat:
+            lines.append(f"  by the readers' read times: p50 {lat['added_by_reads_ms_p50']:.1f} ms, p99 "
+                         f"{lat['added_by_reads_ms_p99']:.1f} ms; the load generator read each chunk p50 "
+                         f"{lat['client_read_late_ms_p50']:.1f} / p99 {lat['client_read_late_ms_p99']:.1f} ms "
+                         "after it reached its socket")
         probe = lat.get("probe")
         if probe and probe["chunks_joined"]:
             tail = probe["slowest_1pct"]
@@ -414,8 +436,12 @@ def add_parser(sub) -> None:
                         "each chunk waited: the delivery stream, the gateway's loop, the client's)")
     p.add_argument("--client-loop", default="asyncio", choices=event_loop.LOOPS,
                    help="the load generator's event loop (asyncio, as every earlier figure; auto: uvloop when "
-                        "installed, not yet measured against it). It reads every stream in one loop on the same "
-                        "cores as the stack, so its own lateness counts as added latency")
+                        "installed). It reads every stream in one loop on the same cores as the stack; its "
+                        "lateness shows in the added latency by read times, not in the one by socket stamps")
+    p.add_argument("--tap", default="delivery", choices=result_tap.SOURCES,
+                   help="what the direct reader reads: the gateway's delivery stream, which the same script writes "
+                        "with each result stream (one key: the reader stays ready), or every result stream in one "
+                        "XREAD (as before the fifteenth session)")
     p.add_argument("--client-gc", default="quiet", choices=["quiet", "default"],
                    help="the load generator's collector in the latency phase: quiet = no full collections "
                         "(which walked every chunk record kept so far) and the burst's objects frozen; default: "
