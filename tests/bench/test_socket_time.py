@@ -17,7 +17,7 @@ from services.bench.http_client import Connection
 from services.bench.result_tap import ResultTap
 from services.queue.results import ResultWriter
 
-LATE_S = 0.3  # how long each test keeps its reader from reading
+LATE_S = 0.5  # how long each test keeps its reader from reading
 
 
 def _tcp_pair() -> tuple[socket.socket, socket.socket]:
@@ -37,7 +37,7 @@ def test_a_late_read_says_when_the_bytes_reached_the_socket_not_when_they_were_r
         data, stamp = socket_time.recv(reader)
         read = time.time()
     assert data == b"chunk"
-    assert sent - 0.01 <= stamp <= read - LATE_S + 0.05  # stamped on arrival, not on the late read
+    assert sent - 0.01 <= stamp <= read - LATE_S / 2  # stamped on arrival, not on the late read
 
 
 def test_an_unstamped_socket_is_timed_by_the_clock_at_the_read():
@@ -96,9 +96,9 @@ def test_a_stamped_connection_gives_each_event_its_arrival_even_when_its_loop_re
     assert [(e[0], e[1]) for e in events] == [("1-0", "piece 1"), ("2-0", "piece 2")]
     (_, _, read1, at1), (_, _, read2, at2) = events
     assert at1 <= read1 and at2 <= read2
-    # the second event arrived 0.05 s after the first, while the loop slept 0.3 s in the first's callback
-    assert read2 - at2 >= LATE_S - 0.1
-    assert at2 - at1 < LATE_S - 0.1
+    # the second event arrived 0.05-0.1 s after the first, while the loop slept in the first's callback
+    assert read2 - at2 >= LATE_S / 2
+    assert at2 - at1 < LATE_S / 2
 
 
 def test_an_unstamped_connection_reads_the_same_events_without_stamps():
