@@ -11,6 +11,8 @@ Each part's worker-hours are its count times the time to the next tick. The deci
 billed, worker-hours. Printed beside them, per tenth of the day: each role's mean parts.
 
 Usage: PYTHONPATH=. python benchmarks/probes/autoscale_need_attribution.py coding 1 [CONFIG-JSON] [--rate 8]
+``--prompt-times``: instead, the share of the day's prompts whose prefill alone (no cache hit, an idle
+worker) takes over 0.5, 1 and 2 s: what a TTFT SLO of 2 s leaves for queueing.
 """
 
 import argparse
@@ -33,10 +35,16 @@ def main() -> None:
     ap.add_argument("seed", type=int)
     ap.add_argument("config", nargs="?", default="{}", help="PlannerConfig fields as JSON (target_utilisation 0.8)")
     ap.add_argument("--rate", type=float, default=8.0)
+    ap.add_argument("--prompt-times", action="store_true")
     args = ap.parse_args()
     overrides = json.loads(args.config)
     profile, scale = load_profile("h100"), DayScale(7200)
     trace, _ = experiments.diurnal_day(args.seed, profile, args.rate, scale, args.shape)
+    if args.prompt_times:
+        times = [profile.prefill_s(r.num_tokens, r.num_tokens) for r in trace]
+        print(f"{args.shape} seed {args.seed} rate {args.rate}: {len(times)} prompts; uncached prefill over "
+              + ", ".join(f"{lim} s: {sum(t > lim for t in times) / len(times):.4f}" for lim in (0.5, 1.0, 2.0)))
+        return
     config = scale.planner(PlannerConfig(**{"target_utilisation": 0.8, **overrides}), profile.cold_start_s)
     ticks: list[dict] = []  # per tick: t, and per role its parts
     state: dict = {}
