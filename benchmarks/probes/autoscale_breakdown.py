@@ -5,6 +5,8 @@ worker-hours by state (serving, starting and draining per role; warm standbys; s
 loading) and, per tenth of the day, its mean prefill and decode counts and warm pool beside the
 ideal count: the static peak's workers scaled by the arrival rate then over the day's highest
 (the trace's bursts re-drawn from its seed), which is what ``ideal_worker_hours_vs_static`` sums.
+Then, per role, the workers its scale-ups added over the day by the first reason their decision gave
+(a TTFT or ITL boost, the queue lag, the rising trend, else the demand).
 
 Usage: PYTHONPATH=. python benchmarks/probes/autoscale_breakdown.py RESULT.json
 """
@@ -48,6 +50,15 @@ def main() -> None:
         print(f"{b * span:>7.0f}{sum(d['prefill'] for d in ds) / len(ds):>9.1f}"
               f"{sum(d['decode'] for d in ds) / len(ds):>8.1f}"
               f"{sum(d['warm'] + d['warming'] for d in ds) / len(ds):>7.1f}{ideal:>8.1f}")
+    for role in ("prefill", "decode"):
+        added: dict[str, list[int]] = {}  # reason -> [scale-ups, workers added]
+        for before, d in zip(run["decisions"], run["decisions"][1:]):
+            if d[role] > before[role]:
+                reason = next((r for key, r in (("TTFT", "TTFT boost"), ("ITL", "ITL boost"), ("queue lag", "queue lag"),
+                                                ("rising", "rising demand")) if key in d["reason"]), "demand")
+                a = added.setdefault(reason, [0, 0])
+                a[0], a[1] = a[0] + 1, a[1] + d[role] - before[role]
+        print(f"  {role} scale-ups by reason (scale-ups, workers added): {added}")
 
 
 if __name__ == "__main__":
