@@ -20,26 +20,22 @@ import json
 import time
 
 from services.planner import policy
+from autoscale_day import add_day_arguments, load_day
+
 from services.planner.policy import PlannerConfig
 from services.sim import experiments
-from services.sim.day_scale import DayScale
 from services.sim.metrics import SLO
-from services.sim.profiles import load_profile
 
 PARTS = ("demand", "lookahead", "lag+boost", "hold", "lag unheld")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("shape", choices=list(experiments.TRACE_SHAPES))
-    ap.add_argument("seed", type=int)
-    ap.add_argument("config", nargs="?", default="{}", help="PlannerConfig fields as JSON (target_utilisation 0.8)")
-    ap.add_argument("--rate", type=float, default=8.0)
+    add_day_arguments(ap, config_help="PlannerConfig fields as JSON (target_utilisation 0.8)")
     ap.add_argument("--prompt-times", action="store_true")
     args = ap.parse_args()
     overrides = json.loads(args.config)
-    profile, scale = load_profile("h100"), DayScale(7200)
-    trace, _ = experiments.diurnal_day(args.seed, profile, args.rate, scale, args.shape)
+    profile, scale, trace = load_day(args)
     if args.prompt_times:
         times = [profile.prefill_s(r.num_tokens, r.num_tokens) for r in trace]
         print(f"{args.shape} seed {args.seed} rate {args.rate}: {len(times)} prompts; uncached prefill over "

@@ -7,16 +7,16 @@ search would try, run side by side with it (a search is serial, one core; this r
 Each point runs as the bench's static search runs it (`experiments._static` with the 99% goal: a run that
 has missed more than 1% of the day's requests stops early, its attainment the bound that proves the miss).
 Prints, per point: attainment, whether it stopped early, and worker-hours. The h100 profile, the bench's
-SLOs (TTFT 2 s, ITL 50 ms) and its day (k = 12 at the default period).
+SLOs (TTFT 2 s, ITL 50 ms) and its day (k = 12 at the default period; autoscale_day.py builds it).
 """
 
 import argparse
 import time
 
+from autoscale_day import load_day
+
 from services.sim import experiments
-from services.sim.day_scale import DayScale
 from services.sim.metrics import SLO
-from services.sim.profiles import load_profile
 
 
 def main() -> None:
@@ -27,8 +27,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--period-s", type=float, default=7200.0)
     args = ap.parse_args()
-    profile, scale = load_profile("h100"), DayScale(args.period_s)
-    trace, _ = experiments.diurnal_day(args.seed, profile, args.rate, scale, args.shape)
+    profile, scale, trace = load_day(args, args.period_s)
     print(f"{len(trace)} requests, {args.shape} day seed {args.seed}, rate {args.rate:g}", flush=True)
     for point in args.points:
         prefill, decode = (int(x) for x in point.split("+"))

@@ -12,24 +12,20 @@ import json
 from collections import Counter
 from statistics import mean, median
 
+from autoscale_day import add_day_arguments, load_day
+
 from services.planner.policy import PlannerConfig
 from services.sim import experiments
 from services.sim.autoscale import SimAutoscaler
 from services.sim.cluster import ClusterConfig, ClusterSim
-from services.sim.day_scale import DayScale
 from services.sim.metrics import SLO, ttft
-from services.sim.profiles import load_profile
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("shape", choices=list(experiments.TRACE_SHAPES))
-    ap.add_argument("seed", type=int)
-    ap.add_argument("config", nargs="?", default="{}", help="PlannerConfig fields as JSON (target_utilisation 0.9)")
-    ap.add_argument("--rate", type=float, default=8.0)
+    add_day_arguments(ap, config_help="PlannerConfig fields as JSON (target_utilisation 0.9)")
     args = ap.parse_args()
-    base, scale = load_profile("h100"), DayScale(7200)
-    trace, _ = experiments.diurnal_day(args.seed, base, args.rate, scale, args.shape)
+    base, scale, trace = load_day(args)
     config = scale.planner(PlannerConfig(**{"target_utilisation": 0.9, **json.loads(args.config)}), base.cold_start_s)
     profile, slo = scale.profile(base), SLO(2.0, 0.05)
     sim = ClusterSim(ClusterConfig(profile, 1, 1, heartbeat_s=scale.heartbeat_s), experiments._fresh(trace))
