@@ -13,10 +13,10 @@ global lookup. On, the gateway notes, in memory:
 - the event loop's lag and the garbage collector's pauses (loop_lag.py).
 
 and appends what is new to ``<dir>/gateway-<pid>.json`` lines every second.
-The bench joins these with its client's read times and a direct reader's
-(result_tap.py) by (request id, entry id): direct -> read is the delivery
-stream's path through Redis, read -> written the gateway's own queueing and
-work, written -> client the socket and the client's loop.
+The bench joins these with the times each chunk reached its client's socket and
+a direct reader's (result_tap.py), by (request id, entry id): direct -> read is
+the delivery stream's path through Redis and the gateway's loop, read -> written
+the gateway's own queueing and work, written -> client the socket.
 """
 
 from __future__ import annotations

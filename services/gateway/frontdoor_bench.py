@@ -184,8 +184,6 @@ async def added_latency(args, stack, model: str, host: str, port: int) -> dict:
             if tapped is None:
                 continue
             tap_stamp, tap_read = tapped
-            at_socket = read_at if at_socket is None else at_socket
-            tap_stamp = tap_read if tap_stamp is None else tap_stamp
             written = int(entry_id.split("-")[0]) / 1e3  # the entry id is Redis's clock at the XADD, in ms
             added = (at_socket - tap_stamp) * 1e3
             every.append(added)

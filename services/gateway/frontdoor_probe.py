@@ -2,17 +2,18 @@
 
 Each chunk compared has four times on this machine's clock:
 
-    tapped   a separate process reading the result streams straight from Redis got it (result_tap.py)
+    tapped   it reached the socket of a separate process reading Redis directly   (result_tap.py)
     read     the gateway's delivery reader's XREAD that carried it returned        (fanout_probe.py)
     written  its SSE event was handed to the HTTP server                           (fanout_probe.py)
-    client   the load generator's loop read it from the socket                     (load.py)
+    client   it reached the load generator's socket                                (http_client.py)
 
-so the added latency (client - tapped) splits into ``delivery`` (read - tapped:
+(``tapped`` and ``client`` are the kernel's receive stamps, socket_time.py), so
+the added latency (client - tapped) splits into ``delivery`` (read - tapped:
 the delivery stream through Redis, and the gateway's loop being free to run
 the reader), ``gateway`` (written - read: the subscription's wake-up, the
 formatting and the HTTP server's write, all waiting their turn on the gateway's
-loop) and ``client`` (client - written: the socket, and the load generator's
-loop being free to read). For the slowest chunks (the top 1% by added latency)
+loop) and ``client`` (client - written: the loopback socket; the load
+generator's own lateness in reading is not in it, the bench reports it apart). For the slowest chunks (the top 1% by added latency)
 it says which part dominated. Beside it, both event loops' lag and the
 gateway's and the load generator's garbage-collector pauses: a loop that wakes 200 ms late delays every
 chunk waiting on it by as much.
