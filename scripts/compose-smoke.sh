@@ -13,7 +13,11 @@
 #   5. tears everything down (containers, network, volumes; dockerd if this script started it).
 #
 # Needs root (apt-get, dockerd). Environment: PDSERVE_SMOKE_KEEP=1 leaves the stack up for a look.
+# `compose-smoke.sh --build-only` does 1-3 and stops (.ci/run builds the images while the test suite runs;
+# the full run after it finds them in docker's cache).
 set -euo pipefail
+build_only=""
+[ "${1:-}" = "--build-only" ] && build_only=1
 cd "$(dirname "$0")/.."
 started=$(date +%s)
 PROJECT=pdserve-smoke
@@ -55,7 +59,9 @@ command -v debootstrap >/dev/null || need+=(debootstrap)
 if [ ${#need[@]} -gt 0 ]; then
   step "apt-get install ${need[*]}"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -q "${need[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; }
+  # one apt at a time (.ci/run builds while scripts/test.sh installs its tools)
+  apt_locked() { DEBIAN_FRONTEND=noninteractive flock /tmp/pdserve-apt.lock apt-get "$@"; }
+  apt_locked install -y -q "${need[@]}" >/dev/null 2>&1 || { apt_locked update -q >/dev/null && apt_locked install -y -q "${need[@]}" >/dev/null; }
 fi
 if ! docker info >/dev/null 2>&1; then
   step "starting dockerd"
@@ -104,6 +110,8 @@ docker image inspect "$IMAGE" --format '[compose-smoke] image {{.Id}}: {{.Size}}
 docker run --rm --entrypoint python "$IMAGE" -c \
   "import shutil; from kernels import native; assert shutil.which('gcc') is None and shutil.which('cc') is None; \
 lib = native.library(); assert lib is not None, 'no prebuilt kernels'; print('[compose-smoke] no compiler; kernels:', lib._name)"
+
+[ -n "$build_only" ] && { step "images built"; exit 0; }
 
 # ---- 4. the stack -------------------------------------------------------------------------------
 step "docker-compose up"

@@ -18,8 +18,9 @@ if [ ${#missing[@]} -gt 0 ]; then
     exit 1
   fi
   echo "[deploy-tools] apt-get install ${missing[*]}"
-  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" \
-      || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+  apt_locked() { DEBIAN_FRONTEND=noninteractive flock /tmp/pdserve-apt.lock apt-get "$@"; }  # one apt at a time (.ci/run builds images meanwhile)
+  { apt_locked install -y -q --no-install-recommends "${missing[@]}" \
+      || { apt_locked update -q && apt_locked install -y -q --no-install-recommends \
            "${missing[@]}"; }; } >/dev/null || exit 1
 fi
 echo "[deploy-tools] promtool $(promtool --version 2>&1 | head -1 | awk '{print $3}'), docker-compose $(docker-compose version --short 2>/dev/null)"

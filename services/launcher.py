@@ -147,6 +147,7 @@ class StackSpec:
     profiling: bool = False  # every process serves Admin.Profile (pdserve profile)
     front_first: bool = False  # the gateway, router and Redis on short slices (front_first.py; opt-in, see there)
     engine_nice: int = 0  # the engine workers' autogroup niceness (front_first.background_engine; pdserve up: 19)
+    realtime_gateway: bool = False  # `pdserve gateway --realtime` (realtime_loop.py; pdserve up: on)
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -232,8 +233,9 @@ class LocalStack:
         model += [a for m in spec.more_models for a in ("--model", m)]
         keys = ["--api-keys", spec.api_keys] if spec.api_keys else []
         profiling = ["--enable-profiling"] if spec.profiling else []
+        realtime = ["--realtime"] if spec.realtime_gateway else []
         return _cli("gateway", "--redis-url", self.redis_url, "--host", spec.host, "--port", str(port),
-                    "--grpc-port", str(grpc_port), *model, *keys, *profiling, *extra)
+                    "--grpc-port", str(grpc_port), *model, *keys, *profiling, *realtime, *extra)
 
     def start_gateway(self, name: str, extra_args: list[str], ready_timeout_s: float = 120.0) -> Process:
         """One more gateway replica on the running stack (a free port), e.g. with other settings to compare."""

@@ -43,7 +43,8 @@ def choice_from_args(args) -> Choice:
     given = any(a.split("=", 1)[0] == "--local-prefill-max-tokens" for a in args.router_arg)
     return up_defaults.choose(os.cpu_count() or 1, prefill=args.prefill, decode=args.decode, threads=args.threads,
                               quantization=args.quantization, gguf=gguf, local_prefill_given=given,
-                              front_first=args.front_first, engine_nice=args.engine_nice)
+                              front_first=args.front_first, engine_nice=args.engine_nice,
+                              realtime_gateway=False if args.no_realtime_gateway else None)
 
 
 def engine_nice_arg(value: str) -> int:
@@ -74,7 +75,7 @@ def spec_from_args(args, choice: Choice | None = None) -> StackSpec:
                      redis_url=args.redis_url, policy=args.policy, router_port=args.router_port,
                      gateway=not args.no_gateway, gateway_port=args.port, gateway_grpc_port=args.grpc_port,
                      api_keys=args.api_keys, profiling=args.enable_profiling, front_first=choice.front_first,
-                     engine_nice=choice.engine_nice,
+                     engine_nice=choice.engine_nice, realtime_gateway=choice.realtime_gateway,
                      decode_args=_stream_args(args),
                      router_args=[*choice.router_args, *args.router_arg],
                      gateway_args=args.gateway_arg + (["--enable-lora-admin"] if args.enable_lora_admin else [])
@@ -249,6 +250,11 @@ def add_parser(sub) -> None:
                         "against the gateway, router and Redis; no privilege needed). Default 19: the front "
                         "door gets a core as soon as it wakes (BENCHMARKS.md, bench frontdoor); 0 keeps the "
                         "kernel's default")
+    p.add_argument("--no-realtime-gateway", action="store_true",
+                   help="keep the gateway's event loop in the ordinary scheduling class. By default it runs in the "
+                        "real-time class where allowed (root or CAP_SYS_NICE): it never waits for a core behind "
+                        "the workers, and drops back to ordinary for 2 s whenever it computes 0.5 s without "
+                        "waiting (services/realtime_loop.py; BENCHMARKS.md, bench frontdoor)")
     stream_holding.add_arguments(p)
     p.add_argument("--front-first", action="store_true",
                    help="the gateway, router and embedded Redis ask for 0.1 ms CPU slices (Linux 6.12+, no "

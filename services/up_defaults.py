@@ -65,6 +65,7 @@ class Choice:
     router_args: list[str] = field(default_factory=list)  # the router flags chosen here
     front_first: bool = False  # the gateway, router and Redis on short slices (front_first.py; --front-first)
     engine_nice: int = 0  # the engine workers' autogroup niceness (0: the kernel's default)
+    realtime_gateway: bool = False  # the gateway's loop thread in the real-time class (realtime_loop.py)
     reasons: list[str] = field(default_factory=list)  # one "chose X because Y" per value chosen here
 
     def summary(self) -> str:
@@ -96,11 +97,13 @@ def gguf_servable(path: Path | None) -> tuple[bool, str]:
 
 def choose(cpus: int, *, prefill: int | None = None, decode: int | None = None, threads: int | None = None,
            quantization: str | None = None, gguf: tuple[bool, str] = (False, ""),
-           local_prefill_given: bool = False, front_first: bool = False, engine_nice: int | None = None) -> Choice:
+           local_prefill_given: bool = False, front_first: bool = False, engine_nice: int | None = None,
+           realtime_gateway: bool | None = None) -> Choice:
     """Fill in what was not given (None) for a machine of ``cpus`` cores; ``gguf``: ``gguf_servable``'s answer.
     ``quantization`` "none" is an explicit choice of unquantized weights. ``local_prefill_given``: the router's
     ``--local-prefill-max-tokens`` was passed (``--router-arg``); ``front_first``: ``--front-first`` given
-    (said with the choices); ``engine_nice``: ``--engine-nice`` (None: not given)."""
+    (said with the choices); ``engine_nice``: ``--engine-nice`` (None: not given); ``realtime_gateway``: False
+    with ``--no-realtime-gateway`` (None: not given)."""
     cpus = max(1, cpus)
     reasons = []
     if prefill is None:
@@ -129,9 +132,16 @@ def choose(cpus: int, *, prefill: int | None = None, decode: int | None = None, 
         reasons.append(f"the workers' autogroups at niceness {engine_nice} because the gateway, router and Redis "
                        "then get a core when they wake (measured: p99 per chunk at 1,000 streams 17-40 ms, not "
                        "634; --engine-nice 0 to keep the kernel's default)")
+    if realtime_gateway is None:
+        realtime_gateway = True
+        reasons.append("the gateway's event loop in the real-time class where allowed (root or CAP_SYS_NICE), and "
+                       "back to ordinary for 2 s whenever it runs 0.5 s without waiting, because it then never "
+                       "waits for a core behind the workers (measured: p99 per chunk at 1,000 streams 5.5 ms, not "
+                       "17-22; --no-realtime-gateway to keep it ordinary)")
     if front_first:
         from services import front_first as scheduling
 
         reasons.append(scheduling.describe())
     return Choice(prefill, decode, threads, None if quantization == "none" else quantization,
-                  router_args=router_args, front_first=front_first, engine_nice=engine_nice, reasons=reasons)
+                  router_args=router_args, front_first=front_first, engine_nice=engine_nice,
+                  realtime_gateway=realtime_gateway, reasons=reasons)

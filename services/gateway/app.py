@@ -23,6 +23,7 @@ from services.errors import InvalidRequestError
 from services.gateway import choices, prompts, protocol, sse
 from services.gateway.body_limit import BodyLimitMiddleware
 from services.gateway.core import GatewayCore
+from services.gateway.direct_write import RawSendCapture
 from services.gateway.http_admission import admit
 from services.gateway.http_errors import ErrorBoundaryMiddleware, install_handlers
 from services.gateway.http_metrics import HttpMetricsMiddleware
@@ -33,6 +34,11 @@ from services.gateway.response_store import ResponseStore
 from services.gateway.responses import json_response, stream_response
 from services.gateway.responses_api import responses_router
 from services.gateway.responses_format import RESPONSE
+
+
+def served_app(core: GatewayCore, profiler=None) -> RawSendCapture:
+    """What the HTTP server runs: the application, with the server's own send kept for direct chunk writes."""
+    return RawSendCapture(create_app(core, profiler))
 
 
 def create_app(core: GatewayCore, profiler=None) -> FastAPI:

@@ -39,7 +39,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -427,8 +427,13 @@ class GatewayCore:
 
     # -- results ------------------------------------------------------------------------------
 
-    async def follow(self, record: RequestRecord, last_id: str = "0") -> AsyncIterator[tuple[str, str, Any]]:
-        """``(entry_id, type, data)`` after ``last_id`` up to the terminal event, with heartbeats between."""
+    async def follow(self, record: RequestRecord, last_id: str = "0",
+                     direct: Callable[[tuple[str, str, Any]], bool] | None = None
+                     ) -> AsyncIterator[tuple[str, str, Any]]:
+        """``(entry_id, type, data)`` after ``last_id`` up to the terminal event, with heartbeats between.
+
+        ``direct``, when given, is offered each event that arrives while this generator waits with nothing in
+        hand; an event it takes (returns True) is not yielded (direct_write.py)."""
         rid = record.stream_id  # a coalesced follower reads its leader's results
         give_up = self._give_up(record)
         if id_key(last_id) != (0, 0):  # resuming after the terminal event: nothing is left (a fresh stream,
@@ -437,12 +442,16 @@ class GatewayCore:
             if last is not None and last[1] in TERMINAL and id_key(last[0]) <= id_key(last_id):
                 return
         async with self.delivery.subscribe(rid, last_id, until=give_up) as sub:
+            sub.sink = direct
             while True:
                 _honour_cancellation()
                 wait = min(self.config.sse_heartbeat_s, give_up - time.time())
                 if wait <= 0:
                     raise DeadlineExceededError(f"request {rid} got no result before its deadline")
+                sunk = sub.sunk
                 events = await sub.next(wait)
+                if not events and sub.sunk != sunk:  # chunks went straight out meanwhile: not quiet
+                    continue
                 exists, status = True, None
                 if not events:  # quiet for a while: anything the delivery stream missed, and is it still there?
                     exists, status = await patiently(lambda: self.delivery.quiet_check(sub), give_up)

@@ -38,7 +38,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from services import hops
@@ -68,6 +68,10 @@ class Subscription:
         self._ready: list[Event] = []
         self._held: list[Event] | None = None  # while catching up: what the reader delivered meanwhile
         self._waiter: asyncio.Future | None = None  # the follower's wait in next(), woken by the first event
+        # takes an event straight from the reader while the follower is parked in next() with nothing in hand
+        # (direct_write.py); returns False to leave it to the follower
+        self.sink: Callable[[Event], bool] | None = None
+        self.sunk = 0  # events the sink took: the follower was not quiet although next() returned nothing
 
     def push(self, event: Event) -> None:
         if self._held is not None:
@@ -80,6 +84,9 @@ class Subscription:
             key = id_key(event[0])
             if key > self.last:
                 self.last = key
+                if not self._ready and self._waiter is not None and self.sink is not None and self.sink(event):
+                    self.sunk += 1
+                    continue
                 self._ready.append(event)
         if self._ready and self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -114,6 +121,14 @@ class Subscription:
                 self._waiter = None
         events, self._ready = self._ready, []
         return events
+
+
+def _inbox_entries(reply) -> list:
+    """The [entry id, [field, value, ...]] pairs of an XREAD reply on one stream (RESP2 list or RESP3 map)."""
+    if not reply:
+        return []
+    streams = reply.values() if isinstance(reply, dict) else (entries for _, entries in reply)
+    return [entry for entries in streams for entry in entries]
 
 
 def _wake_up(waiter: asyncio.Future) -> None:
@@ -273,20 +288,37 @@ class ResultDelivery:
         # one of the pool's connections, held for good: taking one from the pool for each XREAD queued the
         # reader, and so every open stream's next chunks, behind whatever else the gateway was sending (a
         # wave of new requests' admissions, catch-ups) first come, first served (fair_pool.py)
-        reader = self.redis.client()
+        pool = self.redis.connection_pool
+        conn = await pool.get_connection()
         try:
-            await self._follow_inbox(reader)
+            await self._follow_inbox(conn)
         finally:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(reader.aclose())  # back to the pool, even when cancelled
+            async def give_back() -> None:  # an XREAD may still be in flight on it: never back to the pool as is
+                await conn.disconnect()
+                await pool.release(conn)
 
-    async def _follow_inbox(self, reader) -> None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(give_back())
+
+    async def _follow_inbox(self, conn) -> None:
+        """XREAD BLOCK on the inbox, always one read ahead: the next XREAD goes out as soon as a reply is in
+        (its last id is known then), before that reply's events are handed on. Redis answers or blocks it
+        while the chunks of this one are written (direct_write.py), so what arrives meanwhile is already on
+        the socket when the reader comes back, not one round trip and one Redis wake-up later."""
         # from the start, not "$": the tag is this process's, so everything in its inbox is for it, and a
         # subscription made before this first read (it caught up already) must still get what follows
-        last, unread_since_trim, failing = "0-0", 0, False
+        last, unread_since_trim, failing, in_flight = "0-0", 0, False, False
+        xread = ("XREAD", "COUNT", self.batch, "BLOCK", self.block_ms, "STREAMS", self.inbox)
         while not self._stopping:
             try:
-                reply = await reader.xread({self.inbox: last}, count=self.batch, block=self.block_ms)
+                if not in_flight:
+                    await conn.send_command(*xread, last, check_health=False)
+                entries = _inbox_entries(await conn.read_response())
+                if entries:
+                    last = text(entries[-1][0])
+                in_flight = False
+                await conn.send_command(*xread, last, check_health=False)
+                in_flight = True
                 if failing:  # back after an outage: whatever was written meanwhile is in the result streams
                     failing = False
                     log.info("result delivery: reading %s again", self.inbox)
@@ -295,6 +327,9 @@ class ResultDelivery:
                 raise
             except Exception as exc:  # Redis away or restarting: one line, not one per request
                 self.reader_errors += 1
+                in_flight = False
+                with contextlib.suppress(Exception):
+                    await conn.disconnect()  # a half-read reply must not be taken for the next one
                 if not failing:
                     log.warning("result delivery: reading %s failed (%s: %s); retrying", self.inbox,
                                 type(exc).__name__, exc)
@@ -302,18 +337,22 @@ class ResultDelivery:
                 await asyncio.sleep(0.5)
                 continue
             read_at = time.time() if fanout_probe.enabled() else 0.0
-            for _, entries in reply or ():
-                for position, (entry_id, fields) in enumerate(entries):
-                    last = text(entry_id)
-                    self._dispatch(fields, read_at, len(entries), position)
-                unread_since_trim += len(entries)
-            if unread_since_trim >= _TRIM_EVERY:
+            for position, (_, fields) in enumerate(entries):
+                self._dispatch(fields, read_at, len(entries), position)
+            unread_since_trim += len(entries)
+            if unread_since_trim >= _TRIM_EVERY:  # on a pooled connection: this one has an XREAD in flight
                 unread_since_trim = 0
-                with contextlib.suppress(Exception):  # the cap bounds it anyway
-                    await reader.xtrim(self.inbox, minid=last, approximate=True)
+                task = asyncio.get_running_loop().create_task(self._trim(last))
+                self._flushes.add(task)
+                task.add_done_callback(self._flushes.discard)
 
-    def _dispatch(self, fields: dict, read_at: float = 0.0, batch: int = 0, position: int = 0) -> None:
-        f = {text(k): v for k, v in fields.items()}
+    async def _trim(self, upto: str) -> None:
+        with contextlib.suppress(Exception):  # the cap bounds it anyway
+            await self.redis.xtrim(self.inbox, minid=upto, approximate=True)
+
+    def _dispatch(self, fields: list, read_at: float = 0.0, batch: int = 0, position: int = 0) -> None:
+        it = iter(fields)  # the entry's flat field-value list, as XREAD returns it
+        f = {text(k): v for k, v in zip(it, it)}
         event_rid = text(f.get("rid", b""))
         subs = self._subs.get(event_rid)
         if not subs:

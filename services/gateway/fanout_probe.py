@@ -8,8 +8,9 @@ global lookup. On, the gateway notes, in memory:
   carried it returned, how many entries that XREAD carried and the entry's
   place among them (0: the oldest);
 - ``written``: per chunk, the wall time its SSE event had been handed to the
-  HTTP server (the body iterator resumed after Starlette's ``send``, so the
-  bytes are in the socket's transport);
+  HTTP server, so the bytes are in the socket's transport (by the delivery
+  reader itself, direct_write.py, or by the stream's task after Starlette's
+  ``send``);
 - the event loop's lag and the garbage collector's pauses (loop_lag.py).
 
 and appends what is new to ``<dir>/gateway-<pid>.json`` lines every second.

@@ -247,7 +247,7 @@ async def _bench(args, stack) -> dict:
                      "latency_max_tokens": args.latency_max_tokens,
                      "model": args.model, "dtype": args.dtype, "threads_per_worker": args.threads,
                      "quantization": args.quantization,
-                     "seed": args.seed, "front_first": args.front_first, "worker_nice": args.worker_nice, "front_nice": args.front_nice, "front_realtime": args.front_realtime, "worker_policy": args.worker_policy,
+                     "seed": args.seed, "front_first": args.front_first, "worker_nice": args.worker_nice, "front_nice": args.front_nice, "front_realtime": args.front_realtime, "realtime_gateway": not args.no_realtime_gateway, "worker_policy": args.worker_policy,
                      "engine_nice": args.engine_nice, "front_slice_us": args.front_slice_us,
                      "gateway_args": args.gateway_arg, "client_loop": args.client_loop, "client_gc": args.client_gc, "stack": getattr(args, "stack", None)}
     return out
@@ -267,7 +267,8 @@ def run(args) -> int:
     spec = StackSpec(prefill=choice.prefill, decode=choice.decode, model=args.model, dtype=args.dtype,
                      quantization=choice.quantization, threads=choice.threads, router_args=choice.router_args,
                      transport=args.transport, gateway=True, gateway_args=list(args.gateway_arg),
-                     front_first=choice.front_first, engine_nice=choice.engine_nice)
+                     front_first=choice.front_first, engine_nice=choice.engine_nice,
+                     realtime_gateway=choice.realtime_gateway)
     args.stack = (f"pdserve up defaults: embedded Redis, {choice.prefill} prefill, {choice.decode} decode, router, "
                   f"gateway; chose: {choice.summary()}")
     _log(f"starting the stack ({args.stack})")
@@ -306,7 +307,8 @@ def _up_choice(args):
         path = None  # the workers say so, with how to install it
     gguf = up_defaults.gguf_servable(path) if args.quantization is None else (False, "")
     return up_defaults.choose(os.cpu_count() or 1, threads=args.threads, quantization=args.quantization, gguf=gguf,
-                              front_first=args.front_first, engine_nice=args.engine_nice)
+                              front_first=args.front_first, engine_nice=args.engine_nice,
+                              realtime_gateway=False if args.no_realtime_gateway else None)
 
 
 def _schedule(args, stack) -> None:
@@ -410,6 +412,8 @@ def add_parser(sub) -> None:
     p.add_argument("--front-first", action="store_true",
                    help="as `pdserve up --front-first` (services/front_first.py): the gateway, router, Redis and "
                         "this process, the clients, on 0.1 ms CPU slices")
+    p.add_argument("--no-realtime-gateway", action="store_true",
+                   help="as `pdserve up --no-realtime-gateway`: the gateway's event loop in the ordinary class")
     p.add_argument("--worker-nice", type=int, default=0,
                    help="niceness of the prefill and decode workers' threads (0: as started; 10: the gateway, "
                         "router, Redis and clients get a larger share of the cores when they need one)")

@@ -27,8 +27,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services import hops
 from services.errors import PdserveError, RequestAbortedError
-from services.gateway import fanout_probe, metrics, sse
+from services.gateway import direct_write, fanout_probe, metrics, sse
 from services.gateway.core import HEARTBEAT, GatewayCore
+from services.gateway.direct_write import DirectWriter
 from services.gateway.http_errors import as_pdserve, error_body, error_response, event_error
 from services.gateway.openai_format import ResponseAggregate, StreamFormatter
 from services.gateway.request_record import COMPLETION, RequestRecord
@@ -53,13 +54,22 @@ class EventFormatter(Protocol):
     def event_name(self, payload: dict) -> str | None: ...
 
 
+class DirectSlot:
+    """Where a stream's response puts its DirectWriter when it starts (SSEResponse); None: every chunk goes
+    through the stream's task."""
+
+    writer: DirectWriter | None = None
+
+
 async def sse_events(core: GatewayCore, record: RequestRecord, resume: sse.ResumePoint, fmt: EventFormatter,
                      api: str, started: float | None = None,
                      prepare: Callable[[], Awaitable[None]] | None = None,
-                     admitted: float | None = None) -> AsyncIterator[bytes]:
+                     admitted: float | None = None, slot: DirectSlot | None = None) -> AsyncIterator[bytes]:
     """The SSE body: ``started`` (perf_counter at arrival) is given for a fresh request, to measure TTFT;
     ``prepare`` runs first (inside the stream, so its failure is an error event too); ``admitted``
     (perf_counter once queued) with ``started`` records the request's phases (metrics.observe_phases).
+    With a ``slot`` whose writer is set, chunks that arrive while this waits are written by the delivery
+    reader (direct_write.py); they are formatted by the same code either way.
 
     Event ids follow sse.py: the events made from one result entry carry ``<entry>.<k>`` but
     the last, which carries ``<entry>``; a resume point inside an entry skips what was sent.
@@ -95,21 +105,51 @@ async def sse_events(core: GatewayCore, record: RequestRecord, resume: sse.Resum
                 yield encode(payload, position)
         first = True
         first_at = final = None
-        events = core.follow(record, resume.after)
+        failed: list[BaseException] = []  # a chunk the reader could not format: raised here, as an error event
+
+        def chunk_events(entry_id: str, data: dict) -> list[bytes]:
+            nonlocal first, first_at
+            payloads = fmt.chunk(data)
+            if payloads and first:
+                hops.mark(rid, "gw.sse")
+                if started is not None:
+                    first_at = time.perf_counter()
+                    metrics.observe_ttft(first_at - started)
+                first = False
+            return entry_events(entry_id, payloads)
+
+        def write_now(event) -> bool:  # called by the delivery reader (delivery.Subscription.sink)
+            entry_id, kind, data = event
+            writer = slot.writer if slot is not None else None
+            if kind != CHUNK or failed or writer is None or not writer.ready():
+                return False
+            try:
+                out = chunk_events(entry_id, data)
+            except Exception as exc:  # noqa: BLE001 - the stream's task raises it (below)
+                failed.append(exc)
+                return False
+            if out:
+                writer.write(b"".join(out))
+                fanout_probe.written(record.stream_id, entry_id)
+            return True
+
+        events = core.follow(record, resume.after, direct=write_now if slot is not None else None)
         async with contextlib.aclosing(events):
             async for entry_id, kind, data in events:
+                if failed:
+                    raise failed[0]
                 if kind == HEARTBEAT:
                     yield sse.HEARTBEAT
                     continue
                 if kind == CHUNK:
-                    payloads = fmt.chunk(data)
-                    if payloads and first:
-                        hops.mark(rid, "gw.sse")
-                    if payloads and first and started is not None:
-                        first_at = time.perf_counter()
-                        metrics.observe_ttft(first_at - started)
-                    first = first and not payloads
-                elif kind == FINAL:
+                    out = chunk_events(entry_id, data)
+                    for event in out:
+                        yield event
+                    if out:
+                        direct_write.count_task_chunk()
+                        fanout_probe.written(record.stream_id, entry_id)  # its events are in the transport
+                    continue
+                if kind == FINAL:
                     payloads = fmt.final(data)
                     outcome = _final_outcome(data)
                     final = data
@@ -120,8 +160,6 @@ async def sse_events(core: GatewayCore, record: RequestRecord, resume: sse.Resum
                     continue
                 for event in entry_events(entry_id, payloads):
                     yield event
-                if kind == CHUNK and payloads:
-                    fanout_probe.written(record.stream_id, entry_id)  # its events are in the socket's transport
         finished = True
         if started is not None and outcome == "ok":
             now = time.perf_counter()
@@ -157,11 +195,26 @@ def stream_response(core: GatewayCore, record: RequestRecord, last_id: str, incl
 
         prepare = count_offset
 
-    return sse_stream(sse_events(core, record, resume, fmt, api, started, prepare, admitted), headers)
+    slot = DirectSlot()
+    return sse_stream(sse_events(core, record, resume, fmt, api, started, prepare, admitted, slot), headers, slot)
 
 
-def sse_stream(body: AsyncIterator[bytes], headers: dict[str, str]) -> StreamingResponse:
-    return StreamingResponse(body, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
+class SSEResponse(StreamingResponse):
+    """A streaming response that, when it starts, gives its body's ``DirectSlot`` the connection's writer."""
+
+    def __init__(self, content, slot: DirectSlot | None = None, **kwargs):
+        super().__init__(content, **kwargs)
+        self.slot = slot
+
+    async def __call__(self, scope, receive, send):
+        if self.slot is not None:
+            self.slot.writer = DirectWriter.of(scope)
+        await super().__call__(scope, receive, send)
+
+
+def sse_stream(body: AsyncIterator[bytes], headers: dict[str, str], slot: DirectSlot | None = None) -> SSEResponse:
+    """``slot``: the one given to the body's sse_events, for chunks written from the delivery reader."""
+    return SSEResponse(body, slot, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
 
 
 async def wait_disconnect(request: Request) -> None:

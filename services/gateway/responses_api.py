@@ -29,7 +29,7 @@ from services.gateway import responses_tools, sse, tools
 from services.gateway.http_admission import admit
 from services.gateway.protocol import GenerationRequest, get_typed, validate_sampling
 from services.gateway.response_store import ResponseStore
-from services.gateway.responses import json_response, sse_events, sse_stream
+from services.gateway.responses import DirectSlot, json_response, sse_events, sse_stream
 from services.gateway.responses_format import RESPONSE, ResponseAggregate, ResponseContext, ResponseEvents
 from services.gateway.spec_fields import RESPONSE_FIELDS, refuse_unsupported
 from services.session_key import validate_session_key
@@ -197,9 +197,11 @@ def responses_router(core: GatewayCore, store: ResponseStore) -> APIRouter:
             events = ResponseEvents(ctx)
             if fresh:
                 await keep(events)  # fetchable while it runs
+            slot = DirectSlot()
             return sse_stream(_stored_after(core, sse_events(core, record, sse.resume_point(sse.START), events, API,
-                                                             a.measure, admitted=a.admitted), events, keep),
-                              a.headers)
+                                                             a.measure, admitted=a.admitted, slot=slot),
+                                            events, keep),
+                              a.headers, slot)
         aggregate = ResponseAggregate(ctx)
         if fresh:
             await keep(aggregate)

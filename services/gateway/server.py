@@ -37,10 +37,11 @@ def build_config(args) -> GatewayConfig:
 async def serve(args) -> None:
     import uvicorn
 
-    from services.gateway.app import create_app
+    from services.gateway.app import served_app
     from services.gateway.core import GatewayCore
     from services.gateway.grpc_api import start_grpc
     from services.gateway.served_model import check_cascade, load_served_model
+    from services.realtime_loop import RealtimeLoop
 
     config = build_config(args)
     raise_open_file_limit()  # a socket per open stream
@@ -56,7 +57,7 @@ async def serve(args) -> None:
                                 pool_timeout_s=config.redis_pool_timeout_s, name="pdserve-gateway")
     core = GatewayCore(redis, config, model, keys, tuple(models[1:]), cascade)
     profiler, admin_server, advert = await _start_admin(redis, args) if args.enable_profiling else (None,) * 3
-    server = uvicorn.Server(uvicorn.Config(create_app(core, profiler), host=args.host, port=args.port, lifespan="off",
+    server = uvicorn.Server(uvicorn.Config(served_app(core, profiler), host=args.host, port=args.port, lifespan="off",
                                            log_level="warning", access_log=False, backlog=args.backlog,
                                            timeout_graceful_shutdown=args.drain_timeout))
     # uvicorn restores the previous handlers and re-raises the signal after its shutdown: make that
@@ -78,8 +79,14 @@ async def serve(args) -> None:
             await asyncio.sleep(0.02)
         port = server.servers[0].sockets[0].getsockname()[1]
         event_loop.settle_gc(args.gc_thresholds)  # started: later collections walk only what requests make
+        realtime = "off"
+        if args.realtime:
+            refused = RealtimeLoop(asyncio.get_running_loop()).start()
+            if refused:
+                log.warning("%s", refused)
+            realtime = "refused" if refused else "on"
         print(f"{READY_PREFIX}{args.host}:{port} (model {', '.join(core.models)}, grpc {grpc_address}, "
-              f"auth {'on' if keys.enabled else 'off'})", flush=True)
+              f"auth {'on' if keys.enabled else 'off'}, real-time loop {realtime})", flush=True)
         await http
     finally:
         if advert is not None:
@@ -194,6 +201,11 @@ def add_parser(sub) -> None:
                    help="the garbage collector's thresholds after startup (gc.set_threshold). Default 700,10,100: "
                         "full collections ten times rarer than Python's 700,10,10, each of which stopped the loop "
                         "every open stream waits on for 80-106 ms at 1,000 streams (BENCHMARKS.md, bench frontdoor)")
+    p.add_argument("--realtime", action="store_true",
+                   help="run the event loop's thread in the real-time class (SCHED_RR 1; needs CAP_SYS_NICE): it "
+                        "never waits for a core behind compute on the same machine, and is ordinary again for 2 s "
+                        "whenever it computes 0.5 s without waiting (services/realtime_loop.py). `pdserve up` "
+                        "turns it on; refused, it says so once and runs as before")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds open streams get on shutdown")
     p.add_argument("--enable-lora-admin", action="store_true",
                    help="answer POST /v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter "

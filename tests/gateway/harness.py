@@ -1,7 +1,7 @@
 """The gateway under test, in-process: uvicorn on a free port in a background thread, on a real Redis.
 
 ``GatewayHarness`` runs one event loop in its own thread with uvicorn serving
-``create_app(GatewayCore(...))``, optionally the gRPC API, and ``FakeRouter``
+``served_app(GatewayCore(...))`` (app.py), optionally the gRPC API, and ``FakeRouter``
 (fake_router.py), which stands in for the router and the workers behind the
 real admission queue and result streams.
 """
@@ -71,7 +71,7 @@ class GatewayHarness:
     async def _main(self) -> None:
         import uvicorn
 
-        from services.gateway.app import create_app
+        from services.gateway.app import served_app
         from services.gateway.core import GatewayCore
         from services.gateway.grpc_api import start_grpc
 
@@ -81,7 +81,7 @@ class GatewayHarness:
         router_client = await connect_redis(self.redis_url, max_connections=64, name="fake-router")
         self.core = GatewayCore(client, self.config, self.model, self.keys)
         self.router = FakeRouter(router_client)
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.core), host="127.0.0.1", port=0, lifespan="off",
+        self.server = uvicorn.Server(uvicorn.Config(served_app(self.core), host="127.0.0.1", port=0, lifespan="off",
                                                     log_level="warning", timeout_graceful_shutdown=1))
         grpc_server = None
         router_task = asyncio.create_task(self.router.run())

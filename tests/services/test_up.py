@@ -115,6 +115,16 @@ def test_up_serves_grpc_and_http_then_stops_on_ctrl_c():
             assert group.rstrip().endswith("nice 19") if autogroups and group.startswith("/autogroup-") \
                 else "engine niceness not applied" in out, (role, group)
 
+        # the gateway's event loop (its main thread) in the real-time class where the kernel allows it, said either way
+        gateway = int(subprocess.run(["pgrep", "-f", f"services.cli gateway --redis-url {redis_url}"],
+                                     capture_output=True, text=True).stdout.split()[0])
+        state = re.search(r"^\[gateway\] \[pdserve\] gateway ready on .*real-time loop (on|refused)\)$", out, re.M)
+        assert state, out
+        if state.group(1) == "on":
+            assert os.sched_getscheduler(gateway) & ~os.SCHED_RESET_ON_FORK == os.SCHED_RR
+        else:
+            assert "real-time scheduling not applied" in out and os.sched_getscheduler(gateway) == os.SCHED_OTHER
+
         # the leak check: both workers' KV blocks are free again once the requests are done
         workers = {name: re.search(rf"^  {name}\s+(\S+)", out, re.M).group(1) for name in ("prefill-0", "decode-0")}
         assert wait_idle(workers) == {"prefill-0": 0, "decode-0": 0}

@@ -12,6 +12,7 @@ import argparse
 import pytest
 
 from services import up, up_defaults
+from services.launcher import LocalStack
 from services.engine.model_source import default_model_path
 
 
@@ -28,8 +29,8 @@ def test_two_cores_run_disaggregated_with_every_core_and_the_files_blocks():
     choice = up_defaults.choose(2, gguf=SERVABLE)
     assert (choice.prefill, choice.decode, choice.threads, choice.quantization) == (1, 1, 2, "gguf")
     assert choice.router_args == ["--local-prefill-max-tokens=256"]
-    assert len(choice.reasons) == 5 and all(" because " in r for r in choice.reasons)
-    assert not choice.front_first and choice.engine_nice == 19
+    assert len(choice.reasons) == 6 and all(" because " in r for r in choice.reasons)
+    assert not choice.front_first and choice.engine_nice == 19 and choice.realtime_gateway
 
 
 def test_one_core_prefills_on_the_decode_worker():
@@ -47,9 +48,10 @@ def test_threads_follow_the_cores_unless_given(cpus):
 
 def test_given_values_are_kept_and_not_explained():
     choice = up_defaults.choose(2, prefill=1, decode=2, threads=3, quantization="none", gguf=SERVABLE,
-                                local_prefill_given=True, front_first=False, engine_nice=0)
+                                local_prefill_given=True, front_first=False, engine_nice=0, realtime_gateway=False)
     assert (choice.prefill, choice.decode, choice.threads, choice.quantization) == (1, 2, 3, None)
     assert choice.reasons == [] and choice.router_args == [] and not choice.front_first and choice.engine_nice == 0
+    assert not choice.realtime_gateway
 
 
 def test_flags_reach_the_stack_spec_unchanged():
@@ -69,6 +71,17 @@ def test_front_first_scheduling_is_off_unless_asked():
     assert not up.spec_from_args(args).front_first and "CPU slices" not in up.choice_from_args(args).summary()
     args = _args("--front-first", "--quantization", "none")
     assert up.spec_from_args(args).front_first and "0.1 ms CPU slices" in up.choice_from_args(args).summary()
+
+
+def test_the_gateway_loop_is_real_time_unless_told_not_to():
+    args = _args("--quantization", "none")
+    spec = up.spec_from_args(args)
+    assert spec.realtime_gateway and "real-time class" in up.choice_from_args(args).summary()
+    assert "--realtime" in LocalStack(spec)._gateway_argv(0, -1, [])
+    args = _args("--no-realtime-gateway", "--quantization", "none")  # given: kept, and not explained
+    spec = up.spec_from_args(args)
+    assert not spec.realtime_gateway and "real-time" not in up.choice_from_args(args).summary()
+    assert "--realtime" not in LocalStack(spec)._gateway_argv(0, -1, [])
 
 
 def test_the_engine_workers_yield_the_cores_to_the_front_door_unless_told_not_to():
