@@ -7,10 +7,11 @@ Why: on a machine whose cores the engine keeps busy, the gateway wakes for a
 fraction of a millisecond per chunk and then waits for a core. ``pdserve bench
 frontdoor`` measured the gateway runnable-but-waiting for 7-9 s of each minute
 at 1,000 open streams even with the engine workers' autogroup at nice 19, and
-those waits were the slowest 1% of the chunks (added p99 17-22 ms). With the
-loop thread in ``SCHED_RR`` the wait was 0.02 s and the p99 5.5 ms
-(BENCHMARKS.md). A real-time thread runs as soon as it is ready, ahead of every
-ordinary thread; it takes no more CPU than it uses (13% of a core there).
+those waits were the slowest 1% of the chunks (added p99 16.8-20.6 ms). With
+the loop thread in ``SCHED_RR`` the wait was 0.01-0.3 s and the p99 4.1-6.5 ms
+in five runs (BENCHMARKS.md). A real-time thread runs as soon as it is ready,
+ahead of every ordinary thread; it takes no more CPU than it uses (about 14%
+of a core there).
 
 What keeps it safe:
 
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 PRIORITY = 1  # the lowest real-time priority: above every ordinary thread, below the kernel's own
 BUDGET_S = 0.5  # CPU seconds the loop may run without blocking before it is ordinary again
+LOG_EVERY_S = 60.0  # a burst that keeps the loop busy demotes it every 2.5 s: said once a minute
 PAUSE_S = 2.0  # seconds it stays ordinary after that (then real time again; if still busy, ordinary again 0.5 s later)
 
 
@@ -55,6 +57,7 @@ class RealtimeLoop:
         self.pause_s = pause_s
         self.demotions = 0  # times the budget ran out (tests and the log read it)
         self.on = False
+        self._said = (-LOG_EVERY_S, 0)  # (when the log last said so, demotions then): a line a minute at most
 
     def start(self) -> str | None:
         """Real time for the calling thread (the loop's); None when on, else why not."""
@@ -92,8 +95,12 @@ class RealtimeLoop:
         self.loop.call_soon_threadsafe(self._demoted)
 
     def _demoted(self) -> None:
-        log.warning("the event loop ran %.1f s of CPU without waiting: ordinary scheduling for %g s",
-                    self.budget_s, self.pause_s)
+        now = time.monotonic()
+        if now - self._said[0] >= LOG_EVERY_S:
+            times = self.demotions - self._said[1]
+            log.warning("the event loop ran %.1f s of CPU without waiting%s: ordinary scheduling for %g s each time",
+                        self.budget_s, f" ({times} times in the last minute)" if times > 1 else "", self.pause_s)
+            self._said = (now, self.demotions)
         self.loop.call_later(self.pause_s, self._again)
 
     def _again(self) -> None:

@@ -136,8 +136,8 @@ def choose(cpus: int, *, prefill: int | None = None, decode: int | None = None, 
         realtime_gateway = True
         reasons.append("the gateway's event loop in the real-time class where allowed (root or CAP_SYS_NICE), and "
                        "back to ordinary for 2 s whenever it runs 0.5 s without waiting, because it then never "
-                       "waits for a core behind the workers (measured: p99 per chunk at 1,000 streams 5.5 ms, not "
-                       "17-22; --no-realtime-gateway to keep it ordinary)")
+                       "waits for a core behind the workers (measured: p99 per chunk at 1,000 streams 4.1-6.5 ms, "
+                       "not 16.8-20.6; --no-realtime-gateway to keep it ordinary)")
     if front_first:
         from services import front_first as scheduling
 

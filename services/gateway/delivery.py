@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 Event = tuple[str, str, Any]  # (entry id, type, data)
 _TRIM_EVERY = 1024  # entries read between two trims of the inbox
+_READ_GRACE_S = 60.0  # how late an XREAD BLOCK's reply may be read before the connection counts as lost
 
 
 def id_key(entry_id: str) -> tuple[int, int]:
@@ -84,12 +85,21 @@ class Subscription:
             key = id_key(event[0])
             if key > self.last:
                 self.last = key
-                if not self._ready and self._waiter is not None and self.sink is not None and self.sink(event):
+                if not self._ready and self._waiter is not None and self.sink is not None and self._sink(event):
                     self.sunk += 1
                     continue
                 self._ready.append(event)
         if self._ready and self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+
+    def _sink(self, event: Event) -> bool:
+        try:
+            return self.sink(event)
+        except Exception:  # noqa: BLE001 - the reader serves every stream: this one falls back to its follower
+            log.exception("result delivery: writing %s's chunk from the reader failed; its task writes the rest",
+                          self.request_id)
+            self.sink = None
+            return False
 
     def hold(self) -> None:
         if self._held is None:
@@ -313,7 +323,9 @@ class ResultDelivery:
             try:
                 if not in_flight:
                     await conn.send_command(*xread, last, check_health=False)
-                entries = _inbox_entries(await conn.read_response())
+                # a blocking read: its reply can be late only because this loop is (a burst of thousands being
+                # admitted), which is not an outage; redis-py's 5 s socket timeout would make it one
+                entries = _inbox_entries(await conn.read_response(timeout=self.block_ms / 1e3 + _READ_GRACE_S))
                 if entries:
                     last = text(entries[-1][0])
                 in_flight = False

@@ -101,3 +101,24 @@ def test_the_sink_takes_events_only_while_the_follower_waits_with_nothing_in_han
         assert await sub.next(0) == []
 
     asyncio.run(run())
+
+
+def test_a_sink_that_fails_leaves_the_event_and_the_rest_to_the_follower(caplog):
+    async def run():
+        sub = Subscription("gw-0123456789ab.r", "0")
+
+        def broken(_event):
+            raise RuntimeError("the server's send waited although the connection was ready")
+
+        sub.sink = broken
+        waiting = asyncio.ensure_future(sub.next(5))
+        await asyncio.sleep(0)
+        sub.push(("1-0", "chunk", {}))  # the reader is not hurt: the follower gets the chunk
+        assert [e[0] for e in await waiting] == ["1-0"] and sub.sink is None
+        waiting = asyncio.ensure_future(sub.next(5))
+        await asyncio.sleep(0)
+        sub.push(("2-0", "chunk", {}))
+        assert [e[0] for e in await waiting] == ["2-0"]
+
+    asyncio.run(run())
+    assert "writing gw-0123456789ab.r's chunk from the reader failed" in caplog.text
