@@ -10,8 +10,8 @@ start and the end is recorded: on a shared machine the other jobs are part of th
     python benchmarks/probes/tests_under_load.py --runs 5 \\
         tests/services/test_profile_stack.py tests/kvtransfer/test_kvtransfer_processes.py
 
-Writes benchmarks/results/tests-under-load-<UTC stamp>.json: per target, each run's exit status,
-seconds, and pytest's summary line.
+Writes benchmarks/results/tests-under-load-<UTC stamp>.json after every run: per target, each
+run's exit status, seconds, pytest's summary line, and a failed run's last output.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def main() -> None:
     if not args.no_load:
         load = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"])
     started, load_avg_at_start = dt.datetime.now(dt.timezone.utc), os.getloadavg()
+    out = Path(args.out) / f"tests-under-load-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
     results: dict[str, list[dict]] = {t: [] for t in args.targets}
     try:
         for i in range(args.runs):
@@ -55,12 +56,19 @@ def main() -> None:
                 summary = lines[-1] if lines else proc.stderr[-300:]
                 failures = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
                 results[target].append({"run": i + 1, "rc": proc.returncode, "seconds": round(time.monotonic() - t0, 1),
-                                        "summary": summary, "failures": failures})
+                                        "summary": summary, "failures": failures,
+                                        # what a failed run printed last (the tests print their diagnostics)
+                                        "output_tail": proc.stdout[-6000:] if proc.returncode else ""})
                 print(f"run {i + 1} {target}: rc={proc.returncode} {summary}", flush=True)
+                _save(out, args, started, load_avg_at_start, load, results)  # kept even if stopped early
     finally:
         if load is not None:
             load.kill()
             load.wait()
+    print(out)
+
+
+def _save(out: Path, args, started, load_avg_at_start, load, results) -> None:
     report = {
         "probe": "benchmarks/probes/tests_under_load.py",
         "argv": sys.argv[1:],
@@ -68,14 +76,13 @@ def main() -> None:
         "started": started.isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                     "python": platform.python_version(), "nice": os.nice(0),
-                    "load_avg_at_start": load_avg_at_start, "load_avg_at_end": os.getloadavg()},
+                    "load_avg_at_start": load_avg_at_start, "load_avg_at_save": os.getloadavg()},
         "load": None if load is None else "one busy loop on core 0 (taskset -c 0) at this process's nice",
+        "runs_done": min(len(r) for r in results.values()),
         "passed_runs": {t: sum(r["rc"] == 0 for r in runs) for t, runs in results.items()},
         "runs": results,
     }
-    out = Path(args.out) / f"tests-under-load-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(out)
 
 
 if __name__ == "__main__":
