@@ -25,6 +25,8 @@ class TransferConfig:
     # Receiver: after a transfer fails while a chunk is being written into its
     # blocks, how long that write may take to end before the connection is cut.
     # The blocks are released only once no write can touch them any more.
+    # TCP sender: how long a send cancelled part-way may take to reach its next
+    # segment boundary (and stop reading the cache) before the connection is cut.
     drain_grace_s: float = 2.0
     # UCX: the sender writes this fraction of each message's bytes itself (a
     # UCX put straight into the receiver's blocks) while the receiver pulls the

@@ -19,3 +19,10 @@ class TransferError(Exception):
     def __init__(self, message: str):
         super().__init__(message)
         self.message = message
+
+
+class SendAbandoned(TransferError):
+    """The sender gave up on a message part-way through its payload (its send was cancelled:
+    the request was aborted, or its client left) and said so on the wire. Only that message's
+    transfer fails: the connection is still in step and carries the other transfers on
+    (``tcp.py``; UCX closes its connection instead)."""

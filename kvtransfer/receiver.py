@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from kvtransfer.checksum import run_sums
 from kvtransfer.config import TransferConfig
 from kvtransfer.descriptor import PeerInfo, TransferDescriptor
 from kvtransfer.endpoint import Endpoint
-from kvtransfer.errors import TransferError
+from kvtransfer.errors import SendAbandoned, TransferError
 from kvtransfer.faults import TransferFaults
 from kvtransfer.ownership import BlockOwner, Completion, PendingTransfer
 from kvtransfer.protocol import ABORT, BLOCKS, DONE, FAILED, FINISH, HELLO, REFUSED, WELCOME, payload_sizes
@@ -209,18 +210,25 @@ class Receiver(Endpoint):
         except TransferError as e:
             if t is not None and t.state == _OPEN and t.conn in (None, conn):
                 self._fail(t, e)  # malformed chunk: the transfer cannot be trusted any more
-            await conn.recv_payload(msg, [None] * len(payload_sizes(msg)))
+            with contextlib.suppress(SendAbandoned):  # rejected either way
+                await conn.recv_payload(msg, [None] * len(payload_sizes(msg)))
             await conn.send({"type": FAILED, "transfer_id": tid, "error": str(e)})
             return
         t.conn = conn
         t.inflight += 1
         landed = False
-        corrupted: TransferError | None = None
+        spoiled: TransferError | None = None  # abandoned or corrupted: the transfer fails
         try:
-            await conn.recv_payload(msg, dests)
-            self.faults.after_landing(tid, dests)
-            corrupted = self._check_sums(tid, msg, dests)
-            if corrupted is None:
+            try:
+                await conn.recv_payload(msg, dests)
+            except SendAbandoned as e:
+                # The sender cancelled this chunk part-way (its request was aborted): this
+                # transfer fails, the connection and the other transfers on it go on.
+                spoiled = TransferError(f"chunk of {tid} was abandoned by the sender: {e}")
+            else:
+                self.faults.after_landing(tid, dests)
+                spoiled = self._check_sums(tid, msg, dests)
+            if spoiled is None:
                 for p in positions:
                     t.written[p] = 1
                 t.nbytes += sum(int(d.numel()) for d in dests)
@@ -229,9 +237,9 @@ class Receiver(Endpoint):
             t.inflight -= 1
             if t.state == _FAILING and t.inflight == 0:
                 self._release(t)  # it failed while this chunk was landing; now nothing writes
-        if corrupted is not None:
-            log.warning("%s", corrupted)
-            self._fail(t, corrupted)  # the sender hears it in a FAILED message (_fail notifies)
+        if spoiled is not None:
+            log.warning("%s", spoiled)
+            self._fail(t, spoiled)  # the sender hears it in a FAILED message (_fail notifies)
             return
         if landed and isinstance(msg.get("finish"), dict):  # the last chunk carries the finish
             await self._on_finish(conn, {**msg["finish"], "transfer_id": tid})

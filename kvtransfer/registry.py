@@ -33,12 +33,12 @@ def _ucx(config: TransferConfig) -> Transport:
                 "the tcp transport, or allow falling back to it"
             ) from None
         log.warning("%s; falling back to the TCP KV transport (several times slower)", e)
-        return TcpTransport()
+        return TcpTransport(config.drain_grace_s)
 
 
 TRANSPORTS: dict[str, Callable[[TransferConfig], Transport]] = {
     "ucx": _ucx,  # the default; TCP only if UCX is missing and the config allows falling back
-    "tcp": lambda _config: TcpTransport(),
+    "tcp": lambda config: TcpTransport(config.drain_grace_s),
     "loopback": lambda _config: LoopbackTransport(),
 }
 

@@ -22,6 +22,12 @@ Connections are made on first use per receiver address (``hello`` /
 ``welcome`` with the compatibility check) and shared by all transfers to that
 receiver. A receiver that refuses us gets an ``abort`` for the transfer that
 prompted the connection, so both sides fail with the same clear error.
+
+Sharing holds because one transfer's cancellation is its own: over TCP, a send
+cancelled part-way abandons just its message and the connection stays in step
+(``tcp.py``); a timeout, or any error that closed the connection, fails every
+transfer on it (the link is dropped and the next transfer connects again).
+UCX still closes its connection on a cancelled send.
 """
 
 from __future__ import annotations

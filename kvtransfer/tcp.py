@@ -1,16 +1,32 @@
 """Plain TCP transport: the fallback where UCX is not installed or not usable.
 
 Wire format, per message: a 4-byte little-endian header length, the JSON
-header (with ``_payload``: the byte size of each buffer), then the payload
-buffers back to back.
+header (with ``_payload``: the byte size of each buffer), then each payload
+buffer cut into segments, each a 4-byte little-endian length and that many
+bytes (``SEGMENT_BYTES`` at most)::
+
+    [len][header JSON {_payload: [n0, n1]}] [s][n0 bytes in s-byte pieces...] [s][n1 bytes...]
+                                                                   or, cancelled:   [ABANDONED]
+
+Why segments: one connection carries every transfer between a sender and a
+receiver, so a send cancelled part-way (its request was aborted, its client
+left) must not take the others down. Its writer stops reading the caller's
+buffers at the next segment boundary and writes the ``ABANDONED`` mark in
+place of a length; that message ends there, the reader's ``recv_payload``
+raises ``SendAbandoned`` (the receiver fails that one transfer) and the next
+message follows in step. Before, a cancel closed the socket and every other
+transfer on it failed ("[Errno 9] Bad file descriptor"). A send cancelled
+while still queued never writes a byte. Only a writer that cannot reach the
+next boundary within ``cancel_grace_s`` (the peer reads nothing) cuts the
+connection: then every transfer on it is stuck anyway.
 
 Each connection owns a blocking socket and two daemon threads, one reading
-and one writing, so a whole run of KV blocks moves in one ``sendall`` /
-``recv_into(MSG_WAITALL)`` straight from and into the cache memory, with the
-GIL released, instead of many small event-loop reads. Daemon threads (not a
-``ThreadPoolExecutor``, whose threads are joined at exit) so that a process
-never hangs on exit behind a blocked read. CUDA payloads are staged through
-host memory: TCP cannot read device memory.
+and one writing, so a run of KV blocks moves in a few large ``sendall`` /
+``recv_into(MSG_WAITALL)`` calls straight from and into the cache memory,
+with the GIL released, instead of many small event-loop reads. Daemon threads
+(not a ``ThreadPoolExecutor``, whose threads are joined at exit) so that a
+process never hangs on exit behind a blocked read. CUDA payloads are staged
+through host memory: TCP cannot read device memory.
 
 Headers alone (``recv``, ``send_header``: all that UCX's control connection
 carries, and the acks of this transport) skip the threads: the event loop
@@ -28,14 +44,36 @@ import asyncio
 import contextlib
 import queue
 import socket
+import struct
 import threading
 from collections.abc import Callable, Sequence
 
 import torch
 
-from kvtransfer.errors import TransferError
+from kvtransfer.errors import SendAbandoned, TransferError
 from kvtransfer.protocol import PREFIX_BYTES, decode_body, encode_header, header_length, payload_sizes
 from kvtransfer.transport import Connection, Listener, OnConnection, Transport, check_payload, split_address
+
+
+# A segment's length, or ABANDONED. 4 MiB: a cancelled send stops within 4 MiB of
+# writing, and a GiB costs 256 more small writes and reads than one sendall would.
+SEGMENT_BYTES = 4 << 20
+ABANDONED = 0xFFFFFFFF
+_SEGMENT = struct.Struct("<I")
+_ABANDON_MARK = _SEGMENT.pack(ABANDONED)
+_MSG_MORE = getattr(socket, "MSG_MORE", 0)  # a segment's length goes out in the same packet as its bytes
+
+
+class _Outgoing:
+    """One message for the writer thread. ``cancelled`` is set by the loop and read by the thread
+    between segments (a plain attribute: one store, one load, under the GIL)."""
+
+    __slots__ = ("frame", "views", "cancelled", "begun")
+
+    def __init__(self, frame: bytes, views: list[memoryview], *, begun: bool = False):
+        self.frame, self.views = frame, views
+        self.cancelled = False
+        self.begun = begun  # part of the frame is on the wire already: it must be finished
 
 
 class _Worker:
@@ -79,12 +117,14 @@ def _host_view(t: torch.Tensor) -> memoryview:
 
 
 class TcpConnection(Connection):
-    def __init__(self, sock: socket.socket, peer: str):
+    def __init__(self, sock: socket.socket, peer: str, cancel_grace_s: float = 2.0):
         sock.setblocking(True)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.peer = peer
         self._sock = sock
         self._closed = False
+        self._why = ""  # why it was closed, for the errors of the calls that find it closed
+        self._cancel_grace_s = cancel_grace_s  # see _stop_reading
         self._rx = _Worker(f"kv-tcp-rx-{peer}")
         self._tx = _Worker(f"kv-tcp-tx-{peer}")
         self._tx_pending = 0  # jobs submitted to the writer thread and not yet done
@@ -96,37 +136,41 @@ class TcpConnection(Connection):
 
     async def send(self, header: dict, payload: Sequence[torch.Tensor] = ()) -> None:
         frame = encode_header({**header, "_payload": [int(t.numel()) for t in payload]})
-        views = [_host_view(t) for t in payload]
-        await self._call(self._tx, self._send_all, frame, views)
+        await self._send(_Outgoing(frame, [_host_view(t) for t in payload]))
 
     async def recv(self) -> dict:
         try:
             prefix = await self._read_on_loop(PREFIX_BYTES)
             return decode_body(await self._read_on_loop(header_length(prefix)))
         except asyncio.CancelledError:
-            self.close()  # part of a header may have been read: the stream is out of step
+            self.close("a header read was cancelled")  # part of it may have been read: out of step
             raise
         except (OSError, ValueError, EOFError) as e:
-            self.close()
-            raise TransferError(f"TCP connection to {self.peer} failed: {e}") from None
+            error = self._error(e)
+            self.close(str(e))
+            raise error from None
 
     async def send_header(self, header: dict) -> None:
         """Send a header alone, framing keys as given (ucx.py carries its payloads over UCX)."""
         frame = encode_header(header)
         if self._closed:
-            raise TransferError(f"TCP connection to {self.peer} is closed")
+            raise self._error(EOFError())
         if self._tx_pending == 0:  # nothing queued ahead of it: try to write it from the loop
             try:
                 sent = self._sock.send(frame, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 sent = 0
             except OSError as e:
-                self.close()
-                raise TransferError(f"TCP connection to {self.peer} failed: {e}") from None
+                error = self._error(e)
+                self.close(str(e))
+                raise error from None
             if sent == len(frame):
                 return
-            frame = frame[sent:]  # the socket buffer is full: the thread writes the rest, in order
-        await self._call(self._tx, self._send_all, frame, [])
+            # The socket buffer is full: the thread writes the rest, in order (and, once begun,
+            # even if this call is cancelled: half a header would put the stream out of step).
+            await self._send(_Outgoing(frame[sent:], [], begun=sent > 0))
+            return
+        await self._send(_Outgoing(frame, []))
 
     async def recv_payload(self, header: dict, dests: Sequence[torch.Tensor | None]) -> None:
         sizes = payload_sizes(header)
@@ -140,10 +184,10 @@ class TcpConnection(Connection):
             if dest is not None and host is not dest:
                 dest.copy_(host)
 
-    def close(self) -> None:
+    def close(self, why: str = "this side closed it") -> None:
         if self._closed:
             return
-        self._closed = True
+        self._closed, self._why = True, why
         if self._readable is not None:  # a read waiting on the loop: stop watching the socket, fail it
             with contextlib.suppress(Exception):
                 self._readable.get_loop().remove_reader(self._sock.fileno())
@@ -157,9 +201,19 @@ class TcpConnection(Connection):
         self._rx.stop()
         self._tx.stop()
 
-    async def _call(self, worker: _Worker, fn: Callable, *args):
+    def _error(self, e: BaseException) -> TransferError:
+        """The error of a failed call, naming why the connection was closed if it already was
+        (jobs queued behind a close would otherwise all say "[Errno 9] Bad file descriptor")."""
         if self._closed:
-            raise TransferError(f"TCP connection to {self.peer} is closed")
+            return TransferError(f"TCP connection to {self.peer} is closed ({self._why})")
+        return TransferError(f"TCP connection to {self.peer} failed: {e}")
+
+    async def _send(self, out: _Outgoing) -> None:
+        await self._call(self._tx, self._write, out, outgoing=out)
+
+    async def _call(self, worker: _Worker, fn: Callable, *args, outgoing: _Outgoing | None = None):
+        if self._closed:
+            raise self._error(EOFError())
         fut = worker.submit(fn, *args)
         if worker is self._tx:
             self._tx_pending += 1
@@ -167,15 +221,38 @@ class TcpConnection(Connection):
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
-            # The thread may still be touching the buffers: cut the socket so it
-            # returns, and wait for it before letting the caller reuse them.
-            self.close()
-            with contextlib.suppress(BaseException):
-                await fut
+            if outgoing is None:
+                # A read cut part-way: the stream is out of step. The thread may still be
+                # writing into the buffers: cut the socket so it returns, and wait for it.
+                self.close("a payload read was cancelled part-way")
+                with contextlib.suppress(BaseException):
+                    await fut
+                raise
+            outgoing.cancelled = True  # the writer skips it, or abandons it at a segment boundary
+            if outgoing.views:
+                await self._stop_reading(fut)  # the caller may reuse its buffers once we raise
             raise
         except (OSError, ValueError, EOFError) as e:
-            self.close()
-            raise TransferError(f"TCP connection to {self.peer} failed: {e}") from None
+            error = self._error(e)
+            self.close(str(e))
+            raise error from None
+
+    async def _stop_reading(self, fut: asyncio.Future) -> None:
+        """Wait until the writer no longer reads a cancelled message's buffers: it reaches the next
+        segment boundary, unless the peer reads nothing for ``cancel_grace_s``; then cut the
+        connection, which wakes the writer at once."""
+        try:
+            await asyncio.wait({fut}, timeout=self._cancel_grace_s)
+        except asyncio.CancelledError:
+            pass  # cancelled again while it winds down: stop waiting, cut below
+        if not fut.done():
+            self.close(f"a send cancelled part-way could not stop within {self._cancel_grace_s:g}s "
+                       f"(the peer read nothing)")
+            while not fut.done():  # prompt now; the buffers are ours again only after it
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({fut})
+        elif fut.exception() is not None:  # the socket failed while it wound down
+            self.close(str(fut.exception()))
 
     def _tx_done(self, _fut) -> None:
         self._tx_pending -= 1
@@ -183,7 +260,7 @@ class TcpConnection(Connection):
     async def _read_on_loop(self, n: int) -> bytes:
         """Exactly ``n`` bytes, read by the event loop (never more: a payload may follow)."""
         if self._closed:
-            raise TransferError(f"TCP connection to {self.peer} is closed")
+            raise self._error(EOFError())
         buf, got = bytearray(n), 0
         view = memoryview(buf)
         loop = asyncio.get_running_loop()
@@ -206,10 +283,20 @@ class TcpConnection(Connection):
             got += k
         return bytes(buf)
 
-    def _send_all(self, frame: bytes, views: list[memoryview]) -> None:
-        self._sock.sendall(frame)
-        for v in views:
-            self._sock.sendall(v)
+    def _write(self, out: _Outgoing) -> bool:
+        """Write one message (writer thread); False if it was cancelled and did not all go out."""
+        if out.cancelled and not out.begun:
+            return False  # cancelled while queued: not a byte of it went out
+        self._sock.sendall(out.frame)
+        for view in out.views:
+            for start in range(0, len(view), SEGMENT_BYTES):
+                if out.cancelled:
+                    self._sock.sendall(_ABANDON_MARK)
+                    return False
+                piece = view[start : start + SEGMENT_BYTES]
+                self._sock.sendall(_SEGMENT.pack(len(piece)), _MSG_MORE)
+                self._sock.sendall(piece)
+        return True
 
     def _read_exact(self, view: memoryview) -> None:
         got, total = 0, len(view)
@@ -220,18 +307,31 @@ class TcpConnection(Connection):
             got += n
 
     def _read_payload(self, sizes: list[int], dests: list[torch.Tensor | None]) -> None:
+        """Read a message's payload segments into ``dests`` (reader thread); raises SendAbandoned
+        where the sender's mark says it gave up on the message (the stream is still in step)."""
+        length = memoryview(bytearray(_SEGMENT.size))
         scratch = None
-        for size, dest in zip(sizes, dests):
-            if dest is not None:
-                self._read_exact(memoryview(dest.numpy()))
-                continue
-            # Discarded payload: read it in bounded pieces rather than allocating its size.
-            scratch = scratch or memoryview(bytearray(1 << 20))
-            left = size
-            while left:
-                piece = min(left, len(scratch))
-                self._read_exact(scratch[:piece])
-                left -= piece
+        for i, (size, dest) in enumerate(zip(sizes, dests)):
+            view = memoryview(dest.numpy()) if dest is not None else None
+            got = 0
+            while got < size:
+                self._read_exact(length)
+                (n,) = _SEGMENT.unpack(length)
+                if n == ABANDONED:
+                    raise SendAbandoned(f"{self.peer} abandoned the message part-way (buffer {i + 1} of "
+                                        f"{len(sizes)}: {got} of {size} bytes): its send was cancelled")
+                if not 0 < n <= size - got:
+                    raise ValueError(f"malformed payload segment of {n} bytes ({size - got} left of {size})")
+                if view is not None:
+                    self._read_exact(view[got : got + n])
+                else:  # a discarded payload: read it in bounded pieces rather than allocating its size
+                    scratch = scratch or memoryview(bytearray(1 << 20))
+                    left = n
+                    while left:
+                        piece = min(left, len(scratch))
+                        self._read_exact(scratch[:piece])
+                        left -= piece
+                got += n
 
 
 class _TcpListener(Listener):
@@ -254,6 +354,11 @@ class _TcpListener(Listener):
 class TcpTransport(Transport):
     scheme = "tcp"
 
+    def __init__(self, cancel_grace_s: float = 2.0):
+        # How long a send cancelled part-way may take to reach a segment boundary before its
+        # connection is cut (the peer reads nothing); the registry passes drain_grace_s.
+        self.cancel_grace_s = cancel_grace_s
+
     async def listen(self, host: str, port: int, on_connection: OnConnection) -> Listener:
         loop = asyncio.get_running_loop()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -273,7 +378,7 @@ class TcpTransport(Transport):
         async def accept_loop() -> None:
             while True:
                 client, addr = await loop.sock_accept(sock)
-                task = loop.create_task(serve(TcpConnection(client, f"tcp://{addr[0]}:{addr[1]}")))
+                task = loop.create_task(serve(TcpConnection(client, f"tcp://{addr[0]}:{addr[1]}", self.cancel_grace_s)))
                 conns.add(task)
                 task.add_done_callback(conns.discard)
 
@@ -298,4 +403,4 @@ class TcpTransport(Transport):
             raise TransferError(f"connecting to {address} timed out after {timeout_s:g}s") from None
         except OSError as e:
             raise TransferError(f"cannot connect to {address}: {e}") from None
-        return TcpConnection(sock, address)
+        return TcpConnection(sock, address, self.cancel_grace_s)

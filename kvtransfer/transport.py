@@ -24,8 +24,12 @@ rest on it):
   *or raises* (cancellation included) the payload buffers are no longer read.
 - ``recv_payload`` writes only into the given destinations, and when it
   returns or raises nothing will write into them any more.
-- Failures raise ``TransferError``; a failed or cancelled send/recv leaves the
-  connection closed, since a half-moved message cannot be resumed.
+- Failures raise ``TransferError``; a failed send/recv, or a cancelled recv,
+  leaves the connection closed, since a half-moved message cannot be resumed.
+  A cancelled send closes it too, unless the transport can end the message
+  early in a way the reader understands: TCP's writer abandons it at a segment
+  boundary and the reader's ``recv_payload`` raises ``SendAbandoned``
+  (``errors.py``), so the other transfers sharing the connection go on.
 """
 
 from __future__ import annotations

@@ -141,6 +141,7 @@ async def _serve(conn, role, transport, seed, spec, namespace, device, config) -
     cfg = TransferConfig(transport=transport, **config)
     pool = TinyPool(NUM_BLOCKS)
     outcomes: dict[str, asyncio.Future] = {}
+    sending: dict[str, tuple[bytes, asyncio.Task]] = {}  # "start_sends": transfer id -> (descriptor, its send)
     if role == "receiver":
         kv.zero_()
         peer = Receiver(kv, namespace, pool, cfg)
@@ -187,6 +188,26 @@ async def _serve(conn, role, transport, seed, spec, namespace, device, config) -
             return True
         if name == "send_many":
             results = await asyncio.gather(*(send_job(*job) for job in args[0]), return_exceptions=True)
+            return [None if r is None else f"{type(r).__name__}: {r}" for r in results]
+        if name == "start_sends":  # the sends go on in the background; see "cancel_send" and "await_sends"
+            for job in args[0]:
+                sending[TransferDescriptor.from_bytes(job[0]).transfer_id] = (job[0], loop.create_task(send_job(*job)))
+            await asyncio.sleep(0)  # each has handed its first message to the transport
+            return True
+        if name == "cancel_send":  # as when a request is aborted mid-send: cancel, then abort() as handoff.py does
+            desc, task = sending.pop(args[0])
+            task.cancel()
+            try:
+                await task
+                raised = "nothing"
+            except asyncio.CancelledError:
+                raised = "CancelledError"
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                raised = f"{type(e).__name__}: {e}"
+            await peer.abort(TransferDescriptor.from_bytes(desc), "request cancelled")
+            return raised
+        if name == "await_sends":
+            results = await asyncio.gather(*(sending.pop(tid)[1] for tid in args[0]), return_exceptions=True)
             return [None if r is None else f"{type(r).__name__}: {r}" for r in results]
         if name == "connect":
             await peer.connect(args[0])

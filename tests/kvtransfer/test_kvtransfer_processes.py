@@ -8,7 +8,10 @@ the decode engine would; a failed one's by the receiver through its owner).
 from __future__ import annotations
 
 import itertools
+import os
 import random
+import signal
+import time
 
 import pytest
 from kvt_peer import NUM_BLOCKS, SPEC, Peer, RemoteError
@@ -52,10 +55,10 @@ def _plan(rng: random.Random, desc: bytes, src_pool: list[int], chunks: int):
     return d, src, pieces
 
 
-def _check_delivered(receiver, sender, d, src, first_token):
+def _check_delivered(receiver, sender, d, src, first_token, spec=SPEC):
     out = receiver.call("outcome", d.transfer_id)
     assert out["first_token"] == first_token and out["meta"] == {"by": "test"}
-    assert out["nbytes"] == len(src) * SPEC.block_bytes
+    assert out["nbytes"] == len(src) * spec.block_bytes
     assert receiver.call("digests", list(d.block_ids)) == sender.call("digests", src)
     receiver.call("finish_sequence", d.transfer_id)
 
@@ -217,6 +220,52 @@ def test_receiver_killed_mid_transfer(transport):
         receiver.kill()
         with pytest.raises(RemoteError, match="TransferError: .*(lost|closed|failed|connect)"):
             sender.call("send", desc, [([4, 5, 6], 3)], 9, timeout=30)
+        assert sender.call("stats")["failed"] == 1
+    finally:
+        sender.close()
+        receiver.close()
+
+
+# 2 MiB blocks: the cancelled transfer's one chunk (40 blocks, 80 MiB) is more than loopback's
+# socket buffers hold (tcp_rmem's 32 MiB at most, plus tcp_wmem's 4), so while the receiver is
+# stopped its writer is stuck part-way through the payload.
+BIG_BLOCKS = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=1024, dtype="bfloat16")
+
+
+def test_cancelled_send_leaves_the_other_transfers_on_its_connection_intact():
+    """A request aborted while its KV is being sent (client gone) cancels its send part-way;
+    the six transfers queued behind it on the same connection to the receiver must all land
+    with the right bytes. Before, the cancel closed that shared connection and every other
+    transfer on it failed with "[Errno 9] Bad file descriptor" (the flaky profile stack test).
+    TCP only: UCX still closes its connection on a cancelled send (unchanged)."""
+    receiver = Peer("receiver", "tcp", spec=BIG_BLOCKS)
+    # the sender may wait this long for the stuck writer to stop at a segment boundary
+    sender = Peer("sender", "tcp", spec=BIG_BLOCKS, seed=3, drain_grace_s=60)
+    try:
+        address = receiver.call("address")
+        sender.call("connect", address)
+        victim = receiver.call("reserve", "victim", 40, 120.0)
+        jobs, plans = [(victim, [(list(range(1, 41)), 0)], 7)], []
+        for i in range(6):
+            desc = receiver.call("reserve", f"other-{i}", 3, 120.0)
+            src = [41 + 3 * i, 42 + 3 * i, 43 + 3 * i]
+            jobs.append((desc, [(src[:1], 0), (src[1:], 1)], 100 + i))
+            plans.append((TransferDescriptor.from_bytes(desc), src, 100 + i))
+        os.kill(receiver.process.pid, signal.SIGSTOP)  # a stalled receiver: nothing is read
+        try:
+            sender.call("start_sends", jobs)
+            time.sleep(1.0)  # the victim's writer is stuck mid-payload (or still queued: same outcome due)
+            cancel = sender.start("cancel_send", "victim")
+            time.sleep(0.5)
+        finally:
+            os.kill(receiver.process.pid, signal.SIGCONT)
+        assert sender.result(cancel, timeout=60) == "CancelledError"
+        assert sender.call("await_sends", [d.transfer_id for d, _, _ in plans], timeout=60) == [None] * 6
+        for d, src, token in plans:
+            _check_delivered(receiver, sender, d, src, token, BIG_BLOCKS)
+        with pytest.raises(RemoteError, match="victim .*(abandoned by the sender|aborted by the sender)"):
+            receiver.call("outcome", "victim", timeout=30)
+        assert receiver.call("free") == ALL_FREE
         assert sender.call("stats")["failed"] == 1
     finally:
         sender.close()

@@ -231,3 +231,60 @@ def test_tcp_headers_stay_in_order_behind_a_payload_being_written():
     arrived = asyncio.run(go())
     assert [n for n, _ in arrived] == [1, 2, 3, 4]
     assert torch.equal(arrived[0][1], big) and all(buf is None for _, buf in arrived[1:])
+
+
+def test_tcp_send_cancelled_mid_payload_leaves_the_connection_in_step():
+    """A send cancelled while its payload is being written stops at a segment boundary and marks
+    the message abandoned: the reader's recv_payload says so, and the messages queued behind it
+    on the same connection arrive intact. 96 MiB is more than loopback's socket buffers hold
+    (tcp_rmem's 32 MiB at most, plus tcp_wmem's 4): once the reader has the header and reads no
+    payload, the writer is stuck part-way through it."""
+    from kvtransfer.protocol import payload_sizes
+
+    big = torch.randint(0, 256, (96 << 20,), dtype=torch.uint8)
+    small = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+
+    async def go():
+        transport, got, headed, proceed = TcpTransport(), asyncio.Queue(), asyncio.Queue(), asyncio.Event()
+
+        async def on_connection(conn):
+            while True:
+                try:
+                    header = await conn.recv()
+                except TransferError as e:
+                    await got.put(("recv", e))
+                    return
+                await headed.put(header["n"])
+                await proceed.wait()
+                buf = torch.zeros(payload_sizes(header)[0], dtype=torch.uint8)
+                try:
+                    await conn.recv_payload(header, [buf])
+                except TransferError as e:
+                    await got.put((header["n"], e))
+                    continue
+                await got.put((header["n"], buf))
+
+        listener = await transport.listen("127.0.0.1", 0, on_connection)
+        conn = await transport.connect(listener.address, 5)
+        victim = asyncio.ensure_future(conn.send({"type": "x", "n": 1}, [big]))
+        assert await asyncio.wait_for(headed.get(), 10) == 1  # its payload is being written now
+        behind = asyncio.ensure_future(conn.send({"type": "x", "n": 2}, [small]))
+        await asyncio.sleep(0)
+        victim.cancel()
+        proceed.set()
+        with pytest.raises(asyncio.CancelledError):
+            await victim
+        await asyncio.wait_for(behind, 10)
+        await conn.send({"type": "x", "n": 3}, [small[:5]])
+        arrived = [await asyncio.wait_for(got.get(), 10) for _ in range(3)]
+        still_open = not conn.closed
+        conn.close()
+        await listener.close()
+        return arrived, still_open
+
+    arrived, still_open = asyncio.run(go())
+    (n1, abandoned), (n2, second), (n3, third) = arrived
+    assert (n1, n2, n3) == (1, 2, 3)
+    assert isinstance(abandoned, TransferError) and "abandoned" in str(abandoned)
+    assert torch.equal(second, small) and torch.equal(third, small[:5])
+    assert still_open
