@@ -112,7 +112,8 @@ def add_parser(sub) -> None:
     p.add_argument("--lookahead-s", type=float, default=0.0,
                    help="read rising demand this far ahead (set it to a worker's cold start; 0: react to now)")
     p.add_argument("--trend-window-s", type=float, default=300.0, help="the window the demand's slope is fitted over")
-    p.add_argument("--down-after-s", type=float, default=300.0, help="hysteresis before scaling down")
+    p.add_argument("--down-after-s", type=float, default=150.0,
+                   help="hysteresis before scaling down (a little over one cold start)")
     p.add_argument("--down-floor-quantile", type=float, default=1.0,
                    help="a scale-down goes to this quantile of the hysteresis window's needs (1: the highest)")
     p.add_argument("--down-step", type=float, default=0.25, help="at most this share of a role released per decision")

@@ -20,7 +20,7 @@ def test_a_day_compressed_48x_compresses_the_cold_start_tick_hysteresis_and_burs
     assert scale.tick_s == pytest.approx(10 / 48) and scale.heartbeat_s == scale.tick_s
     assert scale.burst_s == pytest.approx(2.5) and scale.hpa_window_s == pytest.approx(6.25)
     c = scale.planner(PlannerConfig(), real_cold_start_s=PROFILE.cold_start_s)
-    assert (c.down_after_s, c.lookahead_s, c.trend_window_s) == pytest.approx((6.25, 2.5, 6.25))
+    assert (c.down_after_s, c.lookahead_s, c.trend_window_s) == pytest.approx((3.125, 2.5, 6.25))
     assert c.lag_target_s == PlannerConfig().lag_target_s  # a backlog in seconds of work is a request's time
     # the variants: the lookahead is one real cold start, compressed; the ablation has none
     variants = planner_variants(PROFILE, scale, [0.7], 0.7, ablations=True)

@@ -68,6 +68,21 @@ def test_scale_down_waits_then_steps():
     assert counts[-1] == 2
 
 
+def test_the_default_hold_releases_a_burst_after_150_s_not_300():
+    # the default hysteresis is a little over one cold start (150 s): at 300 it held a day's falls for
+    # 3.9 of the planner's 36.4 worker-h (k = 12, 32 starts/s, target 0.6). trend_window_s 20: each
+    # window's demand is its need (the filter is tested apart)
+    p = planner(trend_window_s=20, down_step=1.0)
+    current = p.decide(signals(0, prefill=1, tokens_per_s=60_000)).prefill  # 60k / (10k x 0.6): 10
+    assert current == 10
+    counts = {}
+    for t in range(10, 320, 10):  # back to 6,000 tokens/s: 1 worker
+        current = p.decide(signals(t, prefill=current, tokens_per_s=6_000)).prefill
+        counts[t] = current
+    assert counts[150] == 10  # held while the fall is under 150 s old
+    assert counts[160] == 1  # released at 150 s (the old 300 s held 10 until t = 310)
+
+
 def test_a_burst_resets_the_scale_down_clock():
     p = planner(down_after_s=300)
     p.decide(signals(0, prefill=10, tokens_per_s=1000))
@@ -278,7 +293,7 @@ def test_the_warm_pool_covers_a_noisy_ramps_rise_over_a_cold_start():
 def test_one_late_request_in_a_window_is_noise_a_sustained_miss_is_not():
     # 50 requests a 10 s window, one late in every fourth: 0.995 over the SLO window, above the 0.99 target.
     # Judged window by window (the old rule) each such window (0.98) boosted the prefill workers
-    p = planner(boost=1.5, boost_every_s=0, slo_window_s=120)
+    p = planner(boost=1.5, boost_every_s=0, slo_window_s=120, down_after_s=300)  # held at 4 all the while
     for t in range(0, 240, 10):
         d = p.decide(signals(t, prefill=4, tokens_per_s=1000, ttft=0.98 if t % 40 == 0 else 1.0, reqs=50))
         assert d.prefill == 4 and "TTFT" not in d.reason
