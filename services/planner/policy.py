@@ -100,7 +100,8 @@ class PlannerConfig:
     # 150 s of a real day, a little over one cold start (120 s on the h100 profile): at 300 the hysteresis held
     # what the queue lag ordered at target 0.8, but at target 0.6 the lag orders almost nothing and the hold
     # was the planner's largest overspend (2.47 prefill + 1.42 decode of 36.4 worker-h at 32 starts/s; k = 12,
-    # coding seed 1). 150: rate 8 0.922x -> 0.895x static; rate 32 not yet run (BENCHMARKS.md, sixteenth session)
+    # coding seed 1). 150: rate 8 0.922x -> 0.895x static (seed 0: 0.917x -> 0.897x); rate 32 36.436 -> 36.104
+    # worker-h at 0.9991 attainment (BENCHMARKS.md, sixteenth session)
     down_after_s: float = 150.0
     down_step: float = 0.25
     # a scale-down goes to this quantile of the needs of the last down_after_s (1: their highest). The highest
