@@ -12,6 +12,11 @@ SCRIPT = textwrap.dedent("""
     import asyncio, json, os, threading, time
     from services.realtime_loop import RealtimeLoop
 
+    def spin(seconds):  # CPU without waiting: what a busy loop (a long burst, a bug) does
+        start = time.process_time()
+        while time.process_time() - start < seconds:
+            pass
+
     async def main():
         guard = RealtimeLoop(asyncio.get_running_loop(), budget_s=0.2, pause_s=0.3)
         out = {"refused": guard.start(), "policy": os.sched_getscheduler(0) & 0xFF}
@@ -20,20 +25,14 @@ SCRIPT = textwrap.dedent("""
         thread.start(); thread.join()
         out["thread"] = seen[0]
         await asyncio.sleep(0.05)  # waiting is fine: the budget counts CPU between waits
-        start = time.process_time()
-        while time.process_time() - start < 1.0:  # a loop that stops waiting (a spin, a long burst)
-            pass
+        spin(1.0)
         out["after_spin"] = os.sched_getscheduler(0) & 0xFF
         out["demotions"] = guard.demotions
         await asyncio.sleep(1.0)
         out["after_pause"] = os.sched_getscheduler(0) & 0xFF
-        start = time.process_time()
-        while time.process_time() - start < 0.5:  # past the budget again: ordinary again
-            pass
+        spin(0.5)  # past the budget again: ordinary again
         guard._again()  # the pause's end while the loop is still busy: the count starts afresh
-        start = time.process_time()
-        while time.process_time() - start < 0.1:  # under the budget
-            pass
+        spin(0.1)  # under the budget
         out["busy_again"] = os.sched_getscheduler(0) & 0xFF
         out["demotions_end"] = guard.demotions
         print(json.dumps(out))
