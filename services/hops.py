@@ -18,6 +18,8 @@ it is one global lookup. The hops of a cached request's first token, in order::
     decode   decode.recv    its Decode handler took the request (beside the path when a prefill worker
                             computes: the Decode call is made while it does)
              decode.kv      the KV of a prefill worker arrived                  (disaggregated only)
+             decode.added   the engine thread took it in, between two steps (a Decode that computes its own
+                            prompt, as a cached one does; its ``step`` is the steps run so far)
              (decode.reserve: its Reserve handler took the request; disaggregated only, beside the path)
              decode.token   the engine step that made the first token ended (engine thread)
              decode.written the chunk of that token is in Redis (the step's pipeline returned)
@@ -41,7 +43,7 @@ import time
 
 ENV = "PDSERVE_HOPS_DIR"
 FIRST_TOKEN_HOPS = ("gw.arrive", "gw.enqueue", "gw.queued", "router.read", "router.placed", "router.sent",
-                    "prefill.recv", "prefill.done", "decode.recv", "decode.kv", "decode.token",
+                    "prefill.recv", "prefill.done", "decode.recv", "decode.added", "decode.kv", "decode.token",
                     "decode.written", "gw.delivered", "gw.sse")
 # Marks that happen beside the first token's path, not on it: the gateway's queue write returns while
 # the router may already read the entry; a disaggregated request's Decode call reaches the decode

@@ -95,7 +95,7 @@ async def _scenario(name: str, n: int, args, stack, client, capacity: float, see
     from services.bench.load import open_loop
 
     if name == "transfer-fault":
-        old = {n: stack.procs[n].proc.pid for n in arm_transfer_faults(stack)}
+        old = {n: stack.procs[n].proc.pid for n in arm_transfer_faults(stack, args.transfer_timeout)}
         _log(f"transfer-fault: restarting {', '.join(old)} with PDSERVE_KV_FAULTS set")
         deadline = time.monotonic() + args.recover_timeout
         while any(stack.procs[n].proc.pid == pid for n, pid in old.items()) and time.monotonic() < deadline:
@@ -136,7 +136,6 @@ async def _scenario(name: str, n: int, args, stack, client, capacity: float, see
 
 
 async def _bench(args, stack) -> dict:
-    from services.bench.chaos_faults import TRANSFER_TIMEOUT_S
     from services.bench.chaos_client import COMPLETED, ChaosClient
     from services.bench.chaos_faults import wait_idle
     from services.bench.load import closed_loop
@@ -165,13 +164,14 @@ async def _bench(args, stack) -> dict:
     return {**total, "goals_met": all(total[k] == 0 for k in GOALS), "capacity_req_s": round(capacity, 3),
             "scenarios": scenarios,
             "config": {k: getattr(args, k) for k in ("requests", "load_share", "overload_factor", "overload_s",
-                                                     "stall_s", "deadline", "kv_cache_gb", "threads", "seed")}
+                                                     "stall_s", "deadline", "kv_cache_gb", "threads", "seed",
+                                                     "transfer_timeout", "claim_idle_ms")}
             | {"stack": "embedded valkey (AOF everysec), 2 prefill, 2 decode, router (disaggregation always, "
-                       f"transfer timeout {TRANSFER_TIMEOUT_S:g} s), gateway, supervised"}}
+                       f"transfer timeout {args.transfer_timeout:g} s, queue reclaim after {args.claim_idle_ms} ms), "
+                       "gateway, supervised"}}
 
 
 def run(args) -> int:
-    from services.bench.chaos_faults import TRANSFER_TIMEOUT_S
     from services.launcher import LocalStack, StackSpec
     from services.supervisor import Supervisor
 
@@ -179,13 +179,16 @@ def run(args) -> int:
     if unknown:
         raise ValueError(f"unknown scenario {unknown[0]!r}; choose from {', '.join(SCENARIOS)}")
     args.scenario = [s for s in SCENARIOS if s in args.scenario] if args.scenario else list(SCENARIOS)
+    if not args.transfer_timeout > 0 or args.claim_idle_ms < 1:
+        raise ValueError("--transfer-timeout must be > 0 and --claim-idle-ms >= 1")
     if args.requests < len(args.scenario):
         raise ValueError("--requests must be at least one per scenario")
     spec = StackSpec(prefill=2, decode=2, model=args.model, threads=args.threads, kv_cache_gb=args.kv_cache_gb,
                      transport=args.transport, redis_aof=True, policy="kv-aware",
                      # every request takes the prefill -> KV transfer -> decode path the faults aim at
                      # (auto prefills short prompts on an idle decode worker itself)
-                     router_args=["--transfer-timeout", f"{TRANSFER_TIMEOUT_S:g}", "--disaggregation", "always"],
+                     router_args=["--transfer-timeout", f"{args.transfer_timeout:g}", "--disaggregation", "always",
+                                  "--claim-idle-ms", str(args.claim_idle_ms)],
                      gateway_args=["--max-queued-requests", str(args.max_queued)])
     _log("starting the stack: embedded Redis with AOF, 2 prefill, 2 decode, router, gateway")
     stack = LocalStack(spec)
@@ -246,6 +249,10 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queued", type=int, default=64, help="the gateway's --max-queued-requests (429 beyond)")
     p.add_argument("--recover-timeout", type=float, default=300.0, help="seconds for killed processes to be back")
     p.add_argument("--idle-timeout", type=float, default=90.0, help="seconds for every worker to free its blocks")
+    p.add_argument("--transfer-timeout", type=float, default=20.0,
+                   help="the router's --transfer-timeout; transfer-fault holds a finish back 1.5 times it")
+    p.add_argument("--claim-idle-ms", type=int, default=30_000,
+                   help="the router's --claim-idle-ms: a killed router's requests are reclaimed after this long")
     p.add_argument("--kv-cache-gb", type=float, default=0.25, help="KV cache per worker")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--model", default=None)

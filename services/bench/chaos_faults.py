@@ -63,8 +63,8 @@ async def worker_stall(ctx: FaultContext) -> None:
         victim.signal(signal.SIGCONT)
 
 
-STALL_S = 30.0  # a timed-out transfer's finish is held back this long: past the stack's --transfer-timeout
-TRANSFER_TIMEOUT_S = 20.0
+TRANSFER_TIMEOUT_S = 20.0  # the stack's router --transfer-timeout (bench chaos --transfer-timeout)
+STALL_FACTOR = 1.5  # a timed-out transfer's finish is held back this many times it (30 s at the default)
 
 
 async def transfer_fault(ctx: FaultContext) -> None:
@@ -81,14 +81,16 @@ def _fault_spec(name: str) -> str | None:
     return "corrupt:1,corrupt:3" if name == "decode-0" else None
 
 
-def arm_transfer_faults(stack: LocalStack) -> list[str]:
-    """Restart the chosen workers with the fault-injection setting on (the supervisor starts them again)."""
+def arm_transfer_faults(stack: LocalStack, transfer_timeout_s: float = TRANSFER_TIMEOUT_S) -> list[str]:
+    """Restart the chosen workers with the fault-injection setting on (the supervisor starts them again); a
+    transfer chosen to time out holds its finish back past the router's ``transfer_timeout_s``."""
+    stall_s = transfer_timeout_s * STALL_FACTOR
     names = []
     for name, p in stack.procs.items():
         spec = _fault_spec(name)
         if spec is None:
             continue
-        p.env = {**(p.env or {}), "PDSERVE_KV_FAULTS": spec, "PDSERVE_KV_FAULT_STALL_S": f"{STALL_S:g}"}
+        p.env = {**(p.env or {}), "PDSERVE_KV_FAULTS": spec, "PDSERVE_KV_FAULT_STALL_S": f"{stall_s:g}"}
         p.signal(signal.SIGTERM)
         names.append(name)
     return names

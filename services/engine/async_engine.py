@@ -29,7 +29,7 @@ from services.engine.engine import Engine
 from services.engine.outputs import RequestOutput
 from services.engine.request import Status
 from services.engine.sampling_params import SamplingParams
-from services import phases
+from services import hops, phases
 from services.errors import InvalidRequestError
 from services.phases import ENGINE_LOOP_SECONDS, phase, profiler_range
 
@@ -178,8 +178,12 @@ class AsyncEngine:
                        priority: int = 0, prefill_only: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream a new request's outputs; raises InvalidRequestError before the first one if it is bad."""
         rid = request_id or f"req-{next(_ids)}"
-        stream = self.stream(rid, lambda: self.engine.add_request(rid, prompt_token_ids, params, priority,
-                                                                  prefill_only))
+
+        def add() -> None:
+            self.engine.add_request(rid, prompt_token_ids, params, priority, prefill_only)
+            hops.mark(hops.client_id(rid), f"{self.role}.added", step=self.steps)
+
+        stream = self.stream(rid, add)
         # close the inner stream with this one, so a consumer that stops iterating aborts now, not at GC
         async with contextlib.aclosing(stream):
             async for out in stream:

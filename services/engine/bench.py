@@ -47,10 +47,11 @@ from services.engine.sampling_params import SamplingParams
 SECTIONS = ("throughput", "decode", "quality", "kv")
 
 
-def make_workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
+def make_workload(n: int, seed: int, vocab: int, max_output: int = 256) -> list[tuple[list[int], int]]:
+    """``n`` (prompt, output length) pairs: prompts of 32-512 tokens, outputs of 16-256 capped at ``max_output``."""
     rng = random.Random(seed)
-    return [([rng.randrange(100, vocab - 100) for _ in range(rng.randint(32, 512))], rng.randint(16, 256))
-            for _ in range(n)]
+    return [([rng.randrange(100, vocab - 100) for _ in range(rng.randint(32, 512))],
+             min(rng.randint(16, 256), max_output)) for _ in range(n)]
 
 
 def _log(msg: str) -> None:
@@ -100,15 +101,15 @@ def collect(args: argparse.Namespace) -> dict:
     if engine.source.weights_dir is None:
         raise ValueError("bench engine needs real weights for the HF baseline; dummy models are for bench gpu")
     vocab = engine.model_config.vocab_size
-    workload = make_workload(args.requests, args.seed, vocab)
-    warmup = make_workload(4, args.seed + 1, vocab)
+    workload = make_workload(args.requests, args.seed, vocab, args.max_output_tokens)
+    warmup = make_workload(4, args.seed + 1, vocab, args.max_output_tokens)
     b1_prompt = workload[0][0][:64]
     pad_id = engine.eos_token_ids[0] if engine.eos_token_ids else 0
     machine = result_files.machine()
     result: dict = {
         "model": engine.model_name, "dtype": engine.config.dtype, "threads": torch.get_num_threads(),
         "cpu": machine["cpu_model"], "cpu_kernels": native.level(), "loadavg_1m_at_start": machine["loadavg_1m"],
-        "requests": len(workload),
+        "requests": len(workload), "max_output_tokens": args.max_output_tokens,
         "prompt_tokens": sum(len(p) for p, _ in workload), "output_tokens": sum(o for _, o in workload)}
     _log(f"{engine.model_name}, {engine.describe()}, {torch.get_num_threads()} threads, {machine['cpu_model']}; "
          f"{len(workload)} requests, {result['prompt_tokens']} prompt / {result['output_tokens']} output tokens")
@@ -325,6 +326,8 @@ def add_parser(sub) -> None:
     p.add_argument("--llamacpp-seqs", type=_list(at_least_one), default=[16, 64],
                    help="llama.cpp sequence slots to try for the mixed workload (default 16,64)")
     p.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp even if llama-cpp-python is installed")
+    p.add_argument("--max-output-tokens", type=at_least_one, default=256,
+                   help="cap on each workload request's output length (drawn from 16-256; a quick run: 8)")
     p.add_argument("--decode-tokens", type=at_least_one, default=128)
     p.add_argument("--ppl-tokens", type=at_least_one, default=4096, help="tokens of the perplexity text")
     p.add_argument("--kv-context", type=at_least_one, default=4096,

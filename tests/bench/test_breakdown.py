@@ -28,7 +28,7 @@ def test_the_bench_on_the_real_stack_reports_every_phase_and_the_accounted_share
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     request = result["request"]
-    assert request["requests"] == 4 and request["failed"] == 0
+    assert request["requests"] == 4 and request["failed"] == 0, (request, out.stderr[-3000:])
     assert set(request["phases"]) == set(phases.REQUEST_PHASES["gateway"]) | {"unaccounted"}
     assert all(n == 4 for n in request["phase_counts"].values()), request["phase_counts"]
     _check_tiles(request)

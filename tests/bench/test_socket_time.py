@@ -27,10 +27,23 @@ def _tcp_pair() -> tuple[socket.socket, socket.socket]:
     return client, accepted
 
 
+def _wait_until_stamped(reader: socket.socket, writer: socket.socket) -> None:
+    """The kernel turns receive stamps on for the whole host by a deferred work item the first time a socket
+    asks: on a busy host the first packets after ``enable`` can arrive unstamped (read by the clock)."""
+    deadline = time.monotonic() + 10
+    while True:
+        writer.sendall(b".")
+        _, ancillary, _, _ = reader.recvmsg(16, socket.CMSG_SPACE(16))
+        if ancillary or time.monotonic() > deadline:
+            return
+        time.sleep(0.01)
+
+
 def test_a_late_read_says_when_the_bytes_reached_the_socket_not_when_they_were_read():
     reader, writer = _tcp_pair()
     with reader, writer:
         assert socket_time.enable(reader)
+        _wait_until_stamped(reader, writer)
         sent = time.time()
         writer.sendall(b"chunk")
         time.sleep(LATE_S)

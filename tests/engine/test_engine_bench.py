@@ -16,11 +16,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 def test_json_compares_every_side_on_one_workload():
     argv = [sys.executable, "-m", "services.cli", "bench", "engine", "--json", "--requests", "2",
-            "--decode-tokens", "4", "--ppl-tokens", "64", "--hf-batch-sizes", "1,2", "--llamacpp-seqs", "2", "--kv-context", "96"]
+            "--decode-tokens", "4", "--ppl-tokens", "64", "--hf-batch-sizes", "1,2", "--llamacpp-seqs", "2", "--kv-context", "96",
+            "--max-output-tokens", "8"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=880, check=False)
     assert proc.returncode == 0, f"bench engine failed (status {proc.returncode}):\n{proc.stderr[-4000:]}"
     r = json.loads(proc.stdout)  # stdout is exactly one JSON object; progress goes to stderr
     assert r["requests"] == 2 and r["dtype"] == "bfloat16" and r["cpu"] and r["cpu_kernels"]
+    assert r["max_output_tokens"] == 8 and 2 <= r["output_tokens"] <= 16  # the cap reached every side's workload
     # HF: both dtypes, every batch size, the best of them is the baseline
     hf = r["hf"]
     assert {(x["dtype"], x["batch_size"]) for x in hf["runs"]} == {(d, b) for d in ("float32", "bfloat16") for b in (1, 2)}

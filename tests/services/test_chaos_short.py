@@ -23,7 +23,7 @@ def test_every_chaos_scenario_loses_nothing_and_leaks_nothing():
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "bench", "chaos", "--json", "--requests", str(3 * len(SCENARIOS)),
          "--capacity-requests", "4", "--overload-s", "3", "--stall-s", "4", "--deadline", "150",
-         "--idle-timeout", "60", "--kv-cache-gb", "0.25"],
+         "--idle-timeout", "60", "--kv-cache-gb", "0.25", "--transfer-timeout", "6", "--claim-idle-ms", "5000"],
         capture_output=True, text=True, timeout=560, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert proc.stdout.strip(), proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

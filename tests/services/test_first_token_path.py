@@ -8,10 +8,11 @@ threshold):
 
 * gRPC: the router makes exactly one worker call, Decode on the decode worker that holds the prompt
   (no Prefill, no Reserve, no KV hand-off);
-* engine steps: alone, the first token comes from the first step after the Decode call reached the
-  decode worker (the engine was idle: the newcomer's rest is computed in one step, not split or
-  preceded by another); among 16 streams, from at most the second (the step running then, which a
-  newcomer cannot join, and the next one, which takes it);
+* engine steps: the first token comes from the first step after the engine thread took the request
+  in (the newcomer's rest is computed in one step, not split or put off), alone and among 16 streams;
+  alone, that is also the first step after the Decode call reached the decode worker (the engine was
+  idle). Among 16, the Decode handlers' own turns on the event loop can let a step pass before the
+  engine takes one in, so that count is not asserted;
 * Redis: the commands naming the request are exactly the design's list, per process; the decode
   worker's are one per chunk event (written in its step's pipeline); and no process sends a SCRIPT
   command (a pipeline's SCRIPT EXISTS would be a round trip that names no request).
@@ -50,12 +51,6 @@ NAMED = {
         "EVALSHA": 2,  # the final event; the ack (finalize script)
     }),
 }
-
-
-def max_steps_to_first_token(streams: int) -> int:
-    """Alone, the newcomer's step is the engine's next; among others, a step is running when it comes.
-    The bound holds while the decode worker's batch has room for all of them (max_num_seqs 128), as here."""
-    return 1 if streams == 1 else 2
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +128,7 @@ async def _send_all(stack, texts: list[str]):
     return await asyncio.gather(*(client.send(OpenAIRequest("chat", t, MAX_TOKENS)) for t in texts))
 
 
-def _check_cached(stack, monitor: Monitor, samples, max_steps: int) -> None:
+def _check_cached(stack, monitor: Monitor, samples, alone: bool) -> None:
     marks = hops.read(stack.marks_dir)
     chunk_events = {}
     r = redis.Redis.from_url(stack.redis_url)
@@ -150,8 +145,10 @@ def _check_cached(stack, monitor: Monitor, samples, max_steps: int) -> None:
         # one gRPC call: Decode on the worker that holds the prompt
         assert "prefill.recv" not in m and "decode.reserve" not in m, sorted(m)
         assert m["decode.recv"]["n"] == 1 and m["router.sent"]["n"] == 1
-        steps = m["decode.token"]["step"] - m["decode.recv"]["step"]
-        assert 1 <= steps <= max_steps, (s.request_id, steps)
+        # the engine's next step makes the first token (the batch has room for all: max_num_seqs 128)
+        assert m["decode.token"]["step"] - m["decode.added"]["step"] == 1, (s.request_id, m)
+        if alone:  # the engine was idle: no step ran between the call's arrival and its token's step
+            assert m["decode.token"]["step"] - m["decode.recv"]["step"] == 1, (s.request_id, m)
         # Redis: the named commands, and one chunk write per chunk event
         got = monitor.of(s.request_id)
         assert got.get("gateway") == NAMED["gateway"], dict(got)
@@ -169,7 +166,7 @@ def test_a_cached_prompt_takes_the_named_path(stack, streams):
     with Monitor(stack.redis_url) as monitor:
         samples = asyncio.run(_send_all(stack, texts))
         time.sleep(0.5)  # the last detaches and marks are written
-    _check_cached(stack, monitor, samples, max_steps_to_first_token(streams))
+    _check_cached(stack, monitor, samples, alone=streams == 1)
 
 
 def test_a_fresh_prompt_goes_through_the_prefill_worker(stack):
