@@ -5,7 +5,7 @@ Written as JSON lines to stdout's file; the summary (the ticks of the most misse
 them) to stderr. One simulated day (~8 CPU-minutes at 32 session starts/s).
 
     PYTHONPATH=. python benchmarks/probes/autoscale_timeline.py coding 1 '{"target_utilisation": 0.8}' \
-        --rate 32 > timeline.jsonl
+        --rate 32 [--router '{"load_weight": 0.1}'] > timeline.jsonl
 """
 
 import argparse
@@ -25,11 +25,13 @@ from services.sim.metrics import SLO, ttft
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_day_arguments(ap, rate=32.0, config_help="PlannerConfig fields as JSON")
+    ap.add_argument("--router", default="{}", help="RouterPolicyConfig fields as JSON (load_weight 0.1)")
     args = ap.parse_args()
     base, scale, trace = load_day(args)
     config = scale.planner(PlannerConfig(**json.loads(args.config)), base.cold_start_s)
     profile, slo = scale.profile(base), SLO(2.0, 0.05)
-    sim = ClusterSim(ClusterConfig(profile, 1, 1, heartbeat_s=scale.heartbeat_s), experiments._fresh(trace))
+    sim = ClusterSim(ClusterConfig(profile, 1, 1, heartbeat_s=scale.heartbeat_s,
+                                       policy_options=json.loads(args.router)), experiments._fresh(trace))
     scaler = SimAutoscaler("planner", profile, slo, interval_s=scale.tick_s, planner_config=config)
     seen = []
     decide = scaler.planner.decide

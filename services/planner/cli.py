@@ -27,11 +27,12 @@ async def _main(args) -> int:
     config = PlannerConfig(target_utilisation=args.target_utilisation, kv_target=args.kv_target,
                            lag_target_s=args.lag_target_s, slo_target=args.slo_target,
                            slo_min_requests=args.slo_min_requests,
-                           down_after_s=args.down_after_s, down_step=args.down_step,
+                           down_after_s=args.down_after_s, down_step=args.down_step, down_every_s=args.down_every_s,
                            down_floor_quantile=args.down_floor_quantile, warm_fraction=args.warm_fraction,
                            burst_factor=args.burst_factor, burst_utilisation=args.burst_utilisation,
                            idle_to_zero_s=args.idle_to_zero_s, lookahead_s=args.lookahead_s,
                            trend_window_s=args.trend_window_s, boost=args.boost, boost_every_s=args.boost_every_s,
+                           boost_only_while_missing=args.boost_only_while_missing,
                            slo_window_s=args.slo_window_s, slo_sigmas=args.slo_sigmas,
                            warm_min=args.warm_min, local_prefill_below=args.local_prefill_below,
                            min_prefill=args.min_prefill,
@@ -109,6 +110,9 @@ def add_parser(sub) -> None:
                    help="a missed SLO: misses over what --slo-target allows by this many binomial std devs")
     p.add_argument("--boost", type=float, default=1.25, help="workers x this when a window misses the SLO target")
     p.add_argument("--boost-every-s", type=float, default=30.0, help="at most one SLO boost per role this often")
+    p.add_argument("--boost-only-while-missing", action="store_true",
+                   help="boost on missed TTFTs only while the queue lags or the last window missed (not on a "
+                        "cleared backlog's misses)")
     p.add_argument("--lookahead-s", type=float, default=0.0,
                    help="read rising demand this far ahead (set it to a worker's cold start; 0: react to now)")
     p.add_argument("--trend-window-s", type=float, default=300.0, help="the window the demand's slope is fitted over")
@@ -117,6 +121,8 @@ def add_parser(sub) -> None:
     p.add_argument("--down-floor-quantile", type=float, default=1.0,
                    help="a scale-down goes to this quantile of the hysteresis window's needs (1: the highest)")
     p.add_argument("--down-step", type=float, default=0.25, help="at most this share of a role released per decision")
+    p.add_argument("--down-every-s", type=float, default=0.0,
+                   help="at most one scale-down per role this often (a drained worker's prefix cache goes with it)")
     p.add_argument("--burst-factor", type=float, default=1.5,
                    help="the warm pool covers a jump of demand by this factor (1: warm_min standbys only)")
     p.add_argument("--burst-utilisation", type=float, default=0.9,

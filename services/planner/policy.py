@@ -23,7 +23,8 @@ Rule, per role::
 Prefill demand under ``local_prefill_below`` of one prefill worker runs no prefill worker: the decode
 workers prefill it (the router does when none is registered). Scale up at once; scale down only after
 ``need`` stayed below the current count for ``down_after_s`` (hysteresis), by at most ``down_step`` of it
-per tick. A warm pool of standby workers (model loaded, not registered) hides cold starts: the next
+per tick and at most once per ``down_every_s``. A boost on missed SLOs waits for misses still happening
+(the queue lagging, or the last window under the target) with ``boost_only_while_missing``. A warm pool of standby workers (model loaded, not registered) hides cold starts: the next
 scale-up takes them first (a warm start of seconds instead of minutes). It holds what the demand would
 need beyond the decided workers, served at ``burst_utilisation``, in a burst (the last window's demand x
 ``burst_factor``) or a cold start (``lookahead_s``) up the trend's fitted slope, whichever is more; at
@@ -97,6 +98,10 @@ class PlannerConfig:
     slo_sigmas: float = 2.0
     boost: float = 1.25
     boost_every_s: float = 30.0  # at most one boost per role this often
+    # boost the prefill only while TTFTs are still missed: the queue lags or the last window missed the SLO.
+    # The SLO window's misses outlive the backlog that made them, and a boost on them once the backlog was
+    # cleared ran 29 prefill workers up to 37, whose scale-down then dropped the cache of 20 at once
+    boost_only_while_missing: bool = False
     # 150 s of a real day, a little over one cold start (120 s on the h100 profile): at 300 the hysteresis held
     # what the queue lag ordered at target 0.8, but at target 0.6 the lag orders almost nothing and the hold
     # was the planner's largest overspend (2.47 prefill + 1.42 decode of 36.4 worker-h at 32 starts/s; k = 12,
@@ -104,6 +109,10 @@ class PlannerConfig:
     # worker-h at 0.9991 attainment (BENCHMARKS.md, sixteenth session)
     down_after_s: float = 150.0
     down_step: float = 0.25
+    # at most one scale-down per role this often (0: every tick). A drained worker's prefix cache goes with it,
+    # and its prompts are computed again elsewhere: the day's TTFT misses came after scale-downs, when that
+    # surge met the fewer workers
+    down_every_s: float = 0.0
     # a scale-down goes to this quantile of the needs of the last down_after_s (1: their highest). The highest
     # is the noise's peak: at target 0.6 the day's peak ran 9.3 prefill workers where its mean demand needed
     # 4.5 (k = 12, coding seed 1)
@@ -146,6 +155,8 @@ class PlannerConfig:
             raise ValueError("local_prefill_below must be in [0, 1]")
         if not self.slo_window_s > 0 or self.slo_sigmas < 0:
             raise ValueError("slo_window_s > 0 and slo_sigmas >= 0 needed")
+        if self.down_every_s < 0:
+            raise ValueError("down_every_s must be >= 0")
         if self.lookahead_s < 0 or not self.trend_window_s > 0:
             raise ValueError("lookahead_s >= 0 and trend_window_s > 0 needed")
         if min(self.warm_min, self.min_prefill, self.min_decode) < 0 or self.warm_fraction < 0:
@@ -160,6 +171,7 @@ class Planner:
     _last_traffic: float | None = None  # idle is counted from the first decision
     _history: deque = field(default_factory=deque)  # (now, prefill tokens/s, KV blocks, sequences) for the trend
     _boosted_at: dict = field(default_factory=dict)
+    _down_at: dict = field(default_factory=dict)  # per role: when it last scaled down
     _needs: dict = field(default_factory=dict)  # per role: (now, need) over the last down_after_s
     _slo: dict = field(default_factory=dict)  # per SLO: (now, requests, misses) over the last slo_window_s
 
@@ -244,6 +256,9 @@ class Planner:
             reasons.append(f"queue lag {lag_s:.1f} s")
         ttft_missed = self._missed("ttft", s, s.ttft_attainment)
         itl_missed = self._missed("itl", s, s.itl_attainment)
+        if ttft_missed and c.boost_only_while_missing and lag_s <= c.lag_target_s and (
+                s.ttft_attainment is None or s.ttft_attainment >= c.slo_target):
+            ttft_missed = None  # the misses are behind: the queue is short and the last window met the SLO
         if ttft_missed:
             prefill = max(prefill, self._boost("prefill", s.now, s.prefill_workers, s.prefill_starting, "ttft"))
             reasons.append(f"TTFT attainment {ttft_missed:.3f}")
@@ -315,11 +330,14 @@ class Planner:
             self._below_since.pop(role, None)
             return need
         since = self._below_since.setdefault(role, now)
-        if now - since < self.config.down_after_s:
+        if now - since < self.config.down_after_s or now - self._down_at.get(role, -math.inf) < self.config.down_every_s:
             return current
         ordered = sorted(n for _, n in needs)
         floor = ordered[max(0, math.ceil(self.config.down_floor_quantile * len(ordered)) - 1)]
-        return max(floor, need, current - max(1, math.floor(current * self.config.down_step)))
+        target = max(floor, need, current - max(1, math.floor(current * self.config.down_step)))
+        if target < current:
+            self._down_at[role] = now
+        return target
 
 
 @dataclass

@@ -10,8 +10,9 @@ measure against the day is divided by k as well:
 * the worker's cold and warm start (the profile's ``cold_start_s``, ``warm_start_s``);
 * the controller's tick (10 s), and the router's heartbeat where the tick is shorter (the
   signals cannot be fresher than the heartbeat that carries them);
-* the planner's hysteresis (``down_after_s``), trend window and lookahead (one cold start),
-  boost spacing, SLO window and idle-to-zero time; the threshold rule's 300 s stabilisation window;
+* the planner's hysteresis (``down_after_s``) and scale-down spacing (``down_every_s``), trend window
+  and lookahead (one cold start), boost spacing, SLO window and idle-to-zero time; the threshold
+  rule's 300 s stabilisation window;
 * the trace's bursts (120 s each, twice a day).
 
 What is not compressed: what one request does (prefill and decode times, KV transfer, the TTFT
@@ -75,4 +76,5 @@ class DayScale:
         return dataclasses.replace(config, down_after_s=self.s(config.down_after_s),
                                    idle_to_zero_s=self.s(config.idle_to_zero_s), lookahead_s=self.s(lookahead),
                                    trend_window_s=self.s(config.trend_window_s),
-                                   boost_every_s=self.s(config.boost_every_s), slo_window_s=self.s(config.slo_window_s))
+                                   boost_every_s=self.s(config.boost_every_s), slo_window_s=self.s(config.slo_window_s),
+                                   down_every_s=self.s(config.down_every_s))

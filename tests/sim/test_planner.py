@@ -336,3 +336,34 @@ def test_a_scale_down_goes_to_a_quantile_of_the_windows_needs_not_its_one_spike(
     assert run(0.8) == 2
     with pytest.raises(ValueError):
         PlannerConfig(down_floor_quantile=0)
+
+
+def test_a_boost_waits_for_misses_still_happening_when_asked():
+    # the SLO window still holds a backlog's misses (120 s of them) after the backlog was cleared: with
+    # boost_only_while_missing, no boost while the queue is short and the last window met the SLO
+    def run(**config):
+        p = planner(boost=1.5, boost_every_s=0, **config)
+        # the backlog, with workers still starting (no boost yet: the misses stay in the window)
+        p.decide(signals(0, prefill=4, tokens_per_s=1000, ttft=0.5, reqs=50, queued=100_000, prefill_starting=2))
+        return p.decide(signals(10, prefill=4, tokens_per_s=1000, ttft=1.0, reqs=50)).prefill
+    assert run() == 6  # the default: the window's misses boost 4 -> 6
+    assert run(boost_only_while_missing=True) == 4
+    # still missing now (the last window under the target): boosted either way
+    p = planner(boost=1.5, boost_every_s=0, boost_only_while_missing=True)
+    p.decide(signals(0, prefill=4, tokens_per_s=1000, ttft=0.5, reqs=50))
+    assert p.decide(signals(10, prefill=4, tokens_per_s=1000, ttft=0.9, reqs=50)).prefill == 6
+
+
+def test_scale_downs_are_spaced_by_down_every_s():
+    # 20 workers, demand for 2, one worker a step (down_step small), after the 150 s hold: every tick
+    # without spacing, every third tick (30 s) with it
+    def counts(**config):
+        p, current, out = planner(down_step=0.01, **config), 20, []
+        for t in range(0, 260, 10):
+            current = p.decide(signals(t, prefill=current, decode=1, tokens_per_s=12_000)).prefill
+            out.append(current)
+        return out[15:]  # from t = 150
+    assert counts() == [19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9]
+    assert counts(down_every_s=30) == [19, 19, 19, 18, 18, 18, 17, 17, 17, 16, 16]
+    with pytest.raises(ValueError, match="down_every_s"):
+        PlannerConfig(down_every_s=-1)
