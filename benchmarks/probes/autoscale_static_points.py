@@ -2,7 +2,7 @@
 search would try, run side by side with it (a search is serial, one core; this runs the points you name).
 
     PYTHONPATH=. python benchmarks/probes/autoscale_static_points.py 22+8 23+7 [--rate 32] [--seed 1]
-        [--shape coding] [--period-s 7200]
+        [--shape coding] [--period-s 7200] [--router '{"load_weight": 0.1}']
 
 Each point runs as the bench's static search runs it (`experiments._static` with the 99% goal: a run that
 has missed more than 1% of the day's requests stops early, its attainment the bound that proves the miss).
@@ -11,6 +11,7 @@ SLOs (TTFT 2 s, ITL 50 ms) and its day (k = 12 at the default period; autoscale_
 """
 
 import argparse
+import json
 import time
 
 from autoscale_day import load_day
@@ -26,6 +27,7 @@ def main() -> None:
     ap.add_argument("--shape", default="coding")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--period-s", type=float, default=7200.0)
+    ap.add_argument("--router", default="{}", help="RouterPolicyConfig fields as JSON (load_weight 0.1)")
     args = ap.parse_args()
     profile, scale, trace = load_day(args, args.period_s)
     print(f"{len(trace)} requests, {args.shape} day seed {args.seed}, rate {args.rate:g}", flush=True)
@@ -33,7 +35,7 @@ def main() -> None:
         prefill, decode = (int(x) for x in point.split("+"))
         start = time.process_time()
         run = experiments._static(scale.profile(profile), trace, SLO(2.0, 0.05), prefill, decode,
-                                  scale.heartbeat_s, goal=0.99)
+                                  scale.heartbeat_s, goal=0.99, policy_options=json.loads(args.router))
         print(f"static {prefill}+{decode}: attainment {run['slo_attainment']}, stopped {run.get('stopped', False)}, "
               f"{run['worker_hours']} worker-h ({time.process_time() - start:.0f} s of CPU)", flush=True)
 

@@ -57,7 +57,9 @@ def main() -> None:
         row.update(arrived=arrived.get(i, 0), missed=missed.get(i, 0))
         print(json.dumps(row))
     total = sum(missed.values())
-    print(f"{len(done)} finished; TTFT missed {total} ({total / len(done):.4f}); worker-h "
+    both = sum(not slo.met(j) for j in done)
+    print(f"{len(done)} finished; TTFT missed {total} ({total / len(done):.4f}); either SLO missed {both} "
+          f"(attainment {1 - both / len(sim.jobs):.4f}); worker-h "
           f"{scaler.worker_seconds / 3600:.3f}; by state "
           f"{ {k: round(v / 3600, 3) for k, v in sorted(scaler.breakdown.items())} }", file=sys.stderr)
 

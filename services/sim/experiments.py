@@ -136,12 +136,14 @@ def _autoscaled(profile, requests, slo, scale: DayScale, kind, planner_config=No
             "decisions": scaler.decisions, "series": sim.series}
 
 
-def _static(profile, requests, slo, prefill: int, decode: int, heartbeat_s: float = 1.0, goal: float | None = None):
+def _static(profile, requests, slo, prefill: int, decode: int, heartbeat_s: float = 1.0, goal: float | None = None,
+            policy_options: dict | None = None):
     """A static run. ``goal``: stop it once more requests have missed the SLO (finished late, or waiting past
     the TTFT SLO for a first token) than the goal allows; its attainment is then the bound that proves the
     miss ("stopped": true). An under-provisioned day queues without end, every waiting request retrying on
     the Dispatcher's backoff: the static search's failing runs took most of its time."""
-    sim = ClusterSim(ClusterConfig(profile, prefill, decode, heartbeat_s=heartbeat_s), _fresh(requests))
+    sim = ClusterSim(ClusterConfig(profile, prefill, decode, heartbeat_s=heartbeat_s,
+                                   policy_options=policy_options or {}), _fresh(requests))
     stopped = False
     if goal is None:
         sim.run()
