@@ -17,9 +17,10 @@ it is one global lookup. The hops of a cached request's first token, in order::
                             once the sender heard the KV landed, after decode.kv)
     decode   decode.recv    its Decode handler took the request (beside the path when a prefill worker
                             computes: the Decode call is made while it does)
-             decode.kv      the KV of a prefill worker arrived                  (disaggregated only)
              decode.added   the engine thread took it in, between two steps (a Decode that computes its own
-                            prompt, as a cached one does; its ``step`` is the steps run so far)
+                            prompt, as a cached one does; its ``step`` is the steps run so far; a prefill
+                            worker marks ``prefill.added`` the same way, off the path)
+             decode.kv      the KV of a prefill worker arrived                  (disaggregated only)
              (decode.reserve: its Reserve handler took the request; disaggregated only, beside the path)
              decode.token   the engine step that made the first token ended (engine thread)
              decode.written the chunk of that token is in Redis (the step's pipeline returned)

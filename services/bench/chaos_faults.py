@@ -63,8 +63,7 @@ async def worker_stall(ctx: FaultContext) -> None:
         victim.signal(signal.SIGCONT)
 
 
-TRANSFER_TIMEOUT_S = 20.0  # the stack's router --transfer-timeout (bench chaos --transfer-timeout)
-STALL_FACTOR = 1.5  # a timed-out transfer's finish is held back this many times it (30 s at the default)
+STALL_FACTOR = 1.5  # a timed-out transfer's finish is held back this many times it (30 s at bench chaos's default --transfer-timeout, 20 s)
 
 
 async def transfer_fault(ctx: FaultContext) -> None:
@@ -81,7 +80,7 @@ def _fault_spec(name: str) -> str | None:
     return "corrupt:1,corrupt:3" if name == "decode-0" else None
 
 
-def arm_transfer_faults(stack: LocalStack, transfer_timeout_s: float = TRANSFER_TIMEOUT_S) -> list[str]:
+def arm_transfer_faults(stack: LocalStack, transfer_timeout_s: float) -> list[str]:
     """Restart the chosen workers with the fault-injection setting on (the supervisor starts them again); a
     transfer chosen to time out holds its finish back past the router's ``transfer_timeout_s``."""
     stall_s = transfer_timeout_s * STALL_FACTOR

@@ -181,7 +181,8 @@ class AsyncEngine:
 
         def add() -> None:
             self.engine.add_request(rid, prompt_token_ids, params, priority, prefill_only)
-            hops.mark(hops.client_id(rid), f"{self.role}.added", step=self.steps)
+            if hops.enabled():  # the hop probe only: nothing per request when it is off
+                hops.mark(hops.client_id(rid), f"{self.role}.added", step=self.steps)
 
         stream = self.stream(rid, add)
         # close the inner stream with this one, so a consumer that stops iterating aborts now, not at GC
