@@ -26,7 +26,8 @@ def _capacity(args) -> Capacity:
 async def _main(args) -> int:
     config = PlannerConfig(target_utilisation=args.target_utilisation, kv_target=args.kv_target,
                            lag_target_s=args.lag_target_s, slo_target=args.slo_target,
-                           slo_min_requests=args.slo_min_requests,
+                           slo_min_requests=args.slo_min_requests, staffing_beta=args.staffing_beta,
+                           kv_staffing_beta=args.kv_staffing_beta,
                            down_after_s=args.down_after_s, down_step=args.down_step, down_every_s=args.down_every_s,
                            down_floor_quantile=args.down_floor_quantile, warm_fraction=args.warm_fraction,
                            burst_factor=args.burst_factor, burst_utilisation=args.burst_utilisation,
@@ -100,6 +101,11 @@ def add_parser(sub) -> None:
     p.add_argument("--itl-slo", type=float, default=0.1, help="seconds (use a histogram bucket bound)")
     p.add_argument("--target-utilisation", type=float, default=0.6)
     p.add_argument("--kv-target", type=float, default=0.7)
+    p.add_argument("--staffing-beta", type=float, default=0.0,
+                   help="square-root staffing for prefill: a + beta x sqrt(a) workers for an offered load of a "
+                        "workers (the utilisation rises with the pool); 0: the fixed --target-utilisation")
+    p.add_argument("--kv-staffing-beta", type=float, default=0.0,
+                   help="the same for decode's KV blocks in use (0: the fixed --kv-target)")
     p.add_argument("--lag-target-s", type=float, default=1.0)
     p.add_argument("--slo-target", type=float, default=0.99)
     p.add_argument("--slo-min-requests", type=int, default=20,

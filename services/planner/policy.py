@@ -11,6 +11,8 @@ and Prometheus, the simulator from its cluster):
 Rule, per role::
 
     need = ceil(demand / (per-worker capacity * target_utilisation))
+    or, with staffing_beta > 0 (square-root staffing): need = ceil(a + staffing_beta * sqrt(a)), a = demand /
+    per-worker capacity (the offered load in workers); decode's KV the same with kv_staffing_beta
     prefill: + ceil(lag_s / lag_target_s) workers while the queue lags (clears the backlog)
     attainment under slo_target: need *= boost (the estimate is missing something: add headroom)
     demand: the trimmed mean of the windows over the last trend_window_s (less the highest and
@@ -133,6 +135,13 @@ class PlannerConfig:
     # tokens on the h100 profile against a 50 ms ITL SLO), and at 0.5 the day's ITL misses ordered more decode
     # workers than the prefill worker saved (k = 12, coding seed 1: 1.072x static at 0.993, 1.035x without)
     local_prefill_below: float = 0.0
+    # square-root staffing (Halfin and Whitt, Operations Research 1981): a pool of n servers offered a workers
+    # of load waits about as often at every size when n = a + beta * sqrt(a), so the utilisation it runs at
+    # rises with the load (a fixed target pays the same headroom share at 20 workers as at 2). 0: the fixed
+    # target_utilisation. Prefill's a: computed prompt tokens/s over one worker's; kv_staffing_beta: decode's
+    # KV blocks in use over one worker's (0: the fixed kv_target)
+    staffing_beta: float = 0.0
+    kv_staffing_beta: float = 0.0
     lookahead_s: float = 0.0  # 0: react to the demand now; else read it this far ahead on its rising trend
     # 300 s of a real day: at 120 the demand's level was noisy enough that the hysteresis floor (the highest need
     # of its window) ran the day's peak at twice the mean's need (k = 12, coding seed 1, target 0.6: 1.071x static
@@ -157,6 +166,8 @@ class PlannerConfig:
             raise ValueError("slo_window_s > 0 and slo_sigmas >= 0 needed")
         if self.down_every_s < 0:
             raise ValueError("down_every_s must be >= 0")
+        if not (self.staffing_beta >= 0 and self.kv_staffing_beta >= 0):
+            raise ValueError("staffing_beta and kv_staffing_beta must be >= 0 (0: the fixed targets)")
         if self.lookahead_s < 0 or not self.trend_window_s > 0:
             raise ValueError("lookahead_s >= 0 and trend_window_s > 0 needed")
         if min(self.warm_min, self.min_prefill, self.min_decode) < 0 or self.warm_fraction < 0:
@@ -238,10 +249,22 @@ class Planner:
                     max(math.ceil(kv_blocks / (cap.kv_blocks * kv_target)),
                         math.ceil(seqs / (cap.max_num_seqs * utilisation))))
 
+        def staffed(tokens_per_s, kv_blocks, seqs):
+            """The decided counts: the fixed targets, or square-root staffing where its beta is set."""
+            prefill, decode = counts(tokens_per_s, kv_blocks, seqs)
+            if c.staffing_beta and prefill:
+                load = tokens_per_s / cap.prefill_tokens_per_s
+                prefill = math.ceil(load + c.staffing_beta * math.sqrt(load))
+            if c.kv_staffing_beta:
+                load = kv_blocks / cap.kv_blocks
+                decode = max(math.ceil(load + c.kv_staffing_beta * math.sqrt(load)),
+                             math.ceil(seqs / (cap.max_num_seqs * c.target_utilisation)))
+            return prefill, decode
+
         level, ahead, likely = self._ahead(s)
-        prefill, decode = counts(*ahead)
+        prefill, decode = staffed(*ahead)
         reasons = []
-        if (prefill, decode) != counts(*level):
+        if (prefill, decode) != staffed(*level):
             reasons.append("rising demand")
         ready = max(s.prefill_workers - s.prefill_starting, 0)
         lag_s = s.queued_prefill_tokens / (cap.prefill_tokens_per_s * max(ready, 1))

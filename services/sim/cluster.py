@@ -219,6 +219,8 @@ class ClusterSim:
             decode.local_prefill(job)
             return
         job.prefill_worker = prefill.worker_id
+        if placement.prefill.fetch is not None:  # the router's peer fetch: the holder's blocks copied, not computed
+            job.extra["fetch"] = (placement.prefill.fetch.holder.worker_id, placement.prefill.fetch.blocks)
         job.token = begin_prefill(self.pool, self.index, placement.prefill, req.hashes, req.num_tokens, bs)
         job.decode_token = begin_decode(self.pool, placement.decode)
         prefill.submit(job)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import sys
 import time
 
@@ -107,11 +108,13 @@ def diurnal_day(seed: int, profile: WorkerProfile, rate: float, scale: DayScale,
     return WorkloadGenerator(seed, profile.block_size).sessions(arrivals), arrivals
 
 
-def ideal_ratio(arrivals: ArrivalShape, steps: int = 100_000) -> float:
+def ideal_ratio(arrivals: ArrivalShape, steps: int = 100_000, bursts: bool = True) -> float:
     """Perfect foresight's worker-hours over static peak's: the day's mean arrival rate over its highest
-    (bursts included), workers fractional and started the instant they are needed. No autoscaler can
-    do better; rounding to whole workers and Poisson noise put every real one above it."""
-    rates = [arrivals.rate_at(arrivals.duration_s * (i + 0.5) / steps) for i in range(steps)]
+    (bursts included; ``bursts`` False: the diurnal peak's, a fleet sized for the day without its bursts),
+    workers fractional and started the instant they are needed. No autoscaler can do better; rounding to
+    whole workers and Poisson noise put every real one above it."""
+    rate_at = arrivals.rate_at if bursts else dataclasses.replace(arrivals, burst_factor=1.0).rate_at
+    rates = [rate_at(arrivals.duration_s * (i + 0.5) / steps) for i in range(steps)]
     return round(sum(rates) / len(rates) / max(rates), 3)
 
 
@@ -137,14 +140,25 @@ def _autoscaled(profile, requests, slo, scale: DayScale, kind, planner_config=No
 
 
 def _static(profile, requests, slo, prefill: int, decode: int, heartbeat_s: float = 1.0, goal: float | None = None,
-            policy_options: dict | None = None):
+            policy_options: dict | None = None, windows=()):
     """A static run. ``goal``: stop it once more requests have missed the SLO (finished late, or waiting past
     the TTFT SLO for a first token) than the goal allows; its attainment is then the bound that proves the
     miss ("stopped": true). An under-provisioned day queues without end, every waiting request retrying on
-    the Dispatcher's backoff: the static search's failing runs took most of its time."""
+    the Dispatcher's backoff: the static search's failing runs took most of its time.
+
+    ``windows``: (start, end) spans of the day (its bursts) whose arrivals are judged alone too, each against
+    ``goal`` (``meets``): peak provisioning serves the day's highest load at the SLO, where the day's share of
+    misses lets a fleet sized for the diurnal peak drop a burst. With a goal the run stops in the first window
+    whose misses exceed what the goal allows of its arrivals ("stopped_by": "burst i")."""
     sim = ClusterSim(ClusterConfig(profile, prefill, decode, heartbeat_s=heartbeat_s,
                                    policy_options=policy_options or {}), _fresh(requests))
-    stopped = False
+    spans = [(a, b, sum(1 for r in requests if a <= r.arrival < b)) for a, b in windows]
+
+    def missed_in(jobs, now, a=-math.inf, b=math.inf):
+        return sum(1 for j in jobs if a <= j.req.arrival < b and (
+            (j.finished_at > 0 and not slo.met(j)) or (j.first_token_at <= 0 and now - j.req.arrival > slo.ttft_s)))
+
+    stopped, in_window = None, {}
     if goal is None:
         sim.run()
     else:
@@ -152,30 +166,51 @@ def _static(profile, requests, slo, prefill: int, decode: int, heartbeat_s: floa
         sim.run(until=step)
         while len(sim.loop):
             now = sim.loop.now
-            missed = sum(1 for j in sim.jobs if (j.finished_at > 0 and not slo.met(j))
-                         or (j.first_token_at <= 0 and now - j.req.arrival > slo.ttft_s))
+            missed = missed_in(sim.jobs, now)
             if missed > allowed:
-                stopped = True
+                stopped, attainment = "day", round(1 - missed / len(requests), 4)
+                break
+            for i, (a, b, n) in enumerate(spans):
+                if now >= b:  # a window once its arrivals are all in: those jobs, found once
+                    if i not in in_window:
+                        in_window[i] = [j for j in sim.jobs if a <= j.req.arrival < b]
+                    late = missed_in(in_window[i], now)
+                    if late > (1 - goal) * n:
+                        stopped, attainment = f"burst {i + 1}", round(1 - late / n, 4)
+                        break
+            if stopped:
                 break
             sim.loop.run(now + step)
     if stopped:
-        attainment = round(1 - missed / len(requests), 4)
         run = {"workers": prefill + decode, "prefill": prefill, "decode": decode, "slo_attainment": attainment,
                "worker_hours": round((prefill + decode) * max(r.arrival for r in requests) / 3600, 3),
-               "stopped": True, "stopped_at_s": round(sim.loop.now, 1)}
-        _log(f"static {prefill}+{decode}: attainment at most {attainment} (stopped at {sim.loop.now:.0f} s), "
-             f"{run['worker_hours']} worker-h")
+               "stopped": True, "stopped_by": stopped, "stopped_at_s": round(sim.loop.now, 1)}
+        where = "the day" if stopped == "day" else stopped
+        _log(f"static {prefill}+{decode}: attainment in {where} at most {attainment} (stopped at "
+             f"{sim.loop.now:.0f} s), {run['worker_hours']} worker-h")
         return run
     s = summarize(sim, slo)
     run = {"workers": prefill + decode, "prefill": prefill, "decode": decode, "slo_attainment": s["slo_attainment"],
            "worker_hours": round((prefill + decode) * sim.loop.now / 3600, 3), "ttft_s": s["ttft_s"],
            "itl_s": s["itl_s"]}
-    _log(f"static {prefill}+{decode}: attainment {run['slo_attainment']}, {run['worker_hours']} worker-h")
+    if spans:
+        done = [j for j in sim.jobs if j.finished_at > 0]
+        run["windows"] = [{"start_s": round(a, 1), "end_s": round(b, 1), "requests": n,
+                           "slo_attainment": round(1 - missed_in(done, sim.loop.now, a, b) / n, 4) if n else 1.0}
+                          for a, b, n in spans]
+    _log(f"static {prefill}+{decode}: attainment {run['slo_attainment']}"
+         + "".join(f", burst {i + 1} {w['slo_attainment']}" for i, w in enumerate(run.get("windows", [])))
+         + f", {run['worker_hours']} worker-h")
     return run
 
 
+def meets(run: dict, goal: float) -> bool:
+    """A static run meets ``goal`` over the day and in each of its judged windows."""
+    return run["slo_attainment"] >= goal and all(w["slo_attainment"] >= goal for w in run.get("windows", []))
+
+
 def static_peak(profile, requests, slo, hint: tuple[int, int], goal: float = 0.99,
-                heartbeat_s: float = 1.0) -> tuple[dict, list[dict]]:
+                heartbeat_s: float = 1.0, windows=()) -> tuple[dict, list[dict]]:
     """The smallest static provisioning meeting ``goal``, prefill and decode sized apart (a fixed split
     would charge static for the role it over-provisions): from ``hint`` (grown by a quarter until it
     meets the goal), gallop each role down (1, 2, 4, ... fewer) to the first count that fails, then
@@ -184,12 +219,12 @@ def static_peak(profile, requests, slo, hint: tuple[int, int], goal: float = 0.9
     finished in a session. Every run is returned (points of the trade-off curve)."""
     runs: list[dict] = []
 
-    def meets(p: int, d: int) -> bool:
-        runs.append(_static(profile, requests, slo, p, d, heartbeat_s, goal))
-        return runs[-1]["slo_attainment"] >= goal
+    def fits(p: int, d: int) -> bool:
+        runs.append(_static(profile, requests, slo, p, d, heartbeat_s, goal, windows=windows))
+        return meets(runs[-1], goal)
 
     p, d = max(1, hint[0]), max(1, hint[1])
-    while not meets(p, d):
+    while not fits(p, d):
         p, d = p + max(1, p // 4), d + max(1, d // 4)
     for role in ("prefill", "decode"):
         def at(n: int) -> tuple[int, int]:
@@ -198,13 +233,13 @@ def static_peak(profile, requests, slo, hint: tuple[int, int], goal: float = 0.9
         hi = p if role == "prefill" else d  # meets; lo fails (0: never run)
         step, lo = 1, 0
         while hi - step >= 1:
-            if not meets(*at(hi - step)):
+            if not fits(*at(hi - step)):
                 lo = hi - step
                 break
             hi, step = hi - step, step * 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if meets(*at(mid)):
+            if fits(*at(mid)):
                 hi = mid
             else:
                 lo = mid
@@ -212,14 +247,14 @@ def static_peak(profile, requests, slo, hint: tuple[int, int], goal: float = 0.9
             p = hi
         else:
             d = hi
-    best = min((r for r in runs if r["slo_attainment"] >= goal), key=lambda r: (r["workers"], -r["slo_attainment"]))
+    best = min((r for r in runs if meets(r, goal)), key=lambda r: (r["workers"], -r["slo_attainment"]))
     return best, runs
 
 
-def recheck_static(profile, requests, slo, known: dict, heartbeat_s: float) -> tuple[dict, list[dict]]:
+def recheck_static(profile, requests, slo, known: dict, heartbeat_s: float, windows=()) -> tuple[dict, list[dict]]:
     """A saved static search's answer, its peak run again: the simulator may have changed since."""
     peak = known["static_peak"]
-    again = _static(profile, requests, slo, peak["prefill"], peak["decode"], heartbeat_s)
+    again = _static(profile, requests, slo, peak["prefill"], peak["decode"], heartbeat_s, windows=windows)
     if (again["slo_attainment"], again["worker_hours"]) != (peak["slo_attainment"], peak["worker_hours"]):
         raise ValueError(f"the saved static peak {peak['prefill']}+{peak['decode']} now gives attainment "
                          f"{again['slo_attainment']} and {again['worker_hours']} worker-h (saved: "
@@ -251,11 +286,12 @@ def planner_variants(profile: WorkerProfile, scale: DayScale, targets, headline_
 
 def run_autoscale(profile: WorkerProfile, requests, slo: SLO, scale: DayScale, planner_targets, threshold_targets,
                   headline_target: float, ablations: bool = True, static_start: tuple[int, int] | None = None,
-                  static_known: dict | None = None) -> dict:
+                  static_known: dict | None = None, static_windows=()) -> dict:
     """The planner at several target utilisations (and, at the headline target, without its trend
     lookahead and without a warm pool), the HPA-like threshold rule at several targets, and static
     provisioning searched from the headline planner's 95th-percentile counts to the smallest meeting
-    99%: the trade-off curve. ``static_start``: start the static search there instead (a known answer
+    99% (over the day, and in each of ``static_windows``, the day's bursts, when given: peak provisioning):
+    the trade-off curve. ``static_start``: start the static search there instead (a known answer
     costs three runs: it, one prefill fewer, one decode fewer). ``static_known``: a saved run's ``autoscale``
     object on the same trace (``static_from`` checks that): its search is taken, its peak re-run once here
     and refused if the simulator now gives it another attainment.
@@ -277,9 +313,10 @@ def run_autoscale(profile: WorkerProfile, requests, slo: SLO, scale: DayScale, p
         _log(f"planner {name}: attainment {run['slo_attainment']}, {run['worker_hours']} worker-h, "
              f"peak {run['peak']}, by state {run['worker_hours_by_state']}")
         if name == headline_name and static_known:
-            peak, static = recheck_static(day, requests, slo, static_known, scale.heartbeat_s)
+            peak, static = recheck_static(day, requests, slo, static_known, scale.heartbeat_s, static_windows)
         elif name == headline_name:
-            peak, static = static_peak(day, requests, slo, static_start or static_hint(run), heartbeat_s=scale.heartbeat_s)
+            peak, static = static_peak(day, requests, slo, static_start or static_hint(run), heartbeat_s=scale.heartbeat_s,
+                                       windows=static_windows)
             _log(f"static peak {peak['prefill']}+{peak['decode']}: {peak['worker_hours']} worker-h")
     threshold = []
     for target in threshold_targets:

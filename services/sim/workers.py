@@ -11,7 +11,9 @@ tokens already fills the device). Its prefix cache is an LRU of block hashes
 with the worker's KV capacity; a request hits the leading run of its blocks
 that is cached when it starts (a request whose prefix the previous one is
 computing therefore hits it, as the engine's blocks-in-progress rule gives) and
-stores the rest when it ends.
+stores the rest when it ends. With the router's peer fetch on, a prompt the router
+sends with a fetch plan first copies the holder's leading blocks over the
+profile's KV bandwidth, then computes the rest (``PrefillWorker._fetch``).
 
 Decode worker: continuous batching modelled per batch, not per token. Between
 two changes of its batch (a request joins or finishes) every step costs the
@@ -32,6 +34,8 @@ from dataclasses import dataclass, field
 
 from services.kv_events import REMOVED, STORED
 from services.registry import WorkerInfo
+from services.router.fetch_cost import FIXED_S as FETCH_FIXED_S
+from services.router.fetch_cost import HOLDER_STEP_TOKENS
 from services.sim.profiles import WorkerProfile
 from services.sim.workloads import SimRequest
 
@@ -66,7 +70,8 @@ class SimWorker:
         self.profile = profile
         self.info = WorkerInfo(worker_id=worker_id, role=self.role, address=worker_id, model=model,
                                namespace=model, block_size=profile.block_size, max_model_len=max_model_len,
-                               ready=True, kv_blocks_total=profile.kv_blocks)
+                               ready=True, kv_blocks_total=profile.kv_blocks,
+                               kv_block_bytes=profile.kv_bytes_per_token * profile.block_size)
         self.busy_s = 0.0  # compute time spent (utilisation)
         self.draining = False
         self.host = getattr(sim, "host", None)  # a SharedHost (host.py) when workers share cores
@@ -129,8 +134,10 @@ class PrefillWorker(SimWorker):
         job = self.queue.popleft()
         self.running = job
         req = job.req
-        new = req.num_tokens - self._lookup(job) * self.profile.block_size
-        duration = self.profile.prefill_s(new, req.num_tokens) + self.profile.prefill_request_s
+        held = self._lookup(job)
+        fetch_s = self._fetch(job, held)
+        new = req.num_tokens - max(held, job.extra.get("fetched_blocks", 0)) * self.profile.block_size
+        duration = fetch_s + self.profile.prefill_s(new, req.num_tokens) + self.profile.prefill_request_s
         self.busy_s += duration
         self._work, self._since = duration, self.sim.loop.now
         if self.host is not None:
@@ -169,6 +176,32 @@ class PrefillWorker(SimWorker):
         job.cached_tokens = hit * self.profile.block_size
         job.extra["hit_blocks"] = hit
         return hit
+
+    def _fetch(self, job: Job, held: int) -> float:
+        """A peer fetch the router planned (``job.extra["fetch"]``: the holder and its blocks): the leading blocks
+        the holder still holds beyond this worker's own are copied here before the rest is computed. Its time:
+        the blocks over the profile's KV bandwidth, the fetch's round trips (fetch_cost.FIXED_S), and the
+        holder's prefill under way up to one long-prefill chunk (it serves a fetch ahead of its queue). The
+        fetched tokens count as cached (``job.cached_tokens``) and the blocks are cached here when it is done."""
+        plan = job.extra.get("fetch")
+        if plan is None:
+            return 0.0
+        holder_id, blocks = plan
+        holder = self.sim.workers.get(holder_id)
+        if holder is None or holder.draining:  # gone since the plan: its cache went with it
+            return 0.0
+        have = 0
+        for h in job.req.hashes[:blocks]:
+            if h not in holder.cache:
+                break
+            have += 1
+        if have <= held:
+            return 0.0
+        job.extra["fetched_blocks"] = have
+        job.cached_tokens = have * self.profile.block_size
+        step = (min(HOLDER_STEP_TOKENS, holder.running.req.num_tokens - holder.running.cached_tokens)
+                * self.profile.prefill_per_token_s if holder.running is not None else 0.0)
+        return (have * self.info.kv_block_bytes / self.profile.transfer_bytes_per_s + FETCH_FIXED_S + step)
 
     def _store(self, job: Job) -> None:
         """The prompt is computed: its blocks are cached (the LRU evicts beyond capacity), KV events out."""

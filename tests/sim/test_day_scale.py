@@ -42,6 +42,8 @@ def test_perfect_foresight_is_the_mean_rate_over_the_peak():
                          bursts=[(45.0, 55.0)])  # on the peak
     # the mean gains the burst's half extra over a tenth of the day near the peak (~1.8x): 1.09
     assert ideal_ratio(burst) == pytest.approx((1 + 0.5 * 0.1 * 1.8) / (1.82 * 1.5), abs=0.01)
+    # against the diurnal peak (a fleet sized without the bursts): the sine's own ratio
+    assert ideal_ratio(burst, bursts=False) == pytest.approx(1 / 1.82, abs=0.002)
 
 
 def test_a_day_longer_than_a_day_is_refused():

@@ -367,3 +367,21 @@ def test_scale_downs_are_spaced_by_down_every_s():
     assert counts(down_every_s=30) == [19, 19, 19, 18, 18, 18, 17, 17, 17, 16, 16]
     with pytest.raises(ValueError, match="down_every_s"):
         PlannerConfig(down_every_s=-1)
+
+
+def test_square_root_staffing_runs_a_larger_pool_hotter():
+    # offered loads of 1, 4 and 16 workers: a + sqrt(a) is 2, 6 and 20 workers (utilisation 0.5, 0.67, 0.8)
+    # where the fixed target 0.6 runs 2, 7 and 27
+    for load, fixed, staffed in ((1, 2, 2), (4, 7, 6), (16, 27, 20)):
+        tokens = load * CAP.prefill_tokens_per_s
+        assert planner().decide(signals(0, tokens_per_s=tokens)).prefill == fixed
+        assert planner(staffing_beta=1.0).decide(signals(0, tokens_per_s=tokens)).prefill == staffed
+    # decode's KV alike with kv_staffing_beta (9 workers' blocks in use: 9 + 3), and the sequence count
+    # still bounds it (its rule is unchanged)
+    assert planner().decide(signals(0, kv=9000)).decode == 13  # 9000 / (1000 * 0.7)
+    assert planner(kv_staffing_beta=1.0).decide(signals(0, kv=9000)).decode == 12
+    assert planner(kv_staffing_beta=1.0).decide(signals(0, kv=9000, running=1500)).decode == 25  # 1500 / 60
+    # no demand, no workers: sqrt(0) adds none
+    assert planner(staffing_beta=1.0).decide(signals(0, prefill=0, tokens_per_s=0.0)).prefill == 0
+    with pytest.raises(ValueError, match="staffing_beta"):
+        PlannerConfig(staffing_beta=-1)

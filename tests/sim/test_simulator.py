@@ -162,9 +162,14 @@ def test_bench_sim_command_prints_the_headline_and_writes_plots_and_results(tmp_
     assert (out["workers"], out["requests"]) == (8, 300)
     assert set(out["policies"]) == {"round-robin", "least-load", "kv-aware", "kv-aware-lb"}
     assert set(out["validation"]["real"]) == set(out["validation"]["sim"])
-    # static peak searched to the smallest meeting 99%; the check trace run and reported
+    # static peak searched to the smallest meeting 99% over the day and in each of its bursts (the default
+    # --static-goal); the check trace run and reported
     peak = out["autoscale"]["static_peak"]
     assert peak["slo_attainment"] >= 0.99 and peak["workers"] == peak["prefill"] + peak["decode"]
+    assert out["autoscale_static_goal"] == "bursts" and len(peak["windows"]) == 2
+    assert all(w["slo_attainment"] >= 0.99 for w in peak["windows"])
+    assert out["autoscale_ideal_worker_hours_vs_static"] == out["autoscale"]["ideal_worker_hours_vs_static"]
+    assert 0 < out["autoscale_ideal_worker_hours_vs_diurnal_peak"] <= 1
     assert out["autoscale_check"]["trace_shape"] == "conversation" and out["autoscale_check"]["seed"] == 1
     pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert pngs and all((tmp_path / "plots" / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
@@ -182,3 +187,30 @@ def test_bench_sim_rejects_an_unknown_part_or_policy_set():
     proc = subprocess.run([sys.executable, "-m", "services.cli", "bench", "sim", "--policies", "kv-aware"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--policies must include kv-aware and round-robin" in proc.stderr
+
+
+@pytest.mark.parametrize("peer_fetch", [False, True])
+def test_a_peer_fetch_the_router_plans_copies_the_prefix_instead_of_computing_it(peer_fetch):
+    profile = load_profile("h100")
+    shared = list(range(100, 132))  # 32 blocks
+    reqs = [SimRequest(0, 0.0, "standard", shared, 32 * 64, 2),
+            # keeps the holder busy: 200 blocks to compute, 0.25 x 12,800 > the 2,048 tokens the next prompt saves
+            SimRequest(1, 1.0, "standard", shared + list(range(5000, 5200)), 232 * 64, 2),
+            SimRequest(2, 1.001, "standard", shared + [999], 33 * 64, 2)]
+    options = {"peer_fetch": peer_fetch, "peer_fetch_bandwidth_gbps": 40,
+               "peer_fetch_prefill_tokens_per_s": 1 / profile.prefill_per_token_s}
+    sim = ClusterSim(ClusterConfig(profile, 2, 1, disaggregation="always", policy_options=options), reqs).run()
+    first, busy, moved = sim.jobs
+    assert first.prefill_worker == busy.prefill_worker == "prefill-0001"
+    assert moved.prefill_worker == "prefill-0002"  # the holder's queue outweighs the prefix
+    prefill_s = moved.extra["prefilled_at"] - moved.dispatched_at
+    if not peer_fetch:
+        assert moved.cached_tokens == 0 and "fetched_blocks" not in moved.extra
+        assert prefill_s == pytest.approx(profile.prefill_s(33 * 64, 33 * 64) + profile.prefill_request_s)
+        return
+    # 32 blocks of 8 MiB at 40 GB/s, the fetch's round trips, the holder's prefill chunk under way, then one block
+    assert moved.extra["fetched_blocks"] == 32 and moved.cached_tokens == 32 * 64
+    fetch_s = 32 * 64 * profile.kv_bytes_per_token / 40e9 + 0.005 + 512 * profile.prefill_per_token_s
+    assert prefill_s == pytest.approx(fetch_s + profile.prefill_s(64, 33 * 64) + profile.prefill_request_s)
+    assert sim.workers["prefill-0002"].cache.keys() >= set(shared)  # cached there now, and the index knows it
+    assert sim.index.overlaps(shared)["prefill-0002"] == 32

@@ -15,7 +15,7 @@ FRONTIER = (5, 3)
 def calls(monkeypatch):
     runs = []
 
-    def static(profile, requests, slo, prefill, decode, heartbeat_s=1.0, goal=None):
+    def static(profile, requests, slo, prefill, decode, heartbeat_s=1.0, goal=None, windows=()):
         runs.append((prefill, decode))
         ok = prefill >= FRONTIER[0] and decode >= FRONTIER[1]
         return {"workers": prefill + decode, "prefill": prefill, "decode": decode,
@@ -92,8 +92,36 @@ def test_static_from_refuses_another_trace(tmp_path):
     path = tmp_path / "sim.json"
     path.write_text(json.dumps({"result": saved}))
     args = argparse.Namespace(static_from=str(path), profile="h100", ttft_slo=2.0, itl_slo=0.05, seed=1,
-                              trace_shape="coding", autoscale_rate=8.0, period_s=7200.0, burst_factor=1.5)
+                              trace_shape="coding", autoscale_rate=8.0, period_s=7200.0, burst_factor=1.5,
+                              static_goal="day")
     assert bench._static_from(args, 1000)["static_peak"] == {"prefill": 5, "decode": 2}
+    args.static_goal = "bursts"  # a search saved before static_goal existed judged the day alone
+    with pytest.raises(ValueError, match="not this run's trace"):
+        bench._static_from(args, 1000)
+    args.static_goal = "day"
     args.seed = 0
     with pytest.raises(ValueError, match="not this run's trace"):
         bench._static_from(args, 1000)
+
+
+def test_a_static_run_that_meets_the_day_but_drops_a_burst_does_not_meet_peak_provisioning():
+    from services.sim.metrics import SLO
+    from services.sim.profiles import load_profile
+    from services.sim.workloads import SimRequest
+
+    profile, slo = load_profile("h100"), SLO(2.0, 0.05)
+    # 5 prompts of 1,024 tokens a second for 3,000 s (one prefill worker ~20% busy), and at t = 300 a burst of
+    # 40 prompts of 8,192 tokens (~11 s of its work): the burst's requests wait past the TTFT SLO, and their
+    # misses are under 1% of the day's
+    steady = [SimRequest(i, i / 5, "standard", list(range(i * 16, (i + 1) * 16)), 1024, 2) for i in range(15_000)]
+    burst = [SimRequest(100_000 + i, 300.0 + i / 40, "standard", list(range(10**7 + i * 128, 10**7 + (i + 1) * 128)),
+                        8192, 2) for i in range(40)]
+    reqs = sorted(steady + burst, key=lambda r: r.arrival)
+    day = experiments._static(profile, reqs, slo, 1, 2, goal=0.99)
+    assert "stopped" not in day and experiments.meets(day, 0.99)
+    peak = experiments._static(profile, reqs, slo, 1, 2, goal=0.99, windows=[(300.0, 301.0)])
+    assert peak["stopped"] and peak["stopped_by"] == "burst 1" and peak["slo_attainment"] < 0.5
+    assert not experiments.meets(peak, 0.99) and peak["stopped_at_s"] < 400
+    whole = experiments._static(profile, reqs, slo, 1, 2, windows=[(300.0, 301.0)])  # no goal: run to the end
+    assert whole["slo_attainment"] == day["slo_attainment"] and whole["windows"][0]["requests"] == 45
+    assert whole["windows"][0]["slo_attainment"] < 0.5 and not experiments.meets(whole, 0.99)
