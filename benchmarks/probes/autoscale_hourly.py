@@ -18,6 +18,7 @@ import time
 
 from autoscale_day import load_day
 
+from services.bench import results
 from services.planner.policy import PlannerConfig
 from services.sim import experiments
 from services.sim.autoscale import SimAutoscaler
@@ -107,7 +108,8 @@ def main() -> None:
     print(json.dumps(total), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "hours": rows, "total": total}, f, indent=1)
+            json.dump(results.record("autoscale_hourly", {"args": vars(args), "hours": rows, "total": total}), f,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ async def _main(args) -> int:
                            down_after_s=args.down_after_s, down_step=args.down_step, down_every_s=args.down_every_s,
                            down_floor_quantile=args.down_floor_quantile, warm_fraction=args.warm_fraction,
                            burst_factor=args.burst_factor, burst_utilisation=args.burst_utilisation,
+                           burst_kv_target=args.burst_kv_target,
                            idle_to_zero_s=args.idle_to_zero_s, lookahead_s=args.lookahead_s,
                            trend_window_s=args.trend_window_s, boost=args.boost, boost_every_s=args.boost_every_s,
                            boost_only_while_missing=args.boost_only_while_missing,
@@ -133,6 +134,8 @@ def add_parser(sub) -> None:
                    help="the warm pool covers a jump of demand by this factor (1: warm_min standbys only)")
     p.add_argument("--burst-utilisation", type=float, default=0.9,
                    help="the utilisation the SLO survives during that burst (sizes the warm pool)")
+    p.add_argument("--burst-kv-target", type=float, default=0.0,
+                   help="decode's KV in that burst held to this share of the blocks (0: --burst-utilisation)")
     p.add_argument("--warm-fraction", type=float, default=0.0, help="and at least this share of the active workers warm")
     p.add_argument("--warm-min", type=int, default=1, help="standby workers kept at least")
     p.add_argument("--local-prefill-below", type=float, default=0.0,

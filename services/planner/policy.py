@@ -123,6 +123,9 @@ class PlannerConfig:
     # burst_factor served at burst_utilisation needs this many more workers than are running
     burst_factor: float = 1.5
     burst_utilisation: float = 0.9
+    # decode's KV in that burst is held to this share of the workers' blocks (0: burst_utilisation). KV is a
+    # hard limit: at 0.9 on average some workers are full, and a first token waits for room
+    burst_kv_target: float = 0.0
     warm_fraction: float = 0.0  # and at least this share of the active workers
     # a fixed standby: 0 (the pool from the burst and the rise alone) cost attainment on the day (k = 12, coding
     # seed 1: 0.9717 against 0.9909): the pool those two size is ~0 when the decided counts already stand over
@@ -152,6 +155,8 @@ class PlannerConfig:
     max_workers: int = 10_000
 
     def __post_init__(self) -> None:
+        if not 0 <= self.burst_kv_target <= 1:
+            raise ValueError("burst_kv_target must be in [0, 1] (0: burst_utilisation)")
         for name in ("target_utilisation", "kv_target", "slo_target", "down_step", "burst_utilisation",
                      "down_floor_quantile"):
             if not 0 < getattr(self, name) <= 1:
@@ -305,7 +310,7 @@ class Planner:
         # starts cold cost less than that
         now_demand = (s.prefill_tokens_per_s, s.kv_blocks_used, s.running_seqs)
         burst = counts(*(d * c.burst_factor for d in now_demand), utilisation=c.burst_utilisation,
-                       kv_target=c.burst_utilisation)
+                       kv_target=c.burst_kv_target or c.burst_utilisation)
         warm = max(0, burst[0] - prefill) + max(0, burst[1] - decode)
         # and the rise the trend's own slope (not its lower bound, which the cold orders follow) brings within
         # a cold start (lookahead_s), served at burst_utilisation: a ramp's next workers start warm

@@ -200,6 +200,10 @@ def test_the_warm_pool_covers_the_burst_the_slo_must_survive():
     assert (d.prefill, d.decode, d.warm) == (15, 8, 7)
     # no burst to survive: warm_min only
     assert planner(burst_factor=1.0, warm_min=1).decide(signals(0, tokens_per_s=60_000, kv=3000)).warm == 1
+    # decode's KV in the burst held to burst_kv_target 0.7: 4,500 blocks need 7 workers, 3 more than the 4
+    d = planner(target_utilisation=0.8, kv_target=0.75, burst_kv_target=0.7).decide(signals(0, tokens_per_s=60_000,
+                                                                                          kv=3000))
+    assert (d.prefill, d.decode, d.warm) == (8, 4, 2 + 3)
 
 
 def test_after_a_burst_the_count_falls_to_the_last_windows_need_at_once():
