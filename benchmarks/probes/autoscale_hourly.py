@@ -7,7 +7,7 @@ worst hour is seen, not only its day's share of misses.
 
     PYTHONPATH=. python benchmarks/probes/autoscale_hourly.py static 17+8 [--rate 32] [--seed 1]
     PYTHONPATH=. python benchmarks/probes/autoscale_hourly.py planner '{"target_utilisation": 0.6}'
-        [--router '{"load_weight": 0.1}']
+        [--router '{"load_weight": 0.1}'] [--spill-blocks 12000 --router '{"restore_token_cost": 0.16}']
 
 Prints one line per hour and the day's totals; with ``--json FILE``, the rows as JSON too.
 """
@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--shape", default="coding")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--router", default="{}", help="RouterPolicyConfig fields as JSON (load_weight 0.1)")
+    ap.add_argument("--spill-blocks", type=int, default=0,
+                    help="each prefill worker's spill tier, in blocks (ClusterConfig.prefill_spill_blocks; 0: none)")
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args()
     base, scale, trace = load_day(args)
@@ -42,13 +44,13 @@ def main() -> None:
     start = time.process_time()
     if args.kind == "static":
         p, d = (int(x) for x in args.what.split("+"))
-        sim = ClusterSim(ClusterConfig(profile, p, d, heartbeat_s=scale.heartbeat_s, policy_options=router),
-                         experiments._fresh(trace))
+        sim = ClusterSim(ClusterConfig(profile, p, d, heartbeat_s=scale.heartbeat_s, policy_options=router,
+                                       prefill_spill_blocks=args.spill_blocks), experiments._fresh(trace))
         scaler = None
     else:
         config = scale.planner(PlannerConfig(**json.loads(args.what)), base.cold_start_s)
-        sim = ClusterSim(ClusterConfig(profile, 1, 1, heartbeat_s=scale.heartbeat_s, policy_options=router),
-                         experiments._fresh(trace))
+        sim = ClusterSim(ClusterConfig(profile, 1, 1, heartbeat_s=scale.heartbeat_s, policy_options=router,
+                                       prefill_spill_blocks=args.spill_blocks), experiments._fresh(trace))
         scaler = SimAutoscaler("planner", profile, slo, interval_s=scale.tick_s, planner_config=config)
         scaler.attach(sim)
     # each sample also records the prefill workers' busy seconds so far (the retired ones' included)
@@ -80,6 +82,8 @@ def main() -> None:
             "prompt_per_request": round(sum(j.req.num_tokens for j in jobs) / len(jobs)),
             "fetched_per_request": round(sum(j.extra.get("fetched_blocks", 0) for j in jobs)
                                          * profile.block_size / len(jobs)),
+            "restored_per_request": round(sum(j.extra.get("restored_blocks", 0) for j in jobs)
+                                          * profile.block_size / len(jobs)),
             "prefill_workers": round(sum(s["prefill_workers"] for s in series) / len(series), 2),
             "decode_workers": round(sum(s["decode_workers"] for s in series) / len(series), 2),
             "prefill_busy_share": round(busy / ready_s, 3) if ready_s else None,

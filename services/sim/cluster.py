@@ -55,6 +55,11 @@ class ClusterConfig:
     max_model_len: int = 131_072
     model: str = "model"
     queue: QueueConfig = field(default_factory=QueueConfig)
+    # the prefill workers' spill tier (a worker's --kv-spill-gb, in blocks; 0: none): blocks evicted from the KV
+    # pool move there, and a prompt that hits them copies them back at spill_restore_bytes_per_s (host memory
+    # to the device) instead of computing them. Modelled for the one-prompt-at-a-time prefill worker (GPU profiles)
+    prefill_spill_blocks: int = 0
+    spill_restore_bytes_per_s: float = 25e9  # PCIe Gen5 x16 at about half its 64 GB/s
 
     def __post_init__(self) -> None:
         if self.prefill_workers < 0 or self.decode_workers < 0:
@@ -65,6 +70,11 @@ class ClusterConfig:
             raise ValueError("host_cores must be >= 0 (0: every worker has its own hardware)")
         if not self.heartbeat_s > 0 or not self.sample_s > 0:
             raise ValueError("heartbeat_s and sample_s must be > 0")
+        if self.prefill_spill_blocks < 0 or not self.spill_restore_bytes_per_s > 0:
+            raise ValueError("prefill_spill_blocks must be >= 0 and spill_restore_bytes_per_s > 0")
+        if self.prefill_spill_blocks and self.profile.prefill_step_tokens:
+            raise ValueError(f"a spill tier is modelled for the one-prompt-at-a-time prefill worker, not the "
+                             f"{self.profile.name} profile's stepped one")
 
 
 class ClusterSim:

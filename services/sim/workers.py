@@ -32,6 +32,7 @@ import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from services.engine.block_pool import SPILL
 from services.kv_events import REMOVED, STORED
 from services.registry import WorkerInfo
 from services.router.fetch_cost import FIXED_S as FETCH_FIXED_S
@@ -108,6 +109,10 @@ class PrefillWorker(SimWorker):
     def __init__(self, *args):
         super().__init__(*args)
         self.cache: OrderedDict[int, None] = OrderedDict()  # block hash, least recently used first
+        # the spill tier (ClusterConfig.prefill_spill_blocks): blocks evicted from the pool, least recent first
+        self.spill: OrderedDict[int, None] = OrderedDict()
+        self.spill_capacity = getattr(self.sim.config, "prefill_spill_blocks", 0)
+        self.info.kv_spill_blocks_total = self.spill_capacity
         self.queue: deque[Job] = deque()
         self.queued_tokens = 0
         self.running: Job | None = None
@@ -138,6 +143,8 @@ class PrefillWorker(SimWorker):
         fetch_s = self._fetch(job, held)
         new = req.num_tokens - max(held, job.extra.get("fetched_blocks", 0)) * self.profile.block_size
         duration = fetch_s + self.profile.prefill_s(new, req.num_tokens) + self.profile.prefill_request_s
+        if "fetched_blocks" not in job.extra and job.extra.get("restored_blocks"):  # copied back from the spill tier
+            duration += job.extra["restored_blocks"] * self.info.kv_block_bytes / self.sim.config.spill_restore_bytes_per_s
         self.busy_s += duration
         self._work, self._since = duration, self.sim.loop.now
         if self.host is not None:
@@ -165,16 +172,22 @@ class PrefillWorker(SimWorker):
 
     def _lookup(self, job: Job) -> int:
         """The request's leading run of cached blocks (refreshed in the LRU): its prefix hit."""
-        req, cache = job.req, self.cache
-        hit = 0
+        req, cache, spill = job.req, self.cache, self.spill
+        hit = restored = 0
         for h in req.hashes:
-            if h not in cache:
+            if h in cache:
+                hit += 1
+            elif h in spill:  # in the spill tier: a hit that is copied back (at _store it is in the pool again)
+                hit += 1
+                restored += 1
+            else:
                 break
-            hit += 1
         for h in reversed(req.hashes[:hit]):  # the prompt's first block ends most recently used
-            cache.move_to_end(h)
+            if h in cache:
+                cache.move_to_end(h)
         job.cached_tokens = hit * self.profile.block_size
         job.extra["hit_blocks"] = hit
+        job.extra["restored_blocks"] = restored
         return hit
 
     def _fetch(self, job: Job, held: int) -> float:
@@ -192,7 +205,7 @@ class PrefillWorker(SimWorker):
             return 0.0
         have = 0
         for h in job.req.hashes[:blocks]:
-            if h not in holder.cache:
+            if h not in holder.cache and h not in holder.spill:
                 break
             have += 1
         if have <= held:
@@ -205,15 +218,24 @@ class PrefillWorker(SimWorker):
 
     def _store(self, job: Job) -> None:
         """The prompt is computed: its blocks are cached (the LRU evicts beyond capacity), KV events out."""
-        req, cache = job.req, self.cache
-        stored = [h for h in req.hashes[job.extra["hit_blocks"]:] if h not in cache]
+        req, cache, spill = job.req, self.cache, self.spill
+        back = [h for h in req.hashes if h in spill]  # copied back into the pool (or computed again past the hit)
+        for h in back:
+            del spill[h]
+        stored = [h for h in req.hashes[job.extra["hit_blocks"]:] if h not in cache and h not in back] + back
         for h in reversed(req.hashes):
             cache[h] = None
             cache.move_to_end(h)
-        removed = []
+        evicted = []
         while len(cache) > self.profile.kv_blocks:
-            removed.append(cache.popitem(last=False)[0])
-        self.sim.kv_events(self.worker_id, [(STORED, stored), (REMOVED, removed)])
+            evicted.append(cache.popitem(last=False)[0])
+        spilled, removed = (evicted, []) if self.spill_capacity else ([], evicted)
+        for h in spilled:
+            spill[h] = None
+        while len(spill) > self.spill_capacity:
+            removed.append(spill.popitem(last=False)[0])
+        runs = [(STORED, stored)] + ([(STORED, spilled, SPILL)] if spilled else []) + [(REMOVED, removed)]
+        self.sim.kv_events(self.worker_id, runs)
         self.queued_tokens -= req.num_tokens
 
 

@@ -214,3 +214,30 @@ def test_a_peer_fetch_the_router_plans_copies_the_prefix_instead_of_computing_it
     assert prefill_s == pytest.approx(fetch_s + profile.prefill_s(64, 33 * 64) + profile.prefill_request_s)
     assert sim.workers["prefill-0002"].cache.keys() >= set(shared)  # cached there now, and the index knows it
     assert sim.index.overlaps(shared)["prefill-0002"] == 32
+
+
+@pytest.mark.parametrize("spill_blocks", [0, 100])
+def test_a_prefill_workers_spill_tier_keeps_evicted_blocks_and_copies_them_back(spill_blocks):
+    profile = load_profile("h100").with_kv_blocks(40)
+    a, b = list(range(100, 132)), list(range(500, 532))  # 32 blocks each: b pushes 24 of a's out of the pool
+    reqs = [SimRequest(0, 0.0, "standard", a, 32 * 64, 2), SimRequest(1, 1.0, "standard", b, 32 * 64, 2),
+            SimRequest(2, 2.0, "standard", a + [999], 33 * 64, 2)]
+    sim = ClusterSim(ClusterConfig(profile, 1, 1, disaggregation="always", prefill_spill_blocks=spill_blocks),
+                     reqs).run()
+    again = sim.jobs[2]
+    prefill_s = again.extra["prefilled_at"] - again.dispatched_at
+    if not spill_blocks:
+        # the pool kept b and a's first 8 blocks (a prompt's tail is evicted first): the other 25 are computed
+        assert again.cached_tokens == 8 * 64
+        assert prefill_s == pytest.approx(profile.prefill_s(25 * 64, 33 * 64) + profile.prefill_request_s)
+        return
+    # all 32 blocks of a hit, 24 of them copied back from the spill tier at 25 GB/s; one block computed
+    assert again.cached_tokens == 32 * 64 and again.extra["restored_blocks"] == 24
+    restore_s = 24 * 64 * profile.kv_bytes_per_token / 25e9
+    assert prefill_s == pytest.approx(restore_s + profile.prefill_s(64, 33 * 64) + profile.prefill_request_s)
+    # the index heard of the spill (a hit there is priced as a restore), and of the copy back into the pool
+    worker = sim.workers["prefill-0001"]
+    assert len(worker.cache) == 40 and set(a) <= set(worker.cache) and sim.index.spilled_run(worker.worker_id, b, 32) > 0
+    assert sim.index.spilled_run(worker.worker_id, a, 32) == 0
+    with pytest.raises(ValueError, match="spill tier"):
+        ClusterConfig(load_profile("cpu"), 1, 1, prefill_spill_blocks=10)
