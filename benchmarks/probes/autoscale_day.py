@@ -25,6 +25,12 @@ def add_day_arguments(ap: argparse.ArgumentParser, rate: float = 8.0, config_hel
 
 def load_day(args: argparse.Namespace, period_s: float = 7200.0) -> tuple[WorkerProfile, DayScale, list]:
     """The h100 profile (uncompressed), the day's scale and its requests."""
-    profile, scale = load_profile("h100"), DayScale(period_s)
-    trace, _ = experiments.diurnal_day(args.seed, profile, args.rate, scale, args.shape)
+    profile, scale, trace, _ = load_day_and_arrivals(args, period_s)
     return profile, scale, trace
+
+
+def load_day_and_arrivals(args: argparse.Namespace, period_s: float = 7200.0):
+    """``load_day``'s three and the day's arrival shape (its ``bursts``: the (start, end) of each)."""
+    profile, scale = load_profile("h100"), DayScale(period_s)
+    trace, arrivals = experiments.diurnal_day(args.seed, profile, args.rate, scale, args.shape)
+    return profile, scale, trace, arrivals

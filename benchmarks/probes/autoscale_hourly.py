@@ -16,7 +16,7 @@ import argparse
 import json
 import time
 
-from autoscale_day import load_day
+from autoscale_day import load_day_and_arrivals
 
 from services.bench import results
 from services.planner.policy import PlannerConfig
@@ -38,7 +38,7 @@ def main() -> None:
                     help="each prefill worker's spill tier, in blocks (ClusterConfig.prefill_spill_blocks; 0: none)")
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args()
-    base, scale, trace = load_day(args)
+    base, scale, trace, arrivals = load_day_and_arrivals(args)
     profile, slo = scale.profile(base), SLO(2.0, 0.05)
     router = json.loads(args.router)
     start = time.process_time()
@@ -91,7 +91,6 @@ def main() -> None:
             "kv_usage_max": max(s["kv_usage"] for s in series)})
     done = [j for j in sim.jobs if j.finished_at > 0]
     # the day's bursts (burst_factor x the diurnal rate for burst_s): the requests that arrived in each
-    _, arrivals = experiments.diurnal_day(args.seed, base, args.rate, scale, args.shape)
     bursts = []
     for begin, end in arrivals.bursts:
         jobs = [j for j in done if begin <= j.req.arrival < end]

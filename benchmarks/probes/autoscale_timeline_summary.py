@@ -3,14 +3,17 @@ prefill demand did: the misses by the state of the ticks they came in (a scale-d
 workers still starting, the warm pool empty), the computed prompt tokens per arriving request by the ready
 prefill workers' utilisation, and the ticks around the one with the most misses.
 
-    python benchmarks/probes/autoscale_timeline_summary.py timeline.jsonl [more.jsonl ...] [--excerpt 40]
+    PYTHONPATH=. python benchmarks/probes/autoscale_timeline_summary.py timeline.jsonl [more.jsonl ...] [--excerpt 40]
 """
 
 import argparse
 import collections
 import json
 
-PREFILL_TOKENS_PER_S = 26945  # one h100-profile prefill worker (services/sim/autoscale.capacity_of)
+from services.sim.autoscale import capacity_of
+from services.sim.profiles import load_profile
+
+PREFILL_TOKENS_PER_S = capacity_of(load_profile("h100")).prefill_tokens_per_s  # one prefill worker, as the planner
 
 
 def main() -> None:

@@ -248,28 +248,28 @@ class Planner:
             self._history.clear()
             return Decision(0, 0, c.warm_min, "idle: scaled to zero")
 
-        def counts(tokens_per_s, kv_blocks, seqs, utilisation=c.target_utilisation, kv_target=c.kv_target):
-            prefill = tokens_per_s / (cap.prefill_tokens_per_s * utilisation)
-            return (0 if prefill < c.local_prefill_below else math.ceil(prefill),
-                    max(math.ceil(kv_blocks / (cap.kv_blocks * kv_target)),
-                        math.ceil(seqs / (cap.max_num_seqs * utilisation))))
-
-        def staffed(tokens_per_s, kv_blocks, seqs):
-            """The decided counts: the fixed targets, or square-root staffing where its beta is set."""
-            prefill, decode = counts(tokens_per_s, kv_blocks, seqs)
-            if c.staffing_beta and prefill:
+        def counts(tokens_per_s, kv_blocks, seqs, utilisation=c.target_utilisation, kv_target=c.kv_target,
+                   staffed=False):
+            """Workers per role for a demand: at the given targets, or (``staffed``: the decided counts) by
+            square-root staffing for a role whose beta is set (a + beta x sqrt(a), a the load in workers)."""
+            need = tokens_per_s / (cap.prefill_tokens_per_s * utilisation)
+            kv = kv_blocks / (cap.kv_blocks * kv_target)
+            if staffed and c.staffing_beta:
                 load = tokens_per_s / cap.prefill_tokens_per_s
-                prefill = math.ceil(load + c.staffing_beta * math.sqrt(load))
-            if c.kv_staffing_beta:
-                load = kv_blocks / cap.kv_blocks
-                decode = max(math.ceil(load + c.kv_staffing_beta * math.sqrt(load)),
-                             math.ceil(seqs / (cap.max_num_seqs * c.target_utilisation)))
-            return prefill, decode
+                prefill = load + c.staffing_beta * math.sqrt(load)
+            else:
+                prefill = need
+            if staffed and c.kv_staffing_beta:
+                kv_load = kv_blocks / cap.kv_blocks
+                kv = kv_load + c.kv_staffing_beta * math.sqrt(kv_load)
+            # under local_prefill_below of one worker at the target: the decode workers prefill it
+            return (0 if need < c.local_prefill_below else math.ceil(prefill),
+                    max(math.ceil(kv), math.ceil(seqs / (cap.max_num_seqs * utilisation))))
 
         level, ahead, likely = self._ahead(s)
-        prefill, decode = staffed(*ahead)
+        prefill, decode = counts(*ahead, staffed=True)
         reasons = []
-        if (prefill, decode) != staffed(*level):
+        if (prefill, decode) != counts(*level, staffed=True):
             reasons.append("rising demand")
         ready = max(s.prefill_workers - s.prefill_starting, 0)
         lag_s = s.queued_prefill_tokens / (cap.prefill_tokens_per_s * max(ready, 1))

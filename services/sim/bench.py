@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
                                          headline_target=args.headline_target, ablations=not args.no_ablations,
                                          static_start=args.static_start,
                                          static_known=(known := _static_from(args, len(trace))),
-                                         static_windows=arrivals.bursts if args.static_goal == "bursts" else ())
+                                         static_windows=_static_windows(args, arrivals))
         if known and not args.threshold_targets:  # the threshold rule's runs too: a baseline of the same trace
             auto["threshold"] = known.get("threshold", [])
         auto.update(static_from=Path(args.static_from).name if args.static_from else None,
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             check = experiments.run_autoscale(profile, trace, slo, scale, planner_targets=[args.headline_target],
                                               threshold_targets=[], headline_target=args.headline_target,
                                               ablations=False,
-                                              static_windows=arrivals.bursts if args.static_goal == "bursts" else ())
+                                              static_windows=_static_windows(args, arrivals))
             check.update(requests=len(trace), trace_shape=shape, seed=seed,
                          static_goal=args.static_goal, ideal_worker_hours_vs_static=experiments.ideal_ratio(arrivals),
                          ideal_worker_hours_vs_diurnal_peak=experiments.ideal_ratio(arrivals, bursts=False),
@@ -231,6 +231,11 @@ def _static_from(args, requests: int) -> dict | None:
         raise ValueError(f"--static-from {args.static_from}: not this run's trace, or no static search in it "
                          f"(saved {have}; this run {want})")
     return auto
+
+
+def _static_windows(args, arrivals) -> list:
+    """The spans static provisioning is judged in besides the day: the bursts, with ``--static-goal bursts``."""
+    return list(arrivals.bursts) if args.static_goal == "bursts" else []
 
 
 def _workers_pair(text: str) -> tuple[int, int]:

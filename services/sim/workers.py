@@ -219,7 +219,8 @@ class PrefillWorker(SimWorker):
     def _store(self, job: Job) -> None:
         """The prompt is computed: its blocks are cached (the LRU evicts beyond capacity), KV events out."""
         req, cache, spill = job.req, self.cache, self.spill
-        back = [h for h in req.hashes if h in spill]  # copied back into the pool (or computed again past the hit)
+        # copied back into the pool (or computed again past the hit); no spill tier, nothing to look up
+        back = [h for h in req.hashes if h in spill] if spill else []
         for h in back:
             del spill[h]
         stored = [h for h in req.hashes[job.extra["hit_blocks"]:] if h not in cache and h not in back] + back
