@@ -177,6 +177,8 @@ class Receiver(Endpoint):
             log.exception("KV receiver connection %s failed", conn.peer)
             reason = f"{type(e).__name__}: {e}"
         finally:
+            if reason != "connection closed":
+                log.warning("KV receiver: closing the connection from %s: %s", conn.peer, reason)
             conn.close()
             self._conns.discard(conn)
             for t in list(self._transfers.values()):

@@ -28,6 +28,13 @@ with the GIL released, instead of many small event-loop reads. Daemon threads
 process never hangs on exit behind a blocked read. CUDA payloads are staged
 through host memory: TCP cannot read device memory.
 
+The threads do not rely on the socket staying blocking: uvloop's
+``add_reader`` (the loop's header reads, below) puts the file descriptor in
+non-blocking mode for good, for both directions, and a thread's ``sendall`` or
+``recv_into(MSG_WAITALL)`` then fails with EAGAIN whenever the peer is slower
+than the socket buffer (CI saw KV hand-offs fail that way under load). So the
+threads write and read in their own loops and wait in ``poll`` on EAGAIN.
+
 Headers alone (``recv``, ``send_header``: all that UCX's control connection
 carries, and the acks of this transport) skip the threads: the event loop
 reads exactly the header's bytes when the socket is readable and writes a
@@ -43,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
+import select
 import socket
 import struct
 import threading
@@ -110,6 +118,23 @@ def _settle(fut: asyncio.Future, result, error) -> None:
         fut.set_result(result)
     else:
         fut.set_exception(error)
+
+
+def _wait_for(sock: socket.socket, event: int) -> None:
+    """Block until ``sock`` is ready for ``event`` (or hung up, or closed: the retried call then fails)."""
+    poller = select.poll()
+    poller.register(sock.fileno(), event)
+    poller.poll()
+
+
+def _send_all(sock: socket.socket, data, flags: int = 0) -> None:
+    """``sendall`` that also works when the event loop has made the socket non-blocking."""
+    view = memoryview(data).cast("B")
+    while view:
+        try:
+            view = view[sock.send(view, flags):]
+        except (BlockingIOError, InterruptedError):
+            _wait_for(sock, select.POLLOUT)
 
 
 def _host_view(t: torch.Tensor) -> memoryview:
@@ -287,21 +312,25 @@ class TcpConnection(Connection):
         """Write one message (writer thread); False if it was cancelled and did not all go out."""
         if out.cancelled and not out.begun:
             return False  # cancelled while queued: not a byte of it went out
-        self._sock.sendall(out.frame)
+        _send_all(self._sock, out.frame)
         for view in out.views:
             for start in range(0, len(view), SEGMENT_BYTES):
                 if out.cancelled:
-                    self._sock.sendall(_ABANDON_MARK)
+                    _send_all(self._sock, _ABANDON_MARK)
                     return False
                 piece = view[start : start + SEGMENT_BYTES]
-                self._sock.sendall(_SEGMENT.pack(len(piece)), _MSG_MORE)
-                self._sock.sendall(piece)
+                _send_all(self._sock, _SEGMENT.pack(len(piece)), _MSG_MORE)
+                _send_all(self._sock, piece)
         return True
 
     def _read_exact(self, view: memoryview) -> None:
         got, total = 0, len(view)
         while got < total:
-            n = self._sock.recv_into(view[got:], total - got, socket.MSG_WAITALL)
+            try:
+                n = self._sock.recv_into(view[got:], total - got, socket.MSG_WAITALL)
+            except (BlockingIOError, InterruptedError):  # made non-blocking by the loop: wait here
+                _wait_for(self._sock, select.POLLIN)
+                continue
             if n == 0:
                 raise EOFError(f"peer closed the connection after {got} of {total} bytes")
             got += n

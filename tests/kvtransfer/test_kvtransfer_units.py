@@ -233,6 +233,44 @@ def test_tcp_headers_stay_in_order_behind_a_payload_being_written():
     assert torch.equal(arrived[0][1], big) and all(buf is None for _, buf in arrived[1:])
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_tcp_payload_crosses_a_socket_the_event_loop_made_non_blocking(loop):
+    """uvloop's add_reader (each side waits for headers on the loop: the sender for acks, the receiver
+    for the next message) leaves the socket non-blocking for the writer and reader threads too. A payload
+    larger than the socket buffers, read late, still arrives whole on both event loops (before, the
+    threads failed with "[Errno 11] Resource temporarily unavailable" and the hand-off was lost)."""
+    from kvtransfer.protocol import payload_sizes
+
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+    big = torch.randint(0, 256, (32 << 20,), dtype=torch.uint8)
+
+    async def go():
+        transport, got = TcpTransport(), asyncio.Queue()
+
+        async def on_connection(conn):
+            header = await conn.recv()
+            await asyncio.sleep(0.3)  # the sender's writer meets a full socket buffer meanwhile
+            buf = torch.empty(payload_sizes(header)[0], dtype=torch.uint8)
+            await conn.recv_payload(header, [buf])
+            await conn.send_header({"type": "ack"})
+            await got.put(buf)
+
+        listener = await transport.listen("127.0.0.1", 0, on_connection)
+        conn = await transport.connect(listener.address, 5)
+        ack = asyncio.ensure_future(conn.recv())  # waits on the loop while the payload is written
+        await asyncio.sleep(0.05)
+        await conn.send({"type": "blocks"}, [big])
+        arrived = await asyncio.wait_for(got.get(), 10)
+        assert (await asyncio.wait_for(ack, 10))["type"] == "ack"
+        conn.close()
+        await listener.close()
+        return arrived
+
+    arrived = uvloop.run(go()) if loop == "uvloop" else asyncio.run(go())
+    assert torch.equal(arrived, big)
+
+
 def test_tcp_send_cancelled_mid_payload_leaves_the_connection_in_step():
     """A send cancelled while its payload is being written stops at a segment boundary and marks
     the message abandoned: the reader's recv_payload says so, and the messages queued behind it
