@@ -134,7 +134,7 @@ def add_parser(sub) -> None:
                    help="the warm pool covers a jump of demand by this factor (1: warm_min standbys only)")
     p.add_argument("--burst-utilisation", type=float, default=0.9,
                    help="the utilisation the SLO survives during that burst (sizes the warm pool)")
-    p.add_argument("--burst-kv-target", type=float, default=0.0,
+    p.add_argument("--burst-kv-target", type=float, default=0.7,
                    help="decode's KV in that burst held to this share of the blocks (0: --burst-utilisation)")
     p.add_argument("--warm-fraction", type=float, default=0.0, help="and at least this share of the active workers warm")
     p.add_argument("--warm-min", type=int, default=1, help="standby workers kept at least")

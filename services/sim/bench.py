@@ -107,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
                     ideal_worker_hours_vs_diurnal_peak=experiments.ideal_ratio(arrivals, bursts=False))
         result["autoscale"] = auto
         result["autoscale_slo_attainment"] = auto["headline_run"]["slo_attainment"]
+        # the least of the bursts' own attainments: the day's can meet 99% with a burst dropped
+        result["autoscale_burst_slo_attainment"] = experiments.least_window_attainment(auto["headline_run"])
         result["autoscale_worker_hours_vs_static"] = ratio(auto["headline_run"]["worker_hours"],
                                                            auto["static_peak"]["worker_hours"])
         result["autoscale_ideal_worker_hours_vs_static"] = auto["ideal_worker_hours_vs_static"]
@@ -125,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             check.update(requests=len(trace), trace_shape=shape, seed=seed,
                          static_goal=args.static_goal, ideal_worker_hours_vs_static=experiments.ideal_ratio(arrivals),
                          ideal_worker_hours_vs_diurnal_peak=experiments.ideal_ratio(arrivals, bursts=False),
+                         burst_slo_attainment=experiments.least_window_attainment(check["headline_run"]),
                          worker_hours_vs_static=ratio(check["headline_run"]["worker_hours"],
                                                       check["static_peak"]["worker_hours"]))
             result["autoscale_check"] = check
@@ -140,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 HEADLINE = ("workers", "requests", "wall_s", "cpu_s", "hit_rate_ratio_kv_vs_rr", "goodput_ratio_kv_vs_rr",
-            "autoscale_slo_attainment", "autoscale_worker_hours_vs_static", "autoscale_ideal_worker_hours_vs_static",
+            "autoscale_slo_attainment", "autoscale_burst_slo_attainment", "autoscale_worker_hours_vs_static", "autoscale_ideal_worker_hours_vs_static",
             "autoscale_ideal_worker_hours_vs_diurnal_peak", "autoscale_static_goal",
             "validation")
 
@@ -200,12 +203,15 @@ def print_table(result: dict) -> None:
               f"perfect foresight {a['ideal_worker_hours_vs_static']} of it (against the diurnal peak without the "
               f"bursts: {a['ideal_worker_hours_vs_diurnal_peak']})")
         for r in a["planner"]:
-            print(f"  planner {r['variant']}: SLO {r['slo_attainment']:.4f}, {r['worker_hours']} worker-h "
+            print(f"  planner {r['variant']}: SLO {r['slo_attainment']:.4f}{experiments.bursts_text(r)}, "
+                  f"{r['worker_hours']} worker-h "
                   f"({r['worker_hours'] / peak['worker_hours']:.2f} of static peak), peak {r['peak']}")
         for r in a["threshold"]:
-            print(f"  threshold {r['target']}: SLO {r['slo_attainment']:.4f}, {r['worker_hours']} worker-h "
+            print(f"  threshold {r['target']}: SLO {r['slo_attainment']:.4f}{experiments.bursts_text(r)}, "
+                  f"{r['worker_hours']} worker-h "
                   f"({r['worker_hours'] / peak['worker_hours']:.2f})")
         print(f"autoscale_slo_attainment {result['autoscale_slo_attainment']}  "
+              f"autoscale_burst_slo_attainment {result['autoscale_burst_slo_attainment']}  "
               f"autoscale_worker_hours_vs_static {result['autoscale_worker_hours_vs_static']}")
     c = result.get("autoscale_check")
     if c:

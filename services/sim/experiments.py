@@ -124,8 +124,9 @@ def _fresh(requests):
     return [dataclasses.replace(r) for r in requests]
 
 
-def _autoscaled(profile, requests, slo, scale: DayScale, kind, planner_config=None, threshold=0.7):
-    """``profile``: with its start-up times already compressed by ``scale``."""
+def _autoscaled(profile, requests, slo, scale: DayScale, kind, planner_config=None, threshold=0.7, windows=()):
+    """``profile``: with its start-up times already compressed by ``scale``. ``windows``: the day's bursts,
+    judged apart as the static search judges them (``windows`` in the result)."""
     sim = ClusterSim(ClusterConfig(profile, 1, 1, heartbeat_s=scale.heartbeat_s), _fresh(requests))
     scaler = SimAutoscaler(kind, profile, slo, interval_s=scale.tick_s, planner_config=planner_config,
                            threshold=threshold, threshold_window_s=scale.hpa_window_s)
@@ -133,10 +134,30 @@ def _autoscaled(profile, requests, slo, scale: DayScale, kind, planner_config=No
     sim.run()
     s = summarize(sim, slo)
     peak = max(((d["prefill"], d["decode"]) for d in scaler.decisions), key=sum)
-    return {"slo_attainment": s["slo_attainment"], "worker_hours": round(scaler.worker_seconds / 3600, 3),
-            "peak": {"prefill": peak[0], "decode": peak[1]}, "ttft_s": s["ttft_s"], "itl_s": s["itl_s"],
-            "worker_hours_by_state": {k: round(v / 3600, 3) for k, v in sorted(scaler.breakdown.items())},
-            "decisions": scaler.decisions, "series": sim.series}
+    run = {"slo_attainment": s["slo_attainment"], "worker_hours": round(scaler.worker_seconds / 3600, 3),
+           "peak": {"prefill": peak[0], "decode": peak[1]}, "ttft_s": s["ttft_s"], "itl_s": s["itl_s"],
+           "worker_hours_by_state": {k: round(v / 3600, 3) for k, v in sorted(scaler.breakdown.items())},
+           "decisions": scaler.decisions, "series": sim.series}
+    if windows:
+        run["windows"] = _window_attainment(sim, slo, windows)
+    return run
+
+
+def _missed_in(slo: SLO, jobs, now: float, a: float = -math.inf, b: float = math.inf) -> int:
+    """Requests that arrived in [a, b) and missed the SLO: finished late, or waiting past the TTFT SLO."""
+    return sum(1 for j in jobs if a <= j.req.arrival < b and (
+        (j.finished_at > 0 and not slo.met(j)) or (j.first_token_at <= 0 and now - j.req.arrival > slo.ttft_s)))
+
+
+def _window_attainment(sim: ClusterSim, slo: SLO, windows) -> list[dict]:
+    """Each window's share of its arrivals that met the SLO, once the run is over."""
+    done = [j for j in sim.jobs if j.finished_at > 0]
+    out = []
+    for a, b in windows:
+        n = sum(1 for j in sim.jobs if a <= j.req.arrival < b)
+        out.append({"start_s": round(a, 1), "end_s": round(b, 1), "requests": n,
+                    "slo_attainment": round(1 - _missed_in(slo, done, sim.loop.now, a, b) / n, 4) if n else 1.0})
+    return out
 
 
 def _static(profile, requests, slo, prefill: int, decode: int, heartbeat_s: float = 1.0, goal: float | None = None,
@@ -155,8 +176,7 @@ def _static(profile, requests, slo, prefill: int, decode: int, heartbeat_s: floa
     spans = [(a, b, sum(1 for r in requests if a <= r.arrival < b)) for a, b in windows]
 
     def missed_in(jobs, now, a=-math.inf, b=math.inf):
-        return sum(1 for j in jobs if a <= j.req.arrival < b and (
-            (j.finished_at > 0 and not slo.met(j)) or (j.first_token_at <= 0 and now - j.req.arrival > slo.ttft_s)))
+        return _missed_in(slo, jobs, now, a, b)
 
     stopped, in_window = None, {}
     if goal is None:
@@ -194,14 +214,18 @@ def _static(profile, requests, slo, prefill: int, decode: int, heartbeat_s: floa
            "worker_hours": round((prefill + decode) * sim.loop.now / 3600, 3), "ttft_s": s["ttft_s"],
            "itl_s": s["itl_s"]}
     if spans:
-        done = [j for j in sim.jobs if j.finished_at > 0]
-        run["windows"] = [{"start_s": round(a, 1), "end_s": round(b, 1), "requests": n,
-                           "slo_attainment": round(1 - missed_in(done, sim.loop.now, a, b) / n, 4) if n else 1.0}
-                          for a, b, n in spans]
-    _log(f"static {prefill}+{decode}: attainment {run['slo_attainment']}"
-         + "".join(f", burst {i + 1} {w['slo_attainment']}" for i, w in enumerate(run.get("windows", [])))
-         + f", {run['worker_hours']} worker-h")
+        run["windows"] = _window_attainment(sim, slo, windows)
+    _log(f"static {prefill}+{decode}: attainment {run['slo_attainment']}{bursts_text(run)}, {run['worker_hours']} worker-h")
     return run
+
+
+def least_window_attainment(run: dict) -> float | None:
+    """The lowest attainment among a run's judged windows (its bursts); None without windows."""
+    return min((w["slo_attainment"] for w in run.get("windows", [])), default=None)
+
+
+def bursts_text(run: dict) -> str:
+    return "".join(f", burst {i + 1} {w['slo_attainment']}" for i, w in enumerate(run.get("windows", [])))
 
 
 def meets(run: dict, goal: float) -> bool:
@@ -306,11 +330,11 @@ def run_autoscale(profile: WorkerProfile, requests, slo: SLO, scale: DayScale, p
     peak = static = None
     for name in order:
         config = variants[name]
-        run = _autoscaled(day, requests, slo, scale, "planner", config)
+        run = _autoscaled(day, requests, slo, scale, "planner", config, windows=static_windows)
         run.update(variant=name, target_utilisation=config.target_utilisation, lookahead_s=config.lookahead_s,
                    burst_factor=config.burst_factor, warm_min=config.warm_min)
         planner[name] = run
-        _log(f"planner {name}: attainment {run['slo_attainment']}, {run['worker_hours']} worker-h, "
+        _log(f"planner {name}: attainment {run['slo_attainment']}{bursts_text(run)}, {run['worker_hours']} worker-h, "
              f"peak {run['peak']}, by state {run['worker_hours_by_state']}")
         if name == headline_name and static_known:
             peak, static = recheck_static(day, requests, slo, static_known, scale.heartbeat_s, static_windows)
@@ -320,10 +344,11 @@ def run_autoscale(profile: WorkerProfile, requests, slo: SLO, scale: DayScale, p
             _log(f"static peak {peak['prefill']}+{peak['decode']}: {peak['worker_hours']} worker-h")
     threshold = []
     for target in threshold_targets:
-        run = _autoscaled(day, requests, slo, scale, "threshold", threshold=target)
+        run = _autoscaled(day, requests, slo, scale, "threshold", threshold=target, windows=static_windows)
         run["target"] = target
         threshold.append(run)
-        _log(f"threshold rule target {target}: attainment {run['slo_attainment']}, {run['worker_hours']} worker-h")
+        _log(f"threshold rule target {target}: attainment {run['slo_attainment']}{bursts_text(run)}, "
+             f"{run['worker_hours']} worker-h")
     headline = planner[headline_name]
     planner = [planner[n] for n in variants]
     return {"static": static, "static_peak": peak, "planner": planner, "threshold": threshold,

@@ -91,7 +91,8 @@ def test_a_burst_resets_the_scale_down_clock():
 
 
 def test_warm_pool_follows_the_active_count():
-    d = planner(warm_fraction=0.2, warm_min=1).decide(signals(0, tokens_per_s=60_000, kv=9000))
+    # no burst to size the pool (burst_factor 1): the share of the actives is what it keeps
+    d = planner(warm_fraction=0.2, warm_min=1, burst_factor=1.0).decide(signals(0, tokens_per_s=60_000, kv=9000))
     assert d.warm == round(0.2 * (d.prefill + d.decode) + 0.49)
     assert planner(warm_fraction=0.0, warm_min=2).decide(signals(0)).warm == 2
 
@@ -191,19 +192,21 @@ def test_no_slo_boost_while_the_last_ordered_workers_start():
 
 def test_the_warm_pool_covers_the_burst_the_slo_must_survive():
     # 60,000 tokens/s at target 0.8: 8 prefill workers; a 1.5x burst served at 90% needs 10: 2 warm.
-    # 3,000 KV blocks at kv_target 0.75: 4 decode workers; 4,500 at 90%: 5: 1 warm
+    # 3,000 KV blocks at kv_target 0.75: 4 decode workers; 4,500 in the burst held to burst_kv_target 0.7 (the
+    # default) need 7: 3 warm
     p = planner(target_utilisation=0.8, kv_target=0.75, burst_factor=1.5, burst_utilisation=0.9, warm_min=1)
     d = p.decide(signals(0, tokens_per_s=60_000, kv=3000))
-    assert (d.prefill, d.decode, d.warm) == (8, 4, 3)
+    assert (d.prefill, d.decode, d.warm) == (8, 4, 2 + 3)
+    # burst_kv_target 0: decode's KV in the burst at burst_utilisation 0.9 too: 5 workers, 1 warm
+    d = planner(target_utilisation=0.8, kv_target=0.75, burst_kv_target=0).decide(signals(0, tokens_per_s=60_000,
+                                                                                        kv=3000))
+    assert (d.prefill, d.decode, d.warm) == (8, 4, 2 + 1)
     # twice the demand: 20 - 15 and 10 - 8 (the pool follows the burst's need, not a share of the actives)
-    d = planner(target_utilisation=0.8, kv_target=0.75).decide(signals(0, tokens_per_s=120_000, kv=6000))
+    d = planner(target_utilisation=0.8, kv_target=0.75, burst_kv_target=0).decide(signals(0, tokens_per_s=120_000,
+                                                                                        kv=6000))
     assert (d.prefill, d.decode, d.warm) == (15, 8, 7)
     # no burst to survive: warm_min only
     assert planner(burst_factor=1.0, warm_min=1).decide(signals(0, tokens_per_s=60_000, kv=3000)).warm == 1
-    # decode's KV in the burst held to burst_kv_target 0.7: 4,500 blocks need 7 workers, 3 more than the 4
-    d = planner(target_utilisation=0.8, kv_target=0.75, burst_kv_target=0.7).decide(signals(0, tokens_per_s=60_000,
-                                                                                          kv=3000))
-    assert (d.prefill, d.decode, d.warm) == (8, 4, 2 + 3)
 
 
 def test_after_a_burst_the_count_falls_to_the_last_windows_need_at_once():

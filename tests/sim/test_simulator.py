@@ -170,6 +170,12 @@ def test_bench_sim_command_prints_the_headline_and_writes_plots_and_results(tmp_
     assert all(w["slo_attainment"] >= 0.99 for w in peak["windows"])
     assert out["autoscale_ideal_worker_hours_vs_static"] == out["autoscale"]["ideal_worker_hours_vs_static"]
     assert 0 < out["autoscale_ideal_worker_hours_vs_diurnal_peak"] <= 1
+    # the planner's bursts judged as static's are: each run's windows, the least of the headline's as a key
+    headline = out["autoscale"]["headline_run"]
+    assert [(w["start_s"], w["end_s"]) for w in headline["windows"]] == \
+        [(w["start_s"], w["end_s"]) for w in peak["windows"]]
+    assert out["autoscale_burst_slo_attainment"] == min(w["slo_attainment"] for w in headline["windows"])
+    assert all(len(r["windows"]) == 2 for r in out["autoscale"]["threshold"])
     assert out["autoscale_check"]["trace_shape"] == "conversation" and out["autoscale_check"]["seed"] == 1
     pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert pngs and all((tmp_path / "plots" / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
