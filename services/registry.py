@@ -24,6 +24,9 @@ from services.errors import ServiceUnavailableError
 log = logging.getLogger(__name__)
 
 WORKERS_KEY = "pd:workers"
+# pub/sub: every heartbeat's entry as it is written, and {"worker_id": ..., "left": true} when a worker deregisters,
+# so routers learn of a change at once instead of re-reading the registry every few hundred ms (worker_pool.py)
+CHANGES_CHANNEL = "pd:workers:changes"
 ROLES = ("prefill", "decode")
 
 
@@ -149,9 +152,11 @@ class Registrar:
         if self.refresh is not None:
             self.refresh(self.info)
         self.info.heartbeat_at = time.time()
+        entry = self.info.to_json()
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(worker_key(self.info.worker_id), self.info.to_json(), px=self.ttl_ms)
+            pipe.set(worker_key(self.info.worker_id), entry, px=self.ttl_ms)
             pipe.sadd(WORKERS_KEY, self.info.worker_id)
+            pipe.publish(CHANGES_CHANNEL, entry)
             await pipe.execute()
 
     async def start(self) -> None:
@@ -180,9 +185,19 @@ class Registrar:
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.delete(worker_key(self.info.worker_id))
                 pipe.srem(WORKERS_KEY, self.info.worker_id)
+                pipe.publish(CHANGES_CHANNEL, json.dumps({"worker_id": self.info.worker_id, "left": True}))
                 await pipe.execute()
         except Exception as exc:
             log.warning("deregister failed (the entry expires by itself): %s", exc)
+
+
+def parse_change(message: str | bytes) -> tuple[str, WorkerInfo | None]:
+    """A CHANGES_CHANNEL message: (worker id, its entry), or (worker id, None) for a worker that left."""
+    fields = json.loads(message)
+    if fields.get("left"):
+        return str(fields["worker_id"]), None
+    info = WorkerInfo.from_json(message)
+    return info.worker_id, info
 
 
 async def read_workers(redis) -> list[WorkerInfo]:

@@ -88,6 +88,10 @@ class WorkerRuntime:
         self._tasks: list[asyncio.Task] = []
         self.kv_publisher: kv_events.Publisher | None = None
         self._lora_problems: set[str] = set()
+        self._loras_applied: dict[str, str] | None = None  # what the last clean sync applied (None: none yet)
+        # idle-cost counters (tests count them: tests/services/test_worker_idle.py)
+        self.kv_event_wakeups = 0  # passes of the KV-event loop (each may hop onto the engine thread)
+        self.stats_reads = 0  # hops onto the engine thread to read its stats
         self.fetch_bytes_per_s = 0.0  # peer fetches' measured rate (prefill: services/peer_fetch.py), heartbeated
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -233,6 +237,8 @@ class WorkerRuntime:
         """The engine serves exactly the adapters in Redis: new ones registered (config checked; tensors
         read on demand), removed ones forgotten. On the engine thread, which owns the slots."""
         wanted = await lora_registry.read_loras(self.redis)
+        if wanted == self._loras_applied:  # the adapters change only here: nothing to do on the engine thread
+            return
         engine = self.engine
 
         def apply() -> list[str]:
@@ -251,9 +257,11 @@ class WorkerRuntime:
                     problems.append(f"{name}: {exc.message}")
             return problems
 
-        for problem in set(await self.aengine.call(apply)) - self._lora_problems:  # each said once
+        problems = set(await self.aengine.call(apply))
+        for problem in problems - self._lora_problems:  # each said once
             log.warning("LoRA adapter not served here: %s", problem)
             self._lora_problems.add(problem)
+        self._loras_applied = None if problems else wanted  # one that failed to register is tried again
 
     async def _follow_loras(self) -> None:
         while True:
@@ -267,18 +275,25 @@ class WorkerRuntime:
 
     async def _publish_kv_events(self) -> None:
         """Drain the prefix cache's events and publish them; routers index them within milliseconds.
-        After a failed publish, the next one resyncs them (kv_events.Publisher). An interval with no
-        event costs no hop onto the engine thread (most of them: a block fills every block_size tokens),
-        so neither an idle worker nor a decoding one pays 50 thread hand-offs a second for nothing."""
-        engine = self.engine
+        The loop sleeps until the engine thread says events wait (AsyncEngine.watch_kv_events), then lets
+        ``kv_events_interval_s`` pass so the events of the next steps go in the same publish: an idle worker
+        wakes for nothing, a decoding one once per filled block (every block_size tokens) at most. After a
+        failed publish, the next one resyncs them (kv_events.Publisher), retried every interval."""
+        engine, aengine = self.engine, self.aengine
         publisher = self.kv_publisher = kv_events.Publisher(self.redis, self.worker_id)
+        ready = aengine.watch_kv_events()
         while True:
+            if not publisher.resync:
+                await ready.wait()
             await asyncio.sleep(self.config.kv_events_interval_s)
+            self.kv_event_wakeups += 1
+            ready.clear()
+            aengine.kv_events_taken()  # before the take: events after it wake this loop again
             resync = publisher.resync
             if not resync and not engine.has_kv_events():
                 continue
             try:
-                events, cached, spilled = await self.aengine.call(
+                events, cached, spilled = await aengine.call(
                     lambda: (engine.take_kv_events(), engine.cached_block_hashes() if resync else None,
                              engine.spilled_block_hashes() if resync else None))
                 await publisher.publish(events, cached, spilled)
@@ -288,16 +303,22 @@ class WorkerRuntime:
                 log.warning("publishing KV events failed: %s", exc)
 
     async def _poll_stats(self) -> None:
+        """Keep the engine's stats (heartbeats, /metrics) at most ``stats_interval_s`` old. They change only
+        with the engine thread's work (AsyncEngine.activity), so while it did none since the last read there
+        is no hop onto it: an idle worker's stats cost nothing."""
         exporter = telemetry.EngineStatsExporter(self.config.role, self.worker_id)
-        engine = self.engine
+        engine, aengine = self.engine, self.aengine
+        seen = -1
         while True:
-            try:
-                self._stats = await self.aengine.call(engine.stats)
-                exporter.update(self._stats)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("reading engine stats failed: %s", exc)
+            if aengine.activity != seen:
+                try:
+                    self._stats, seen = await aengine.call(lambda: (engine.stats(), aengine.activity))
+                    self.stats_reads += 1
+                    exporter.update(self._stats)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    log.warning("reading engine stats failed: %s", exc)
             await asyncio.sleep(self.config.stats_interval_s)
 
 

@@ -59,6 +59,13 @@ class AsyncEngine:
         # token to its destination (the decode worker's result writer), so the others would only wake the
         # event loop and pass through a queue and a generator per token for nothing.
         self.finals_only: set[str] = set()
+        # Work the engine thread has done (commands run, steps): what the engine reports (stats) changes only
+        # with it, so a reader that saw this count unchanged need not hop onto the thread to ask again.
+        self.activity = 0
+        # watch_kv_events: (loop, event) set once the engine holds KV events to take; told: set since the
+        # consumer last said it was taking them (kv_events_taken), so a step that adds more does not wake it again
+        self._kv_watch: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self._kv_told = False
         if sys.getswitchinterval() > SWITCH_INTERVAL_S:
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
@@ -84,22 +91,36 @@ class AsyncEngine:
             # the request's time to first token.
             self._publish(self.engine.take_pending_outputs())
             if not self.engine.has_unfinished():
+                self._tell_kv_events()
                 with phase("idle"):
-                    self._wake.wait(0.05)
+                    # no timeout: every way work reaches the engine (call, submit, shutdown) sets _wake, and an
+                    # idle worker's engine thread then costs no wake-up at all (a 50 ms poll cost 20 a second)
+                    self._wake.wait()
                     self._wake.clear()
             else:
                 try:
                     with profiler_range("engine.step"):  # what `pdserve profile` counts as a worker's activity
                         outputs = self.engine.step()
                     self.steps += 1
+                    self.activity += 1
                 except Exception as exc:  # a bug or device failure: fail the in-flight requests, keep serving
                     log.exception("engine step failed")
                     outputs = self._fail_all(f"engine step failed: {exc}")
                 self._publish(outputs)
+                self._tell_kv_events()
             loop_seconds.observe(time.perf_counter() - started)
         # Commands submitted before shutdown still run: a release or abort queued just before it
         # (a transfer's owner giving back its blocks) would otherwise leave its request behind.
         self._run_commands()
+
+    def _tell_kv_events(self) -> None:
+        """Wake the KV-event consumer once events wait (at most once until it takes them): it sleeps on an
+        asyncio.Event instead of asking every few ms, so an idle worker pays nothing and a decoding one a
+        wake-up per filled block, not 50 a second."""
+        watch = self._kv_watch
+        if watch is not None and not self._kv_told and self.engine.has_kv_events():
+            self._kv_told = True
+            watch[0].call_soon_threadsafe(watch[1].set)
 
     def _run_commands(self) -> None:
         while True:
@@ -107,6 +128,7 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+            self.activity += 1  # before it runs: a command that reads ``activity`` counts itself
             try:
                 command()
             except Exception:  # a fire-and-forget command (call() reports its own errors)
@@ -174,6 +196,18 @@ class AsyncEngine:
         return fut
 
     # ---- public ---------------------------------------------------------
+    def watch_kv_events(self) -> asyncio.Event:
+        """An asyncio.Event (of the calling loop) that the engine thread sets when the engine has KV events to
+        take. The consumer clears it and calls ``kv_events_taken`` before it takes them; events that arrive
+        after that set it again."""
+        event = asyncio.Event()
+        self._kv_watch, self._kv_told = (asyncio.get_running_loop(), event), False
+        return event
+
+    def kv_events_taken(self) -> None:
+        """Called by the consumer just before it takes the events: the next ones set the event again."""
+        self._kv_told = False
+
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        priority: int = 0, prefill_only: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream a new request's outputs; raises InvalidRequestError before the first one if it is bad."""

@@ -95,7 +95,7 @@ def create_app(core: GatewayCore, profiler=None) -> FastAPI:
     @app.get("/metrics")
     async def prometheus_metrics():
         try:
-            await core.load.depth()  # refreshes pdserve_queue_depth
+            await core.load.read_now()  # refreshes pdserve_queue_depth
         except Exception:  # Redis away: still expose what this process knows
             pass
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

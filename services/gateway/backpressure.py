@@ -2,9 +2,12 @@
 
 The queue depth (``AdmissionQueue.depth``: unfinished requests and their prompt
 tokens per tier) is read at most once per ``depth_cache_s`` however many
-requests arrive, so a burst costs Redis one pipeline per interval, and in the
-background once ``keep_fresh`` runs, so no request waits for it
-(cached_read.py). The cached check is the cheap early refusal; the enqueue
+requests arrive, so a burst costs Redis one pipeline per interval, and only
+when a request finds it older than that: that request is checked against the
+value it finds and the read goes on in the background (cached_read.py,
+``serve_stale``), so no request waits for it and an idle gateway reads nothing
+(it read every 80 ms). A request the value would refuse is checked again on a
+current one (the queue may have drained since). The cached check is the cheap early refusal; the enqueue
 script checks the same limits atomically (``GatewayConfig.queue_config``), so a
 stale cache never overfills the queue.
 """
@@ -24,7 +27,7 @@ class QueueLoad:
         self.max_requests = max_requests
         self.max_tokens = max_tokens
         self.retry_after_s = retry_after_s
-        self._cache = CachedRead(self._read, cache_s)
+        self._cache = CachedRead(self._read, cache_s, serve_stale=True)
 
     async def _read(self) -> QueueDepth:
         depth = await self.queue.depth()
@@ -35,12 +38,18 @@ class QueueLoad:
     async def depth(self) -> QueueDepth:
         return await self._cache.get()
 
-    async def keep_fresh(self) -> None:
-        await self._cache.keep_fresh()
+    async def read_now(self) -> QueueDepth:
+        """The depth read now (``/metrics``: the gauge as it is, not as the last request left it)."""
+        return await self._read()
+
+    def _over(self, depth: QueueDepth, prompt_tokens: int) -> bool:
+        return depth.requests >= self.max_requests or depth.prompt_tokens + prompt_tokens > self.max_tokens
 
     async def check(self, prompt_tokens: int) -> None:
         """Raise ``CapacityError`` (429, ``retry_after_s``) when one more request would exceed a limit."""
         depth = await self.depth()
+        if self._over(depth, prompt_tokens):  # a refusal is made on a value no older than depth_cache_s
+            depth = await self._cache.current()
         if depth.requests >= self.max_requests:
             raise capacity_error(f"the server is overloaded: {depth.requests} requests queued (limit "
                                  f"{self.max_requests}); retry after {self.retry_after_s:g} s", self.retry_after_s)

@@ -15,8 +15,9 @@ is refused)::
 Redis is asked on the way only what must be current: the Idempotency-Key and
 the tenant's budgets (when there are any), and the record and the queue entry,
 written side by side (one round trip) when there is no key; a greedy or seeded
-request's coalescing claim is made by the enqueue script itself, in that round trip. The worker list and
-the queue depth come from views read in the background (``start``). A plain
+request's coalescing claim is made by the enqueue script itself, in that round trip. The worker list comes
+from a view read in the background (``start``), the queue depth from one read when a request finds it
+stale, in the background too (backpressure.py). A plain
 request reaches the queue after its tokenization and that one round trip.
 
 ``follow`` yields the result stream's events from an entry id on, plus a
@@ -127,11 +128,11 @@ class GatewayCore:
         self._refreshers: list[asyncio.Task] = []
 
     def start(self) -> None:
-        """Read results, keep the worker list and the queue depth fresh in the background (on the serving loop)."""
+        """Read results, keep the worker list fresh in the background (on the serving loop); the queue depth is
+        read when a request finds it stale (backpressure.py)."""
         self.delivery.start()
         if not self._refreshers:
-            self._refreshers = [asyncio.get_running_loop().create_task(view.keep_fresh())
-                                for view in (self.workers, self.load)]
+            self._refreshers = [asyncio.get_running_loop().create_task(self.workers.keep_fresh())]
 
     # -- what a request asks for ------------------------------------------------------------
 
@@ -549,6 +550,7 @@ class GatewayCore:
     async def close(self, timeout_s: float = 5.0) -> None:
         """Let pending detaches (cancels) finish, then stop."""
         await self.delivery.close()
+        self.workers.stop()
         for task in self._refreshers:
             task.cancel()
         await asyncio.gather(*self._refreshers, return_exceptions=True)

@@ -14,11 +14,14 @@ out for a window and until a heartbeat newer than the window's end arrives, so
 a worker that died is not retried before its registry entry expires. A worker
 whose entry expires leaves the pool and ``on_removed`` is told (the router
 drops it from the prefix index).
+
+The pool follows the registry (registry_follower.py): the changes workers
+publish, applied in batches at most once per ``refresh_s``, and a whole read
+every ``reread_s`` (entries that expired: workers that died).
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import time
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 
 from services.loops import Loops
 from services.registry import WorkerInfo, read_workers
+from services.registry_follower import RegistryFollower
 from services.router.load_ranking import LoadRanking
 
 log = logging.getLogger(__name__)
@@ -95,11 +99,13 @@ class _Tracked:
 class WorkerPool:
     def __init__(self, redis, refresh_s: float = 0.5, model: str | None = None,
                  on_removed: Callable[[str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
-        if refresh_s <= 0:
-            raise ValueError(f"refresh_s must be positive, got {refresh_s}")
+                 clock: Callable[[], float] = time.monotonic, reread_s: float = 1.0):
+        if refresh_s <= 0 or reread_s <= 0:
+            raise ValueError(f"refresh_s and reread_s must be positive, got {refresh_s} and {reread_s}")
         self.redis = redis
-        self.refresh_s = refresh_s
+        self.refresh_s = refresh_s  # the most a published change waits before it is applied
+        self.reread_s = reread_s  # the whole registry is read this often
+        self.registry_reads = 0  # whole-registry reads so far (tests count them)
         self.model = model  # None: every model's workers
         self.on_removed = on_removed
         self._clock = clock
@@ -130,21 +136,26 @@ class WorkerPool:
     async def start(self) -> None:
         """First refresh now (errors propagate: a router without Redis cannot route), then in the background."""
         await self.refresh()
-        self._loops.start({"worker-pool-refresh": self._run})
+        follower = RegistryFollower(self.redis, self.refresh, self.apply_changes, self.refresh_s, self.reread_s,
+                                    lambda: self._loops.stopping)
+        self._loops.start({"worker-pool-refresh": follower.run})
 
     async def stop(self) -> None:
-        await self._loops.stop(self.refresh_s + 0.5)
-
-    async def _run(self) -> None:
-        while not self._loops.stopping:
-            await asyncio.sleep(self.refresh_s)
-            try:
-                await self.refresh()
-            except Exception as exc:  # keep the last known set; the next refresh may work
-                log.warning("worker registry refresh failed: %s", exc)
+        await self._loops.stop(min(self.refresh_s, self.reread_s) + 0.5)
 
     async def refresh(self) -> None:
+        self.registry_reads += 1
         self.update(await read_workers(self.redis))
+
+    def apply_changes(self, changes: dict[str, WorkerInfo | None]) -> None:
+        """Published changes: worker id -> its new entry, or None for a worker that left."""
+        known = {worker_id: tracked.info for worker_id, tracked in self._workers.items()}
+        for worker_id, info in changes.items():
+            if info is None:
+                known.pop(worker_id, None)
+            else:
+                known[worker_id] = info
+        self.update(known.values())
 
     def update(self, workers: Iterable[WorkerInfo]) -> None:
         """Replace the known set with ``workers`` (what the registry holds now)."""

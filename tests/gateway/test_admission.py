@@ -168,8 +168,8 @@ def test_no_ready_decode_worker_is_503(gateway, sync_redis):
     assert len(h.router.seen) == 1
 
 
-def test_depth_is_cached_between_reads(gateway):
-    h = gateway(depth_cache_s=30.0)
+def _count_depth_reads(h) -> list[float]:
+    """The times the gateway reads the queue depth from now on."""
     calls = []
     original = h.core.queue.depth
 
@@ -178,10 +178,62 @@ def test_depth_is_cached_between_reads(gateway):
         return await original()
 
     h.core.queue.depth = counting
+    return calls
+
+
+def test_depth_is_cached_between_reads(gateway):
+    h = gateway(depth_cache_s=30.0)
+    calls = _count_depth_reads(h)
     with httpx.Client(base_url=h.url, timeout=10) as http:
         for _ in range(3):
             assert http.post("/v1/completions", json=BODY).status_code == 200
     assert len(calls) == 1
+
+
+def test_an_idle_gateway_does_not_read_the_queue_depth(gateway):
+    h = gateway(depth_cache_s=0.01)
+    calls = _count_depth_reads(h)
+
+    async def start():  # what `pdserve gateway` starts: the background views
+        h.core.start()
+
+    h.call(start)
+    time.sleep(0.3)  # thirty times depth_cache_s: the old background loop read every 8 ms
+    assert calls == []
+    with httpx.Client(base_url=h.url, timeout=10) as http:
+        assert http.post("/v1/completions", json=BODY).status_code == 200
+    assert len(calls) == 1  # the request that found no value read it
+
+
+def test_readiness_follows_workers_joining_and_leaving_without_reading_the_registry(gateway, sync_redis,
+                                                                                 monkeypatch):
+    """The gateway's worker list follows what workers publish: a worker that registers is ready at once and
+    one that deregisters is gone, with no whole-registry read in between (it read every 200 ms)."""
+    from services.gateway import readiness
+    from services.registry import Registrar, WorkerInfo
+
+    monkeypatch.setattr(readiness, "REREAD_S", 60.0)  # only the first read: the rest must come by messages
+    h = gateway(decode_worker=False, workers_cache_s=0.02)
+
+    def reads() -> int:
+        return int(sync_redis.info("commandstats").get("cmdstat_smembers", {}).get("calls", 0))
+
+    async def start():
+        h.core.start()
+
+    h.call(start)
+    info = WorkerInfo(worker_id="decode-joins", role="decode", address="127.0.0.1:1", model="SmolLM2-135M-Instruct",
+                      namespace="test", block_size=16, max_model_len=2048, ready=True)
+    registrar = Registrar(h.core.redis, info, interval_s=0.05, ttl_s=30)
+    with httpx.Client(base_url=h.url, timeout=10) as http:
+        assert wait_for(lambda: h.core.workers.following)  # its first read is done
+        assert http.get("/health/ready").status_code == 503  # nobody registered
+        before = reads()
+        h.call(registrar.start)
+        assert wait_for(lambda: http.get("/health/ready").json().get("decode_workers") == 1)
+        h.call(registrar.stop)
+        assert wait_for(lambda: http.get("/health/ready").status_code == 503)
+        assert reads() == before
 
 
 def test_a_request_whose_record_cannot_be_written_is_refused_and_cancelled(gateway, sync_redis):

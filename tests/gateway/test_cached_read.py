@@ -91,3 +91,27 @@ def test_a_failing_background_read_is_never_hidden_behind_a_stale_value():
             await asyncio.gather(src.background, return_exceptions=True)
 
     asyncio.run(go())
+
+
+def test_a_stale_hint_is_answered_at_once_and_read_again_only_when_asked():
+    """serve_stale (the queue depth): a request never waits for a read once there is a value, and nothing
+    reads while nobody asks (an idle gateway read the depth every 80 ms)."""
+    async def go():
+        src = Source()
+        view = CachedRead(src.read, max_age_s=0.01, serve_stale=True)
+        assert await view.get() == 1  # no value yet: this one reads
+        await asyncio.sleep(0.1)  # idle: ten times max_age_s
+        assert src.reads == 1
+        assert await view.get() == 1  # stale, answered at once; a read starts in the background
+        await _until(lambda: src.reads == 2)
+        await asyncio.sleep(0.05)
+        assert await view.get() == 2 and src.reads == 2  # one read per stale get, not a loop
+        await _until(lambda: src.reads == 3)
+        src.fail = True  # Redis goes away
+        await asyncio.sleep(0.05)
+        assert await view.get() == 3  # answered from before; its background read fails
+        await _until(lambda: view._revalidating is None)
+        with pytest.raises(ConnectionError):
+            await view.get()  # the failure is not hidden: the next request reads for itself
+
+    asyncio.run(go())

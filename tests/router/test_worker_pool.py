@@ -215,3 +215,32 @@ def test_a_request_that_ended_since_the_heartbeat_is_not_counted_twice():
     # another router's request in the heartbeat stays counted
     pool.update([info("d1", role="decode", heartbeat_at=4.0, num_running=2)])
     assert pool.load("d1").active_requests == 2
+
+
+def test_the_pool_follows_published_changes_without_reading_the_registry(with_redis):
+    """A worker joining, its heartbeats' load and its leaving reach the pool as they are published: no
+    whole-registry read after the first ones (an idle router used to read it every 250 ms)."""
+    async def go(r):
+        pool = WorkerPool(r, refresh_s=0.05, reread_s=60)
+        await pool.start()
+        reg = Registrar(r, info("d1", role="decode", kv_blocks_used=10), interval_s=0.05, ttl_s=30)
+        try:
+            async def until(condition) -> None:
+                while not condition():
+                    await asyncio.sleep(0.01)
+
+            await asyncio.sleep(0.1)  # the follower subscribed and made its first read
+            reads = pool.registry_reads
+            await asyncio.wait_for(reg.start(), 5)
+            await asyncio.wait_for(until(lambda: ids(pool.decode_workers()) == ["d1"]), 5)
+            reg.info.kv_blocks_used = 70  # the next heartbeat carries it
+            await asyncio.wait_for(until(lambda: pool.load("d1").kv_blocks_free == 30), 5)
+            await reg.stop()
+            await asyncio.wait_for(until(lambda: pool.workers() == []), 5)
+            return reads, pool.registry_reads
+        finally:
+            await pool.stop()
+            await reg.stop()
+
+    before, after = with_redis(go)
+    assert after == before

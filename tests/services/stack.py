@@ -65,6 +65,19 @@ async def worker_load(name: str, address: str) -> worker_pb2.WorkerLoad:
         return await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
 
 
+async def until(condition, timeout_s: float = 10) -> bool:
+    """Whether ``await condition()`` came true within ``timeout_s`` (asked every 10 ms)."""
+    async def poll():
+        while not await condition():
+            await asyncio.sleep(0.01)
+
+    try:
+        await asyncio.wait_for(poll(), timeout_s)
+    except TimeoutError:
+        return False
+    return True
+
+
 def wait_idle(workers: dict[str, str], timeout_s: float = 30) -> dict[str, int]:
     """KV blocks still in use per worker (name -> address) once nothing runs: 0 everywhere is no leak."""
     deadline = time.monotonic() + timeout_s

@@ -18,6 +18,7 @@ from services.engine.sampling_params import SamplingParams
 from services.router.prefix_index import KVEventFollower, PrefixIndex
 from services.worker import WorkerConfig, WorkerRuntime
 from tests.engine.conftest import TINY_BLOCK_BYTES
+from tests.services.stack import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,16 +34,6 @@ def test_events_lost_while_the_stream_refused_writes_are_resynced(with_redis):
     async def held(index, worker, prompt) -> int:
         return index.overlap(worker, hash_prompt_blocks(prompt, 16, engine.namespace))
 
-    async def until(condition, timeout_s: float = 10) -> bool:
-        async def poll():
-            while not await condition():
-                await asyncio.sleep(0.02)
-
-        try:
-            await asyncio.wait_for(poll(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
 
     async def go(r):
         runtime.redis = r
