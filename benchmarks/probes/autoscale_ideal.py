@@ -2,21 +2,19 @@
 bench sim` computes them (``ideal_worker_hours_vs_static``: the bursts count as the peak;
 ``ideal_worker_hours_vs_diurnal_peak``: the diurnal peak alone), for a day whose bench run did not finish.
 
-    PYTHONPATH=. python benchmarks/probes/autoscale_ideal.py --shape conversation --rate 32 --seed 1
+    PYTHONPATH=. python benchmarks/probes/autoscale_ideal.py conversation 1 --rate 32
 """
 
 import argparse
 
-from autoscale_day import load_day_and_arrivals
+from autoscale_day import add_day_arguments, load_day_and_arrivals
 
 from services.sim import experiments
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rate", type=float, default=32.0)
-    ap.add_argument("--shape", default="coding")
-    ap.add_argument("--seed", type=int, default=1)
+    add_day_arguments(ap, rate=32.0)
     ap.add_argument("--period-s", type=float, default=7200.0)
     args = ap.parse_args()
     _, _, trace, arrivals = load_day_and_arrivals(args, args.period_s)

@@ -175,9 +175,6 @@ def _static(profile, requests, slo, prefill: int, decode: int, heartbeat_s: floa
                                    policy_options=policy_options or {}), _fresh(requests))
     spans = [(a, b, sum(1 for r in requests if a <= r.arrival < b)) for a, b in windows]
 
-    def missed_in(jobs, now, a=-math.inf, b=math.inf):
-        return _missed_in(slo, jobs, now, a, b)
-
     stopped, in_window = None, {}
     if goal is None:
         sim.run()
@@ -186,7 +183,7 @@ def _static(profile, requests, slo, prefill: int, decode: int, heartbeat_s: floa
         sim.run(until=step)
         while len(sim.loop):
             now = sim.loop.now
-            missed = missed_in(sim.jobs, now)
+            missed = _missed_in(slo, sim.jobs, now)
             if missed > allowed:
                 stopped, attainment = "day", round(1 - missed / len(requests), 4)
                 break
@@ -194,7 +191,7 @@ def _static(profile, requests, slo, prefill: int, decode: int, heartbeat_s: floa
                 if now >= b:  # a window once its arrivals are all in: those jobs, found once
                     if i not in in_window:
                         in_window[i] = [j for j in sim.jobs if a <= j.req.arrival < b]
-                    late = missed_in(in_window[i], now)
+                    late = _missed_in(slo, in_window[i], now)
                     if late > (1 - goal) * n:
                         stopped, attainment = f"burst {i + 1}", round(1 - late / n, 4)
                         break
