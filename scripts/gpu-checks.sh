@@ -86,7 +86,7 @@ lora_tests() {  # the LoRA kernels and their CUDA graphs alone
     tests/engine/test_lora_cuda.py tests/kernels/test_cuda_graph_padding.py
 }
 gpu() {
-  step gpu 90 python3 "$runner" services.engine.gpu_bench gpu --requests 256 --json --save "$out"
+  step gpu 160 python3 "$runner" services.engine.gpu_bench gpu --requests 256 --json --save "$out"
 }
 for s in ${GPU_STEPS:-calibrate lora tests gpu}; do
   "$s"
