@@ -94,7 +94,8 @@ def add_parser(sub) -> None:
                    help="/metrics port for pdserve_planner_desired_replicas (0: a free one; -1: off)")
     p.add_argument("--scrape", action="append", default=[], metavar="HOST:PORT",
                    help="more /metrics endpoints to read (the router's, for per-request TTFT); repeatable")
-    p.add_argument("--profile", default="cpu", help="worker capacities from this calibration profile (cpu, h100)")
+    p.add_argument("--profile", default="cpu",
+                   help="worker capacities from this calibration profile (cpu, h100, h100-measured, h200)")
     p.add_argument("--prefill-tokens-per-s", type=float, default=0.0, help="override: one prefill worker's rate")
     p.add_argument("--kv-blocks", type=int, default=0, help="override: one decode worker's KV blocks")
     p.add_argument("--max-num-seqs", type=int, default=0, help="override: one decode worker's batch limit")

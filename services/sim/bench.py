@@ -268,7 +268,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rate-per-worker", type=float, default=0.3, help="session starts per second per worker")
     p.add_argument("--layout-workers", type=int, default=100)
     p.add_argument("--profile", default="h100",
-                   help="worker profile from the calibration file (h100: derived; h200: measured on an H200; cpu)")
+                   help="worker profile from the calibration file (h100: derived from the datasheet; "
+                   "h100-measured, h200: measured on a lent H100 / H200; cpu)")
     p.add_argument("--calibration", default=None, help=f"calibration file (default {CALIBRATION.name} in services/sim)")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
     p.add_argument("--itl-slo", type=float, default=0.05, help="seconds")

@@ -82,3 +82,21 @@ def test_a_new_profile_without_a_base_is_refused(tmp_path):
     shutil.copy(CALIBRATION, cal)
     with pytest.raises(ValueError, match="--base"):
         into_profile(_points(), str(cal), "note", profile="new-gpu", base=None)
+
+
+@pytest.mark.parametrize("name", ["cpu", "h200", "h100-measured"])
+def test_every_measured_profile_shipped_is_the_fit_of_its_own_recorded_points(name):
+    # the profile `bench sim --profile NAME` simulates is what was measured: its coefficients are the fit of
+    # the raw points its source records, and its decode steps stay within 15% of every point
+    import json
+
+    from services.sim.profiles import CALIBRATION, load_profile
+
+    entry = json.loads(CALIBRATION.read_text())["profiles"][name]
+    prefill, decode = entry["source"]["points"].values()
+    refit = fit({"prefill_points": prefill, "decode_points": decode})
+    assert entry["prefill_s"] == pytest.approx(refit["prefill_s"], rel=1e-9)
+    assert entry["decode_step_s"] == pytest.approx(refit["decode_step_s"], rel=1e-9)
+    profile = load_profile(name)
+    for batch, ctx, seconds in decode:
+        assert profile.decode_step_s(batch, batch * ctx) == pytest.approx(seconds, rel=0.15)
