@@ -21,16 +21,17 @@ def add_day_arguments(ap: argparse.ArgumentParser, rate: float = 8.0, config_hel
     if config_help is not None:
         ap.add_argument("config", nargs="?", default="{}", help=config_help)
     ap.add_argument("--rate", type=float, default=rate, help="session starts per second")
+    ap.add_argument("--profile", default="h100", help="the calibration profile (default h100, the bench's)")
 
 
 def load_day(args: argparse.Namespace, period_s: float = 7200.0) -> tuple[WorkerProfile, DayScale, list]:
-    """The h100 profile (uncompressed), the day's scale and its requests."""
+    """The profile (``--profile``, h100 by default; uncompressed), the day's scale and its requests."""
     profile, scale, trace, _ = load_day_and_arrivals(args, period_s)
     return profile, scale, trace
 
 
 def load_day_and_arrivals(args: argparse.Namespace, period_s: float = 7200.0):
     """``load_day``'s three and the day's arrival shape (its ``bursts``: the (start, end) of each)."""
-    profile, scale = load_profile("h100"), DayScale(period_s)
+    profile, scale = load_profile(getattr(args, "profile", "h100")), DayScale(period_s)
     trace, arrivals = experiments.diurnal_day(args.seed, profile, args.rate, scale, args.shape)
     return profile, scale, trace, arrivals
