@@ -6,6 +6,9 @@ is one simulated day (~3 min on a quiet core, ~7 at load 10). The static peak's 
 given, from a saved ``bench sim --parts autoscale`` result of the same trace.
 
 Usage: PYTHONPATH=. python benchmarks/probes/planner_config_probe.py coding 1 14.013 '{"warm_min": 0}'
+           [--rate 32] [--profile h100-measured]
+
+Each burst's attainment is printed beside the day's (the bench's rule for static peak provisioning).
 """
 
 import argparse
@@ -28,10 +31,11 @@ def main() -> None:
     ap.add_argument("static_worker_hours", type=float)
     ap.add_argument("config", nargs="?", default="{}", help="PlannerConfig fields as JSON (target_utilisation 0.9)")
     ap.add_argument("--rate", type=float, default=8.0)
+    ap.add_argument("--profile", default="h100", help="the calibration profile (default h100, the bench's)")
     args = ap.parse_args()
     overrides = json.loads(args.config)
-    profile, scale = load_profile("h100"), DayScale(7200)
-    trace, _ = experiments.diurnal_day(args.seed, profile, args.rate, scale, args.shape)
+    profile, scale = load_profile(args.profile), DayScale(7200)
+    trace, arrivals = experiments.diurnal_day(args.seed, profile, args.rate, scale, args.shape)
     config = scale.planner(PlannerConfig(**{"target_utilisation": 0.9, **overrides}), profile.cold_start_s)
     reasons, read = Counter(), []
     decide = policy.Planner.decide
@@ -45,8 +49,10 @@ def main() -> None:
 
     policy.Planner.decide = traced
     started = time.time()
-    run = experiments._autoscaled(scale.profile(profile), trace, SLO(2.0, 0.05), scale, "planner", config)
-    print(f"{args.shape} seed {args.seed} {overrides}: attainment {run['slo_attainment']}, {run['worker_hours']} "
+    run = experiments._autoscaled(scale.profile(profile), trace, SLO(2.0, 0.05), scale, "planner", config,
+                                  windows=list(arrivals.bursts))
+    print(f"{args.shape} seed {args.seed} {args.profile} {overrides}: attainment {run['slo_attainment']}"
+          f"{experiments.bursts_text(run)}, {run['worker_hours']} "
           f"worker-h = {run['worker_hours'] / args.static_worker_hours:.3f} of static, peak {run['peak']}, "
           f"wall {time.time() - started:.0f} s")
     print("  by state", run["worker_hours_by_state"])
