@@ -19,10 +19,8 @@ from services.sim.profiles import load_profile
 
 def _capacity(args) -> Capacity:
     base = capacity_of(load_profile(args.profile))
-    request_s = base.prefill_request_s if args.prefill_request_s is None else args.prefill_request_s
     return Capacity(prefill_tokens_per_s=args.prefill_tokens_per_s or base.prefill_tokens_per_s,
-                    kv_blocks=args.kv_blocks or base.kv_blocks, max_num_seqs=args.max_num_seqs or base.max_num_seqs,
-                    prefill_request_s=request_s)
+                    kv_blocks=args.kv_blocks or base.kv_blocks, max_num_seqs=args.max_num_seqs or base.max_num_seqs)
 
 
 async def _main(args) -> int:
@@ -98,10 +96,7 @@ def add_parser(sub) -> None:
                    help="more /metrics endpoints to read (the router's, for per-request TTFT); repeatable")
     p.add_argument("--profile", default="cpu",
                    help="worker capacities from this calibration profile (cpu, h100, h100-measured, h200)")
-    p.add_argument("--prefill-tokens-per-s", type=float, default=0.0,
-                   help="override: one prefill worker's rate of prompt tokens beyond each prompt's fixed cost")
-    p.add_argument("--prefill-request-s", type=float, default=None,
-                   help="override: one prefill worker's fixed seconds per prompt, whatever its length (0: none)")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=0.0, help="override: one prefill worker's rate")
     p.add_argument("--kv-blocks", type=int, default=0, help="override: one decode worker's KV blocks")
     p.add_argument("--max-num-seqs", type=int, default=0, help="override: one decode worker's batch limit")
     p.add_argument("--ttft-slo", type=float, default=2.5, help="seconds (use a histogram bucket bound)")

@@ -3,10 +3,8 @@
 Inputs (``Signals``, one snapshot per tick; the live service reads them from Redis
 and Prometheus, the simulator from its cluster):
 
-* prefill demand: prompt tokens computed per second over the last window, and each prompt's
-  fixed cost (``Capacity.prefill_request_s`` x prompts prefilled per second, counted in tokens
-  of a worker's rate), plus the queue's lag (tokens queued ahead of the prefill workers, in
-  seconds of their work);
+* prefill demand: prompt tokens computed per second over the last window, plus the
+  queue's lag (tokens queued ahead of the prefill workers, in seconds of their work);
 * decode demand: KV blocks in use and running sequences;
 * SLO attainment over the last window (TTFT and ITL).
 
@@ -54,16 +52,10 @@ class Capacity:
     prefill_tokens_per_s: float
     kv_blocks: int
     max_num_seqs: int
-    # seconds a prefill worker spends on every prompt whatever its length (launches, the sampler, the
-    # hand-off): a worker prefilling cached turns of a few new tokens is busy with these, not with tokens
-    # (a lent H100 took ~27 ms for any prompt up to 1,024 tokens). 0: prompts cost their tokens alone
-    prefill_request_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.prefill_tokens_per_s > 0 or self.kv_blocks < 1 or self.max_num_seqs < 1:
             raise ValueError("capacities must be > 0")
-        if not self.prefill_request_s >= 0:
-            raise ValueError("prefill_request_s must be >= 0")
 
 
 @dataclass
@@ -79,7 +71,6 @@ class Signals:
     itl_attainment: float | None = None
     requests_in_window: int = 0
     judged_requests: int = 0  # the requests the attainments are over (0: requests_in_window)
-    prefill_requests_per_s: float = 0.0  # prompts the prefill workers prefilled per second, last window
     # of prefill_workers / decode_workers, those ordered and still starting (not yet serving); the live
     # reader counts registered workers only and leaves these 0
     prefill_starting: int = 0
@@ -202,16 +193,11 @@ class Planner:
     _needs: dict = field(default_factory=dict)  # per role: (now, need) over the last down_after_s
     _slo: dict = field(default_factory=dict)  # per SLO: (now, requests, misses) over the last slo_window_s
 
-    def _prefill_demand(self, s: Signals) -> float:
-        """Prefill demand in tokens of one worker's rate: the computed tokens, and each prompt's fixed cost."""
-        cap = self.capacity
-        return s.prefill_tokens_per_s + s.prefill_requests_per_s * cap.prefill_request_s * cap.prefill_tokens_per_s
-
     def _ahead(self, s: Signals) -> tuple[tuple, tuple, tuple]:
         """The demand now (the window's trimmed mean); that plus its rise to now and over ``lookahead_s``
         when the least-squares slope over ``trend_window_s`` rises by more than its noise (the cold orders);
         and that plus the fitted slope's rise (the warm pool). All three raw while the history is short."""
-        now = (self._prefill_demand(s), float(s.kv_blocks_used), float(s.running_seqs))
+        now = (s.prefill_tokens_per_s, float(s.kv_blocks_used), float(s.running_seqs))
         c = self.config
         self._history.append((s.now, *now))
         while self._history[0][0] < s.now - c.trend_window_s:
@@ -324,7 +310,7 @@ class Planner:
         # smoothed demand the pool was smaller in a burst's first windows and the day's attainment fell from
         # 0.992-0.995 to 0.983-0.992 (k = 12, 8 sessions/s) for the same worker-hours; the standbys its noise
         # starts cold cost less than that
-        now_demand = (self._prefill_demand(s), s.kv_blocks_used, s.running_seqs)
+        now_demand = (s.prefill_tokens_per_s, s.kv_blocks_used, s.running_seqs)
         burst = counts(*(d * c.burst_factor for d in now_demand), utilisation=c.burst_utilisation,
                        kv_target=c.burst_kv_target or c.burst_utilisation)
         warm = max(0, burst[0] - prefill) + max(0, burst[1] - decode)

@@ -102,7 +102,7 @@ class SignalReader:
             else:
                 after[endpoint] = result
         window_s = now - self._at if self._at is not None else 0.0
-        computed = prompts = ttft_n = itl_n = 0.0
+        computed = ttft_n = itl_n = 0.0
         ttft_good = itl_good = 0.0
         block = {w.metrics_address: w.block_size for w in workers}
         ttft_role = "router" if any(_sum(s, "pdserve_ttft_seconds_count", role="router") for s in after.values()) \
@@ -116,9 +116,6 @@ class SignalReader:
                       - _sum(samples, "pdserve_prefix_cache_hits_total")
                       + _sum(before, "pdserve_prefix_cache_hits_total"))
             computed += max(blocks, 0) * block.get(endpoint, 16)
-            # each prompt a prefill worker served observed its time to first token there
-            prompts += max(_sum(samples, "pdserve_ttft_seconds_count", role="prefill")
-                           - _sum(before, "pdserve_ttft_seconds_count", role="prefill"), 0)
             share, n = attainment(before, samples, "pdserve_ttft_seconds", ttft_role, self.ttft_slo_s)
             ttft_good, ttft_n = ttft_good + (share or 0) * n, ttft_n + n
             share, n = attainment(before, samples, "pdserve_inter_token_latency_seconds", "decode", self.itl_slo_s)
@@ -130,7 +127,6 @@ class SignalReader:
         signals = Signals(
             now=now, prefill_workers=len(prefill), decode_workers=len(decode),
             prefill_tokens_per_s=computed / window_s if window_s > 0 else 0.0,
-            prefill_requests_per_s=prompts / window_s if window_s > 0 else 0.0,
             queued_prefill_tokens=depth.prompt_tokens + sum(w.queued_prefill_tokens for w in prefill),
             kv_blocks_used=sum(w.kv_blocks_used for w in decode),
             running_seqs=sum(w.num_running + w.num_waiting for w in decode),

@@ -27,12 +27,9 @@ from services.sim.profiles import WorkerProfile
 
 
 def capacity_of(profile: WorkerProfile) -> Capacity:
-    """One worker's capacity as the planner counts it: a prompt's fixed cost (the profile's prefill base, and a
-    served worker's per-request CPU), and the rate of the rest of a 2k-token prompt with no cache hit."""
-    fixed = profile.prefill_base_s + profile.prefill_request_s
-    tokens_s = max(profile.prefill_s(2048, 2048) - profile.prefill_base_s, 1e-9)
-    return Capacity(prefill_tokens_per_s=2048 / tokens_s, kv_blocks=profile.kv_blocks,
-                    max_num_seqs=profile.max_num_seqs, prefill_request_s=fixed)
+    # a prompt of 2k tokens with no cache hit: what a prefill worker sustains
+    return Capacity(prefill_tokens_per_s=2048 / profile.prefill_s(2048, 2048), kv_blocks=profile.kv_blocks,
+                    max_num_seqs=profile.max_num_seqs)
 
 
 class SimAutoscaler:
@@ -57,7 +54,6 @@ class SimAutoscaler:
         self._last_tick = -1e9
         self._window: list = []
         self._computed = 0
-        self._prompts = 0
         self._busy = {"prefill": 0.0, "decode": 0.0}
         self.decisions: list[dict] = []
 
@@ -102,12 +98,10 @@ class SimAutoscaler:
         if self.kind == "planner":
             computed = sim.computed_tokens - self._computed
             self._computed = sim.computed_tokens
-            prompts = sim.computed_prompts - self._prompts
-            self._prompts = sim.computed_prompts
             decode = [w for w in active["decode"] if w.ready_at <= now]
             signals = Signals(
                 now=now, prefill_workers=len(active["prefill"]), decode_workers=len(active["decode"]),
-                prefill_tokens_per_s=computed / window_s, prefill_requests_per_s=prompts / window_s,
+                prefill_tokens_per_s=computed / window_s,
                 queued_prefill_tokens=sim.queued_tokens + sum(w.queued_tokens for w in active["prefill"]),
                 kv_blocks_used=sum(w.blocks_used for w in decode),
                 running_seqs=sum(len(w.batch) + len(w.waiting) for w in decode),

@@ -95,7 +95,6 @@ class ClusterSim:
         self.jobs: list[Job] = []
         self.inflight = 0
         self.computed_tokens = 0  # prompt tokens prefilled (not cache hits), cumulative: the planner's demand
-        self.computed_prompts = 0  # prompts the prefill workers prefilled, cumulative (each costs its fixed part)
         self.queued_tokens = 0  # prompt tokens of requests in the admission queue
         self._waiting: list[Job] = []  # no room anywhere: retried at their backoff
         self._next_request = 0
@@ -244,7 +243,6 @@ class ClusterSim:
     def prefilled(self, job: Job, worker: PrefillWorker) -> None:
         job.extra["prefilled_at"] = self.loop.now
         self.computed_tokens += job.req.num_tokens - job.cached_tokens
-        self.computed_prompts += 1
         self.pool.end_prefill(job.token)
         self.loop.after(self.config.profile.transfer_s(job.req.num_tokens), self._kv_arrived, job)
         self._maybe_retire(worker)

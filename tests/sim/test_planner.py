@@ -30,20 +30,6 @@ def test_demand_sets_the_counts():
     assert (d.prefill, d.decode) == (9, 6)  # 42k / (10k * 0.5) -> 9; 2600 / (1000 * 0.5) -> 6 beats 120 / 50 -> 3
 
 
-def test_each_prompts_fixed_cost_counts_in_the_prefill_demand():
-    # 200 cached turns a second of 10 new tokens each: 2,000 tokens/s, a third of one worker at 0.6 by tokens,
-    # but a prefill worker spends 25 ms on every prompt whatever its length: 200 x 25 ms = 5 workers' time,
-    # plus the tokens' 0.2, at 0.6 -> 9 workers
-    costly = Capacity(prefill_tokens_per_s=10_000, kv_blocks=1000, max_num_seqs=100, prefill_request_s=0.025)
-    s = Signals(now=0, prefill_workers=1, decode_workers=2, prefill_tokens_per_s=2000, queued_prefill_tokens=0,
-                kv_blocks_used=0, running_seqs=0, requests_in_window=10, prefill_requests_per_s=200)
-    assert Planner(PlannerConfig(target_utilisation=0.6), costly).decide(s).prefill == 9
-    # the same signals counted by tokens alone: the one worker running
-    assert Planner(PlannerConfig(target_utilisation=0.6), CAP).decide(s).prefill == 1
-    with pytest.raises(ValueError):
-        Capacity(prefill_tokens_per_s=10_000, kv_blocks=1000, max_num_seqs=100, prefill_request_s=-1)
-
-
 def test_queue_lag_adds_prefill_workers_at_once():
     p = planner()
     # 100,000 tokens queued: 5 s of the 2 workers' work, 10 s of one's; clearing it within lag_target_s

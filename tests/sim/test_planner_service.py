@@ -87,8 +87,6 @@ def test_one_tick_reads_redis_and_metrics_and_publishes_the_decision(redis_url):
         planner = Planner(PlannerConfig(target_utilisation=0.5, kv_target=0.5, lag_target_s=1.0, slo_min_requests=1,
                                         slo_sigmas=0),  # 1 late of 3 counts (the judge is tested apart)
                           Capacity(prefill_tokens_per_s=1000, kv_blocks=1000, max_num_seqs=100))
-        seen, decide = [], planner.decide
-        planner.decide = lambda signals: seen.append(signals) or decide(signals)
         out = io.StringIO()
         actuator = EmitActuator(redis, "m", out=out)
         first = await reader.read()  # opens the metrics window
@@ -99,17 +97,15 @@ def test_one_tick_reads_redis_and_metrics_and_publishes_the_decision(redis_url):
         clock.t += 2.0  # over 2 s: 2000 tokens/s
         records = await run_loop(reader, planner, actuator, interval_s=0.01, ticks=1)
         await redis.aclose()
-        return first, records, out.getvalue(), seen
+        return first, records, out.getvalue()
 
     try:
-        first, records, printed, seen = asyncio.run(go())
+        first, records, printed = asyncio.run(go())
     finally:
         server.shutdown()
     s = first.signals
     assert (s.prefill_workers, s.decode_workers) == (1, 1)
     assert s.queued_prefill_tokens == 12_000 and s.kv_blocks_used == 1900
-    # the tick's window: 4000 tokens and 3 prompts (the prefill worker's first tokens) computed in 2 s
-    assert (seen[0].prefill_tokens_per_s, seen[0].prefill_requests_per_s) == (2000, 1.5)
     rec = records[0]
     # 12 s of queued prefill work on one worker: the ready one plus ceil(12 / 1) to clear it in 1 s (demand's 4
     # are among them)
@@ -130,10 +126,6 @@ def test_cli_rejects_bad_flags():
                            "--redis-url", "redis://127.0.0.1:1/0"], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "target_utilisation must be in (0, 1]" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "planner", "--prefill-request-s", "-1",
-                           "--redis-url", "redis://127.0.0.1:1/0"], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 2 and "prefill_request_s must be >= 0" in proc.stderr
 
 
 @pytest.mark.slow
