@@ -41,8 +41,7 @@ def main() -> None:
         start = time.process_time()
         run = experiments._static(scale.profile(profile), trace, SLO(2.0, 0.05), prefill, decode,
                                   scale.heartbeat_s, goal=0.99, policy_options=json.loads(args.router), windows=windows)
-        bursts = "".join(f", burst {i} {w['slo_attainment']}" for i, w in enumerate(run.get("windows", []), 1))
-        print(f"static {prefill}+{decode}: attainment {run['slo_attainment']}{bursts}, stopped "
+        print(f"static {prefill}+{decode}: attainment {run['slo_attainment']}{experiments.bursts_text(run)}, stopped "
               f"{run.get('stopped_by', False) if run.get('stopped') else False}, "
               f"{run['worker_hours']} worker-h ({time.process_time() - start:.0f} s of CPU)", flush=True)
 

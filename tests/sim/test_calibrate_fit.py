@@ -84,15 +84,27 @@ def test_a_new_profile_without_a_base_is_refused(tmp_path):
         into_profile(_points(), str(cal), "note", profile="new-gpu", base=None)
 
 
-@pytest.mark.parametrize("name", ["cpu", "h200", "h100-measured"])
+def _measured_profiles() -> dict:
+    """The shipped profiles whose source records the raw points they were fitted to (cpu, h200, h100-measured)."""
+    import json
+
+    from services.sim.profiles import CALIBRATION
+
+    profiles = json.loads(CALIBRATION.read_text())["profiles"]
+    return {name: entry for name, entry in profiles.items() if entry["source"].get("points")}
+
+
+def test_the_measured_profiles_are_found():
+    assert {"cpu", "h200", "h100-measured"} <= _measured_profiles().keys()
+
+
+@pytest.mark.parametrize("name", sorted(_measured_profiles()))
 def test_every_measured_profile_shipped_is_the_fit_of_its_own_recorded_points(name):
     # the profile `bench sim --profile NAME` simulates is what was measured: its coefficients are the fit of
     # the raw points its source records, and its decode steps stay within 15% of every point
-    import json
+    from services.sim.profiles import load_profile
 
-    from services.sim.profiles import CALIBRATION, load_profile
-
-    entry = json.loads(CALIBRATION.read_text())["profiles"][name]
+    entry = _measured_profiles()[name]
     prefill, decode = entry["source"]["points"].values()
     refit = fit({"prefill_points": prefill, "decode_points": decode})
     assert entry["prefill_s"] == pytest.approx(refit["prefill_s"], rel=1e-9)
