@@ -126,7 +126,7 @@ def measure(repeats: int = 3, threads: int = 1, model: str | None = None, device
             "model": engine.model_name, "dtype": engine.config.dtype, "device": _device_name(device),
             "timed_by": "wall clock" if kind == "cuda" else "the thread's CPU time",
             "kv_bytes_per_block": engine.kv_spec.block_bytes, "kv_blocks_default": engine.block_pool.num_blocks,
-            "block_size": engine.config.block_size}
+            "block_size": engine.config.block_size, "prefill_step_tokens": step_tokens}
 
 
 def _device_name(device: str) -> str:
@@ -188,6 +188,13 @@ def into_profile(points: dict, calibration: str, note: str, profile: str = "cpu"
         profiles[profile] = entry
     entry = profiles[profile]
     entry.update(points["fit"])
+    if points.get("timed_by") == "wall clock" and points.get("prefill_step_tokens"):
+        # a GPU profile's prefill workers run the engine's steps as calibrated (whole prompts up to the step's
+        # budget, several per step): the fit's base is the step's host-bound launches, paid once per step
+        # whatever number of prompts it carries (benchmarks/probes/prefill_step_batching.py: 8 prompts of 16
+        # tokens in one step took 27 ms on an H200, one took 17 ms). The CPU profile keeps the engine's served
+        # defaults, which pdserve bench routing ran and the validation compares against
+        entry["prefill_step_tokens"] = entry["prefill_chunk_tokens"] = points["prefill_step_tokens"]
     unit = "CPU s" if points.get("timed_by", "").endswith("CPU time") or "timed_by" not in points else "s"
     entry["source"]["measured"] = note + (f" ({points['model']}, {points['dtype']}, {points['device']}; engine "
                                           f"start {points['engine_start_s']:.1f} s)" if "device" in points else "")

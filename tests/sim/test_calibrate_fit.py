@@ -112,3 +112,43 @@ def test_every_measured_profile_shipped_is_the_fit_of_its_own_recorded_points(na
     profile = load_profile(name)
     for batch, ctx, seconds in decode:
         assert profile.decode_step_s(batch, batch * ctx) == pytest.approx(seconds, rel=0.15)
+
+
+def test_a_gpu_calibration_runs_its_prefill_workers_in_the_engines_steps(tmp_path):
+    # the engine was timed with 8,192 prompt tokens a step: the profile's prefill workers run such steps, so a
+    # step's fixed cost (host-bound launches on a GPU) is paid once however many prompts it carries
+    import shutil
+
+    from services.sim.calibrate import into_profile
+    from services.sim.profiles import CALIBRATION, load_profile
+
+    cal = tmp_path / "calibration.json"
+    shutil.copy(CALIBRATION, cal)
+    gpu = _points(model="dummy:llama-3.1-8b", dtype="bfloat16", device="NVIDIA H100", engine_start_s=70.0,
+                  timed_by="wall clock", prefill_step_tokens=8192)
+    into_profile(gpu, str(cal), "calibrate --device cuda", profile="new-gpu", base="h100")
+    assert (load_profile("new-gpu", cal).prefill_step_tokens, load_profile("new-gpu", cal).prefill_chunk_tokens) \
+        == (8192, 8192)
+    cpu_points = _points(timed_by="the thread's CPU time", prefill_step_tokens=2048)
+    into_profile(cpu_points, str(cal), "calibrate", profile="cpu")
+    assert load_profile("cpu", cal).prefill_step_tokens == load_profile("cpu").prefill_step_tokens  # served defaults
+
+
+@pytest.mark.parametrize("name", ["h100-measured", "h200"])
+def test_short_prompts_on_a_measured_gpu_profile_share_one_steps_fixed_cost(name):
+    from services.sim.cluster import ClusterConfig, ClusterSim
+    from services.sim.profiles import load_profile
+    from services.sim.workloads import SimRequest
+
+    profile = load_profile(name)
+    block = profile.block_size
+    # eight fresh 64-token prompts at once on one prefill worker
+    reqs = [SimRequest(i, 0.0, "standard", list(range(1000 * i, 1000 * i + 64 // block)), 64, 2) for i in range(8)]
+    sim = ClusterSim(ClusterConfig(profile, 1, 1, policy="round-robin", disaggregation="always", closed_loop=8), reqs)
+    jobs = sim.run().jobs
+    last = max(j.first_token_at for j in jobs)
+    # the first arrival starts a step alone, the seven behind it share the next (plus the decode side's
+    # step); not one prompt after another, which took 8 x ~27 ms on h100-measured
+    two_steps = profile.prefill_s(64, 64) + profile.prefill_s(7 * 64, 64) + profile.transfer_s(64)
+    assert last < two_steps + 2 * profile.decode_step_s(8, 8 * 64)
+    assert last < 4 * profile.prefill_base_s
