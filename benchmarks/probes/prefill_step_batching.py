@@ -31,18 +31,15 @@ def main() -> None:
 
     import torch
 
-    from services.config import EngineConfig
-    from services.engine.engine import Engine
     from services.engine.sampling_params import SamplingParams
-    from services.sim.calibrate import GRIDS
+    from services.sim.calibrate import GRIDS, calibration_engine
 
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
     step_tokens = GRIDS[kind][2]
     clock = time.perf_counter if kind == "cuda" else time.process_time
     torch.set_num_threads(1)
     started = time.perf_counter()
-    engine = Engine(EngineConfig(model=args.model, device=args.device, max_num_batched_tokens=step_tokens,
-                                 long_prefill_chunk=step_tokens, max_num_seqs=128))
+    engine = calibration_engine(args.model, args.device)
     print(f"[probe] engine start {time.perf_counter() - started:.1f} s ({engine.model_name}, {args.device})",
           file=sys.stderr, flush=True)
     vocab = engine.model_config.vocab_size

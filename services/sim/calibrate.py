@@ -68,8 +68,6 @@ def measure(repeats: int = 3, threads: int = 1, model: str | None = None, device
 
     import torch
 
-    from services.config import EngineConfig
-    from services.engine.engine import Engine
     from services.engine.sampling_params import SamplingParams
 
     kind = "cuda" if device.startswith("cuda") else "cpu"
@@ -78,8 +76,7 @@ def measure(repeats: int = 3, threads: int = 1, model: str | None = None, device
     clock = time.perf_counter if kind == "cuda" else time.process_time
     torch.set_num_threads(threads)
     started = time.perf_counter()
-    engine = Engine(EngineConfig(model=model, device=device, max_num_batched_tokens=step_tokens,
-                                 long_prefill_chunk=step_tokens, max_num_seqs=128))
+    engine = calibration_engine(model, device)
     load_s = time.perf_counter() - started  # the model load of a worker's start (cached weights)
     _log(f"engine start (model load from the cache): {load_s:.2f} s")
     vocab = engine.model_config.vocab_size
@@ -127,6 +124,16 @@ def measure(repeats: int = 3, threads: int = 1, model: str | None = None, device
             "timed_by": "wall clock" if kind == "cuda" else "the thread's CPU time",
             "kv_bytes_per_block": engine.kv_spec.block_bytes, "kv_blocks_default": engine.block_pool.num_blocks,
             "block_size": engine.config.block_size, "prefill_step_tokens": step_tokens}
+
+
+def calibration_engine(model: str | None, device: str):
+    """The engine as the calibration times it: whole prompts up to the device kind's step budget (GRIDS)."""
+    from services.config import EngineConfig
+    from services.engine.engine import Engine
+
+    step_tokens = GRIDS["cuda" if device.startswith("cuda") else "cpu"][2]
+    return Engine(EngineConfig(model=model, device=device, max_num_batched_tokens=step_tokens,
+                               long_prefill_chunk=step_tokens, max_num_seqs=128))
 
 
 def _device_name(device: str) -> str:
