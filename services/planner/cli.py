@@ -36,7 +36,9 @@ async def _main(args) -> int:
                            trend_window_s=args.trend_window_s, boost=args.boost, boost_every_s=args.boost_every_s,
                            boost_only_while_missing=args.boost_only_while_missing,
                            slo_window_s=args.slo_window_s, slo_sigmas=args.slo_sigmas,
-                           warm_min=args.warm_min, local_prefill_below=args.local_prefill_below,
+                           warm_min=args.warm_min, warm_confirm_s=args.warm_confirm_s,
+                           standby_hold_s=args.standby_hold_s,
+                           local_prefill_below=args.local_prefill_below,
                            min_prefill=args.min_prefill,
                            min_decode=args.min_decode, max_workers=args.max_workers)
     planner = Planner(config, _capacity(args))
@@ -139,6 +141,11 @@ def add_parser(sub) -> None:
                    help="decode's KV in that burst held to this share of the blocks (0: --burst-utilisation)")
     p.add_argument("--warm-fraction", type=float, default=0.0, help="and at least this share of the active workers warm")
     p.add_argument("--warm-min", type=int, default=1, help="standby workers kept at least")
+    p.add_argument("--warm-confirm-s", type=float, default=0.0,
+                   help="the warm pool grows only for a need that held this long (it shrinks at once; 0: at once)")
+    p.add_argument("--standby-hold-s", type=float, default=0.0,
+                   help="for the pool's actuator (on Kubernetes the standby deployment's scale-down delay): a "
+                        "drained worker parks as a standby, and one over the pool's target goes after this long")
     p.add_argument("--local-prefill-below", type=float, default=0.0,
                    help="no prefill worker while the prefill demand is under this share of one: the decode "
                         "workers prefill it (0: always at least one prefill worker when there is demand)")

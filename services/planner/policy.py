@@ -129,6 +129,18 @@ class PlannerConfig:
     # at 1.0 for 3% more worker-hours (BENCHMARKS.md, "Autoscaling, nineteenth session")
     burst_kv_target: float = 0.7
     warm_fraction: float = 0.0  # and at least this share of the active workers
+    # the pool grows only for a need that held this long: the lowest pool decided over the last warm_confirm_s
+    # (it shrinks at once). The burst part is sized on the last window's demand, whose noise raised the pool
+    # for a tick or two, long enough to start standbys loading and not to finish one: their loads were
+    # cancelled at the next tick (0: no confirmation)
+    warm_confirm_s: float = 0.0
+    # how the pool is acted on (the simulator's actuator; on Kubernetes, the standby deployment's scale-down
+    # delay): a drained worker parks in the pool even when it is full, and a loaded standby the pool does not
+    # need is let go only once the pool stood over its target this long. 0: a drained worker parks only in a
+    # short pool, and a surplus goes at once. The day's counts went up and down by one every few ticks around
+    # their noise, and each time a worker was drained and let go, and the standby the next scale-up took was
+    # loaded again cold
+    standby_hold_s: float = 0.0
     # a fixed standby: 0 (the pool from the burst and the rise alone) cost attainment on the day (k = 12, coding
     # seed 1: 0.9717 against 0.9909): the pool those two size is ~0 when the decided counts already stand over
     # the demand, and each ramp's first scale-up then starts cold
@@ -175,6 +187,8 @@ class PlannerConfig:
             raise ValueError("down_every_s must be >= 0")
         if not (self.staffing_beta >= 0 and self.kv_staffing_beta >= 0):
             raise ValueError("staffing_beta and kv_staffing_beta must be >= 0 (0: the fixed targets)")
+        if self.warm_confirm_s < 0 or self.standby_hold_s < 0:
+            raise ValueError("warm_confirm_s and standby_hold_s must be >= 0")
         if self.lookahead_s < 0 or not self.trend_window_s > 0:
             raise ValueError("lookahead_s >= 0 and trend_window_s > 0 needed")
         if min(self.warm_min, self.min_prefill, self.min_decode) < 0 or self.warm_fraction < 0:
@@ -192,6 +206,7 @@ class Planner:
     _down_at: dict = field(default_factory=dict)  # per role: when it last scaled down
     _needs: dict = field(default_factory=dict)  # per role: (now, need) over the last down_after_s
     _slo: dict = field(default_factory=dict)  # per SLO: (now, requests, misses) over the last slo_window_s
+    _warm: deque = field(default_factory=deque)  # (now, pool) over the last warm_confirm_s
 
     def _ahead(self, s: Signals) -> tuple[tuple, tuple, tuple]:
         """The demand now (the window's trimmed mean); that plus its rise to now and over ``lookahead_s``
@@ -319,7 +334,15 @@ class Planner:
         rising = counts(*likely, utilisation=c.burst_utilisation, kv_target=c.burst_utilisation)
         warm = max(warm, max(0, rising[0] - prefill) + max(0, rising[1] - decode))
         warm = max(warm, c.warm_min, math.ceil(c.warm_fraction * (prefill + decode)))
-        return Decision(prefill, decode, warm, "; ".join(reasons) or "demand")
+        return Decision(prefill, decode, self._confirmed(s.now, warm), "; ".join(reasons) or "demand")
+
+    def _confirmed(self, now: float, warm: int) -> int:
+        """The lowest pool of the last ``warm_confirm_s``: a rise is taken once it held that long."""
+        pools = self._warm
+        pools.append((now, warm))
+        while pools[0][0] < now - self.config.warm_confirm_s:
+            pools.popleft()
+        return min(w for _, w in pools)
 
     def _missed(self, slo: str, s: Signals, attainment: float | None) -> float | None:
         """The attainment over the last ``slo_window_s`` when its misses stand over what ``slo_target``

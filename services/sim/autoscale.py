@@ -7,7 +7,8 @@ planner`` reads from Redis and Prometheus), decides, and acts: a scale-up takes 
 standby first (``warm_start_s``), else starts a worker cold (``cold_start_s``); a
 scale-down drains the least loaded workers (they deregister at once and leave when
 idle), and a drained worker refills the warm pool if it is short (its model is still
-loaded). A pool still short starts standbys cold: they join it ``cold_start_s`` later.
+loaded; with the planner's ``standby_hold_s`` it parks there always, and loaded standbys
+over the pool's target are let go once they stood over it that long). A pool still short starts standbys cold: they join it ``cold_start_s`` later.
 Worker-hours count every worker that holds a machine: starting, serving, draining, warm
 standby and standby still loading; ``breakdown`` splits them by state (per role for the
 workers that hold one), so a run's overspend can be read against the ideal curve.
@@ -47,6 +48,8 @@ class SimAutoscaler:
         self.warm = 0  # standbys ready (model loaded, not registered)
         self._warming: list[float] = []  # standbys still loading: when each is ready
         self.warm_target = self.planner.config.warm_min if kind == "planner" else 0
+        self.hold_s = self.planner.config.standby_hold_s if kind == "planner" else 0.0
+        self._surplus_since: float | None = None  # since when loaded standbys stood over the pool's target
         self.worker_seconds = 0.0
         # worker-seconds by state: "<role> serving|starting|draining", "warm", "warming"
         self.breakdown: dict[str, float] = {}
@@ -56,6 +59,10 @@ class SimAutoscaler:
         self._computed = 0
         self._busy = {"prefill": 0.0, "decode": 0.0}
         self.decisions: list[dict] = []
+        # how workers came and went: "warm" / "cold" starts of serving workers, "standby" cold starts into the
+        # pool, "standby cancelled" (released still loading: its load time spent for nothing) and "standby
+        # released" (a loaded one let go), "parked" (a drained worker kept in the pool)
+        self.starts: dict[str, int] = {}
 
     def attach(self, sim) -> None:
         sim.controller = self
@@ -63,8 +70,9 @@ class SimAutoscaler:
 
     def retired(self, sim, worker) -> None:
         self._account(sim)
-        if self.warm + len(self._warming) < self.warm_target:
+        if self.hold_s or self.warm + len(self._warming) < self.warm_target:
             self.warm += 1  # parked: model still loaded, deregistered
+            self._count("parked")
 
     def _account(self, sim) -> None:
         now = sim.loop.now
@@ -127,13 +135,29 @@ class SimAutoscaler:
             self._scale(sim, role, active[role], target)
         while self.warm + len(self._warming) < self.warm_target:  # refill the pool: cold starts that end parked
             self._warming.append(now + self.profile.cold_start_s)
+            self._count("standby")
         extra = self.warm + len(self._warming) - self.warm_target
+        surplus = 0
         if extra > 0:  # release the surplus, the still-loading first
             drop = min(extra, len(self._warming))
             self._warming = self._warming[: len(self._warming) - drop]
-            self.warm -= extra - drop
+            self._count("standby cancelled", drop)
+            surplus = extra - drop
+        # the loaded ones once they stood over the target for hold_s (at once without a hold)
+        if not surplus:
+            self._surplus_since = None
+        else:
+            self._surplus_since = now if self._surplus_since is None else self._surplus_since
+            if now - self._surplus_since >= self.hold_s:
+                self.warm -= surplus
+                self._count("standby released", surplus)
+                self._surplus_since = None
         self.decisions.append({"t": round(now, 1), **targets, "warm": self.warm, "warming": len(self._warming),
                                "reason": reason})
+
+    def _count(self, what: str, n: int = 1) -> None:
+        if n:
+            self.starts[what] = self.starts.get(what, 0) + n
 
     def _scale(self, sim, role: str, active: list, target: int) -> None:
         if target > len(active):
@@ -141,8 +165,10 @@ class SimAutoscaler:
                 if self.warm > 0:
                     self.warm -= 1
                     sim.add_worker(role, ready_in=self.profile.warm_start_s)
+                    self._count("warm")
                 else:
                     sim.add_worker(role, ready_in=self.profile.cold_start_s)
+                    self._count("cold")
         elif target < len(active):
             def load(w):
                 return (len(w.queue) + (w.running is not None)) if role == "prefill" else w.blocks_used

@@ -11,7 +11,8 @@ measure against the day is divided by k as well:
 * the controller's tick (10 s), and the router's heartbeat where the tick is shorter (the
   signals cannot be fresher than the heartbeat that carries them);
 * the planner's hysteresis (``down_after_s``) and scale-down spacing (``down_every_s``), trend window
-  and lookahead (one cold start), boost spacing, SLO window and idle-to-zero time; the threshold
+  and lookahead (one cold start), boost spacing, SLO window, warm-pool confirmation, standby hold and idle-to-zero
+  time; the threshold
   rule's 300 s stabilisation window;
 * the trace's bursts (120 s each, twice a day).
 
@@ -77,4 +78,6 @@ class DayScale:
                                    idle_to_zero_s=self.s(config.idle_to_zero_s), lookahead_s=self.s(lookahead),
                                    trend_window_s=self.s(config.trend_window_s),
                                    boost_every_s=self.s(config.boost_every_s), slo_window_s=self.s(config.slo_window_s),
-                                   down_every_s=self.s(config.down_every_s))
+                                   down_every_s=self.s(config.down_every_s),
+                                   warm_confirm_s=self.s(config.warm_confirm_s),
+                                   standby_hold_s=self.s(config.standby_hold_s))

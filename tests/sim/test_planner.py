@@ -392,3 +392,30 @@ def test_square_root_staffing_runs_a_larger_pool_hotter():
     assert planner(staffing_beta=1.0).decide(signals(0, prefill=0, tokens_per_s=0.0)).prefill == 0
     with pytest.raises(ValueError, match="staffing_beta"):
         PlannerConfig(staffing_beta=-1)
+
+
+def test_a_warm_pool_rise_is_taken_once_it_held_for_warm_confirm_s():
+    # a steady 60,000 tokens/s with one spike window of 120,000: the burst part of the pool (sized on the last
+    # window) jumps for that one tick. Without confirmation the pool follows it, and the standbys ordered then
+    # are released a tick later, still loading; with warm_confirm_s 30 the spike orders none
+    def pools(**config):
+        p = planner(target_utilisation=0.8, kv_target=0.75, **config)
+        demand = [60_000] * 6 + [120_000] + [60_000] * 6
+        return [p.decide(signals(10 * i, prefill=8, decode=4, tokens_per_s=x, kv=3000)).warm
+                for i, x in enumerate(demand)]
+
+    flicker = pools()
+    assert max(flicker) > flicker[0] == flicker[-1]  # up for the spike's tick, down the next
+    assert pools(warm_confirm_s=30) == [flicker[0]] * 13
+    # a rise that holds: taken once it held 30 s, and a fall at once
+    p = planner(target_utilisation=0.8, kv_target=0.75, warm_confirm_s=30)
+    demand = [60_000] * 3 + [120_000] * 6 + [60_000] * 2
+    seen = [p.decide(signals(10 * i, prefill=8, decode=4, tokens_per_s=x, kv=3000)).warm
+            for i, x in enumerate(demand)]
+    assert seen[3:6] == [seen[0]] * 3 and seen[6] > seen[0]  # the rise at 30 s of it (t = 60)
+    assert seen[-1] == seen[0]  # the fall at once
+
+
+def test_warm_confirm_s_must_not_be_negative():
+    with pytest.raises(ValueError, match="warm_confirm_s"):
+        PlannerConfig(warm_confirm_s=-1)
