@@ -56,7 +56,7 @@ def main() -> None:
           f"worker-h = {run['worker_hours'] / args.static_worker_hours:.3f} of static, peak {run['peak']}, "
           f"wall {time.time() - started:.0f} s")
     print("  by state", run["worker_hours_by_state"])
-    print("  starts", run["starts"])
+    print("  pool events", run["pool_events"])
     print("  reasons (ticks)", reasons.most_common(6))
     span = scale.period_s / 10
     print(f"{'from s':>7}{'prefill':>9}{'decode':>8}{'warm':>6}{'tokens/s':>10}{'KV blocks':>11}")

@@ -8,7 +8,9 @@ standby first (``warm_start_s``), else starts a worker cold (``cold_start_s``); 
 scale-down drains the least loaded workers (they deregister at once and leave when
 idle), and a drained worker refills the warm pool if it is short (its model is still
 loaded; with the planner's ``standby_hold_s`` it parks there always, and loaded standbys
-over the pool's target are let go once they stood over it that long). A pool still short starts standbys cold: they join it ``cold_start_s`` later.
+over the pool's target are let go once they stood over it that long). A pool still short
+starts standbys cold: they join it ``cold_start_s`` later. ``pool_events`` counts them: starts
+from the pool and cold, standby loads, loads cancelled, standbys released, workers parked.
 Worker-hours count every worker that holds a machine: starting, serving, draining, warm
 standby and standby still loading; ``breakdown`` splits them by state (per role for the
 workers that hold one), so a run's overspend can be read against the ideal curve.
@@ -59,10 +61,10 @@ class SimAutoscaler:
         self._computed = 0
         self._busy = {"prefill": 0.0, "decode": 0.0}
         self.decisions: list[dict] = []
-        # how workers came and went: "warm" / "cold" starts of serving workers, "standby" cold starts into the
+        # how workers came and went (pool_events): "warm" / "cold" starts of serving workers, "standby" cold starts into the
         # pool, "standby cancelled" (released still loading: its load time spent for nothing) and "standby
         # released" (a loaded one let go), "parked" (a drained worker kept in the pool)
-        self.starts: dict[str, int] = {}
+        self.pool_events: dict[str, int] = {}
 
     def attach(self, sim) -> None:
         sim.controller = self
@@ -157,7 +159,7 @@ class SimAutoscaler:
 
     def _count(self, what: str, n: int = 1) -> None:
         if n:
-            self.starts[what] = self.starts.get(what, 0) + n
+            self.pool_events[what] = self.pool_events.get(what, 0) + n
 
     def _scale(self, sim, role: str, active: list, target: int) -> None:
         if target > len(active):

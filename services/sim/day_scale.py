@@ -11,9 +11,8 @@ measure against the day is divided by k as well:
 * the controller's tick (10 s), and the router's heartbeat where the tick is shorter (the
   signals cannot be fresher than the heartbeat that carries them);
 * the planner's hysteresis (``down_after_s``) and scale-down spacing (``down_every_s``), trend window
-  and lookahead (one cold start), boost spacing, SLO window, warm-pool confirmation, standby hold and idle-to-zero
-  time; the threshold
-  rule's 300 s stabilisation window;
+  and lookahead (one cold start), boost spacing, SLO window, warm-pool confirmation, standby
+  hold and idle-to-zero time; the threshold rule's 300 s stabilisation window;
 * the trace's bursts (120 s each, twice a day).
 
 What is not compressed: what one request does (prefill and decode times, KV transfer, the TTFT

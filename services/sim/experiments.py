@@ -137,7 +137,7 @@ def _autoscaled(profile, requests, slo, scale: DayScale, kind, planner_config=No
     run = {"slo_attainment": s["slo_attainment"], "worker_hours": round(scaler.worker_seconds / 3600, 3),
            "peak": {"prefill": peak[0], "decode": peak[1]}, "ttft_s": s["ttft_s"], "itl_s": s["itl_s"],
            "worker_hours_by_state": {k: round(v / 3600, 3) for k, v in sorted(scaler.breakdown.items())},
-           "starts": dict(sorted(scaler.starts.items())),
+           "pool_events": dict(sorted(scaler.pool_events.items())),
            "decisions": scaler.decisions, "series": sim.series}
     if windows:
         run["windows"] = _window_attainment(sim, slo, windows)

@@ -75,11 +75,11 @@ def test_a_warm_standby_is_promoted_in_seconds_and_the_pool_refills():
     assert all(s == PROFILE.cold_start_s for s in start_s[2:])  # the rest start cold
     after = next(d for d in scaler.decisions if d["t"] >= 215)
     assert after["warm"] + after["warming"] == 2  # cold starts refill the pool
-    # the run's start counts say the same: the burst's first two from the pool, the rest cold, the pool
+    # the run's pool events say the same: the burst's first two from the pool, the rest cold, the pool
     # loaded cold twice at the start and once for each standby the burst took
     cold = [w for w in workers if round(w.ready_at - w.started_at, 3) == PROFILE.cold_start_s]
-    assert scaler.starts["warm"] >= 2 and scaler.starts["cold"] == len(cold) >= len(start_s) - 2
-    assert scaler.starts["standby"] >= 4
+    assert scaler.pool_events["warm"] >= 2 and scaler.pool_events["cold"] == len(cold) >= len(start_s) - 2
+    assert scaler.pool_events["standby"] >= 4
 
 
 def test_an_idle_model_scales_to_zero_keeps_its_standby_and_serves_the_next_request():
@@ -100,10 +100,10 @@ def test_with_a_standby_hold_the_worker_a_dip_released_serves_its_recovery_witho
     reqs = trace((0, 300, 12), (300, 540, 1), (540, 840, 12))
     _, plain = run(reqs, down_after_s=60, warm_min=1)
     sim, held = run(reqs, down_after_s=60, warm_min=1, standby_hold_s=600)
-    assert "parked" not in plain.starts  # without a hold the drained worker left (the pool was full)...
-    assert held.starts["parked"] >= 1  # ...with one it waited in the pool...
-    assert "standby released" not in held.starts  # ...none was let go within the hold...
+    assert "parked" not in plain.pool_events  # without a hold the drained worker left (the pool was full)...
+    assert held.pool_events["parked"] >= 1  # ...with one it waited in the pool...
+    assert "standby released" not in held.pool_events  # ...none was let go within the hold...
     # ...and the recovery took it: one cold load fewer (the pool is refilled by the load the hold saved)
-    assert held.starts["standby"] < plain.starts["standby"]
+    assert held.pool_events["standby"] < plain.pool_events["standby"]
     recovery = [j for j in sim.jobs if j.req.arrival >= 540]
     assert sum(SLO_.met(j) for j in recovery) / len(recovery) >= 0.99
