@@ -29,14 +29,15 @@ def main() -> None:
     ap.add_argument("shape", choices=list(experiments.TRACE_SHAPES))
     ap.add_argument("seed", type=int)
     ap.add_argument("static_worker_hours", type=float)
-    ap.add_argument("config", nargs="?", default="{}", help="PlannerConfig fields as JSON (target_utilisation 0.9)")
+    ap.add_argument("config", nargs="?", default="{}", help="PlannerConfig fields as JSON over its defaults (before the twenty-third session this probe "
+                    "set target_utilisation 0.9 unless given)")
     ap.add_argument("--rate", type=float, default=8.0)
     ap.add_argument("--profile", default="h100", help="the calibration profile (default h100, the bench's)")
     args = ap.parse_args()
     overrides = json.loads(args.config)
     profile, scale = load_profile(args.profile), DayScale(7200)
     trace, arrivals = experiments.diurnal_day(args.seed, profile, args.rate, scale, args.shape)
-    config = scale.planner(PlannerConfig(**{"target_utilisation": 0.9, **overrides}), profile.cold_start_s)
+    config = scale.planner(PlannerConfig(**overrides), profile.cold_start_s)
     reasons, read = Counter(), []
     decide = policy.Planner.decide
 
@@ -44,7 +45,7 @@ def main() -> None:
         d = decide(self, s)
         for reason in d.reason.split("; "):
             reasons[reason.rstrip("0123456789. s").strip()] += 1  # "queue lag 2.1 s" -> "queue lag"
-        read.append((s.now, s.prefill_tokens_per_s, s.kv_blocks_used))
+        read.append((s.now, s.prefill_tokens_per_s, s.kv_blocks_used, s.running_seqs))
         return d
 
     policy.Planner.decide = traced
@@ -59,7 +60,7 @@ def main() -> None:
     print("  pool events", run["pool_events"])
     print("  reasons (ticks)", reasons.most_common(6))
     span = scale.period_s / 10
-    print(f"{'from s':>7}{'prefill':>9}{'decode':>8}{'warm':>6}{'tokens/s':>10}{'KV blocks':>11}")
+    print(f"{'from s':>7}{'prefill':>9}{'decode':>8}{'warm':>6}{'tokens/s':>10}{'KV blocks':>11}{'sequences':>11}")
     for b in range(10):
         ds = [d for d in run["decisions"] if b * span <= d["t"] < (b + 1) * span]
         rs = [r for r in read if b * span <= r[0] < (b + 1) * span]
@@ -67,7 +68,8 @@ def main() -> None:
             print(f"{b * span:>7.0f}{sum(d['prefill'] for d in ds) / len(ds):>9.1f}"
                   f"{sum(d['decode'] for d in ds) / len(ds):>8.1f}"
                   f"{sum(d['warm'] + d['warming'] for d in ds) / len(ds):>6.1f}"
-                  f"{sum(r[1] for r in rs) / len(rs):>10.0f}{sum(r[2] for r in rs) / len(rs):>11.0f}")
+                  f"{sum(r[1] for r in rs) / len(rs):>10.0f}{sum(r[2] for r in rs) / len(rs):>11.0f}"
+                  f"{sum(r[3] for r in rs) / len(rs):>11.0f}")
 
 
 if __name__ == "__main__":

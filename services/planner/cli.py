@@ -37,7 +37,8 @@ async def _main(args) -> int:
                            boost_only_while_missing=args.boost_only_while_missing,
                            slo_window_s=args.slo_window_s, slo_sigmas=args.slo_sigmas,
                            warm_min=args.warm_min, warm_confirm_s=args.warm_confirm_s,
-                           standby_hold_s=args.standby_hold_s,
+                           standby_hold_s=args.standby_hold_s, up_margin=args.up_margin,
+                           seq_target=args.seq_target,
                            local_prefill_below=args.local_prefill_below,
                            min_prefill=args.min_prefill,
                            min_decode=args.min_decode, max_workers=args.max_workers)
@@ -146,6 +147,12 @@ def add_parser(sub) -> None:
     p.add_argument("--standby-hold-s", type=float, default=0.0,
                    help="for the pool's actuator (on Kubernetes the standby deployment's scale-down delay): a "
                         "drained worker parks as a standby, and one over the pool's target goes after this long")
+    p.add_argument("--seq-target", type=float, default=0.0,
+                   help="decode's running and waiting sequences held to this share of --max-num-seqs "
+                        "(0: --target-utilisation)")
+    p.add_argument("--up-margin", type=float, default=0.0,
+                   help="a role scales up for its demand only once the need stands this many workers (under 1) "
+                        "over those running (0: at once); the queue lag and missed SLOs scale up at once")
     p.add_argument("--local-prefill-below", type=float, default=0.0,
                    help="no prefill worker while the prefill demand is under this share of one: the decode "
                         "workers prefill it (0: always at least one prefill worker when there is demand)")

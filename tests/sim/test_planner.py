@@ -419,3 +419,46 @@ def test_a_warm_pool_rise_is_taken_once_it_held_for_warm_confirm_s():
 def test_warm_confirm_s_must_not_be_negative():
     with pytest.raises(ValueError, match="warm_confirm_s"):
         PlannerConfig(warm_confirm_s=-1)
+
+
+def test_up_margin_holds_a_need_just_over_the_workers_running():
+    # target 0.5 at 10,000 tokens/s a worker: 15,500 tokens/s need 3.1 prefill workers, 3,500 KV blocks at
+    # kv_target 0.5 need 7 decode workers of 1000 blocks (7.0, none over)
+    def counts(tokens, kv, **config):
+        d = planner(target_utilisation=0.5, kv_target=0.5, **config).decide(
+            signals(0, prefill=3, decode=6, tokens_per_s=tokens, kv=kv))
+        return d.prefill, d.decode
+
+    assert counts(15_500, 3_100) == (4, 7)  # at once: 3.1 -> 4, 6.2 -> 7
+    assert counts(15_500, 3_100, up_margin=0.25) == (3, 6)  # within the margin: the running 3 and 6 stay
+    assert counts(17_500, 3_200, up_margin=0.25) == (4, 7)  # 3.5 and 6.4 stand over it: up
+    # a role at 0 starts its first worker at once, and a need under the running count is not raised
+    d = planner(target_utilisation=0.5, up_margin=0.5).decide(signals(0, prefill=0, tokens_per_s=1_000))
+    assert d.prefill == 1
+    # a need under the running count goes down as before (no hysteresis here): 1.0 and 2.0
+    assert counts(5_000, 1_000, up_margin=0.5, down_after_s=0, down_step=1.0) == (1, 2)
+
+
+def test_up_margin_does_not_hold_back_the_queue_lag_or_a_missed_slo():
+    p = planner(target_utilisation=0.5, up_margin=0.9)
+    # the demand's need is 3.1 (held at 3), but 90,000 tokens are queued at 10,000 a second: the lag scales up
+    d = p.decide(signals(0, prefill=3, tokens_per_s=15_500, queued=90_000))
+    assert d.prefill > 3 and "queue lag" in d.reason
+    p = planner(target_utilisation=0.5, up_margin=0.9)
+    d = p.decide(signals(0, prefill=3, tokens_per_s=15_500, ttft=0.5, reqs=100))
+    assert d.prefill == 4 and "TTFT attainment" in d.reason  # the boost: 3 x 1.25 -> 4
+    with pytest.raises(ValueError, match="up_margin"):
+        PlannerConfig(up_margin=1.0)
+
+
+def test_seq_target_sizes_decode_by_its_own_share_of_the_slots():
+    # 240 running sequences at 100 slots a worker: target 0.6 runs 4 decode workers (240 / 60), seq_target 0.8
+    # runs 3 (240 / 80); the KV blocks still bound it (2,400 blocks at kv_target 0.7: 4)
+    def decode(kv=0, **config):
+        return planner(target_utilisation=0.6, **config).decide(signals(0, kv=kv, running=240)).decode
+
+    assert decode() == 4
+    assert decode(seq_target=0.8) == 3
+    assert decode(kv=2_400, seq_target=0.8) == 4
+    with pytest.raises(ValueError, match="seq_target"):
+        PlannerConfig(seq_target=1.5)
