@@ -26,8 +26,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     add_day_arguments(ap, rate=32.0, config_help="PlannerConfig fields as JSON")
     ap.add_argument("--router", default="{}", help="RouterPolicyConfig fields as JSON (load_weight 0.1)")
+    ap.add_argument("--until", type=float, default=0.0,
+                    help="only the requests that arrive before this simulated second (0: the whole day)")
     args = ap.parse_args()
     base, scale, trace = load_day(args)
+    if args.until:
+        trace = [r for r in trace if r.arrival < args.until]
     config = scale.planner(PlannerConfig(**json.loads(args.config)), base.cold_start_s)
     profile, slo = scale.profile(base), SLO(2.0, 0.05)
     sim = ClusterSim(ClusterConfig(profile, 1, 1, heartbeat_s=scale.heartbeat_s,

@@ -38,7 +38,7 @@ async def _main(args) -> int:
                            slo_window_s=args.slo_window_s, slo_sigmas=args.slo_sigmas,
                            warm_min=args.warm_min, warm_confirm_s=args.warm_confirm_s,
                            standby_hold_s=args.standby_hold_s, up_margin=args.up_margin,
-                           seq_target=args.seq_target,
+                           seq_target=args.seq_target, trend_autocorrelation=args.trend_autocorrelation,
                            local_prefill_below=args.local_prefill_below,
                            min_prefill=args.min_prefill,
                            min_decode=args.min_decode, max_workers=args.max_workers)
@@ -147,6 +147,9 @@ def add_parser(sub) -> None:
     p.add_argument("--standby-hold-s", type=float, default=0.0,
                    help="for the pool's actuator (on Kubernetes the standby deployment's scale-down delay): a "
                         "drained worker parks as a standby, and one over the pool's target goes after this long")
+    p.add_argument("--trend-autocorrelation", action="store_true",
+                   help="the trend test's standard error from the demand windows' lag-1 autocorrelation (a slow "
+                        "swing is not read as a rise); off: the windows taken as independent")
     p.add_argument("--seq-target", type=float, default=0.0,
                    help="decode's running and waiting sequences held to this share of --max-num-seqs "
                         "(0: --target-utilisation)")

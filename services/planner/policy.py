@@ -169,6 +169,11 @@ class PlannerConfig:
     # full KV, against a 50 ms ITL SLO), so the slots are a hard limit like the KV blocks, not a queue whose
     # waits grow with the utilisation
     seq_target: float = 0.0
+    # the trend test's standard error from the windows' lag-1 autocorrelation (False: as if independent). At
+    # the day's peak decode's KV need swung 4.0-8.9 workers with an autocorrelation of 0.59 in a trend window,
+    # and its swings read as rises: decode ran 7.85 workers where its level needed 6.27 (BENCHMARKS.md,
+    # "Autoscaling, twenty-third session")
+    trend_autocorrelation: bool = False
     lookahead_s: float = 0.0  # 0: react to the demand now; else read it this far ahead on its rising trend
     # 300 s of a real day: at 120 the demand's level was noisy enough that the hysteresis floor (the highest need
     # of its window) ran the day's peak at twice the mean's need (k = 12, coding seed 1, target 0.6: 1.071x static
@@ -255,7 +260,14 @@ class Planner:
             # the slope's lower bound (less twice its standard error): a noise slope read a cold start ahead
             # ordered twice the workers now and then, and the hysteresis held them
             noise = math.sqrt(residual / (n - 2))  # one window's scatter about the line
-            rise = max(0.0, slope - 2 * noise / math.sqrt(var))
+            se = noise / math.sqrt(var)
+            if c.trend_autocorrelation and residual > 0:
+                # the windows are not independent: a slow swing is many windows high in a row. With a lag-1
+                # autocorrelation rho the line has about n (1 - rho) / (1 + rho) independent windows
+                r = [y - mean_y - slope * (t - mean_t) for t, y in zip(ts, ys)]
+                rho = min(0.95, max(0.0, sum(a * b for a, b in zip(r, r[1:])) / residual))
+                se *= math.sqrt((1 + rho) / (1 - rho))
+            rise = max(0.0, slope - 2 * se)
             level = (sum(ys) - max(ys) - min(ys)) / (n - 2)
             # a step (the last two windows both above the level by three times the scatter of the windows
             # before them) is taken at once: the window's mean would take half a trend window to see it. One

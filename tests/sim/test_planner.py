@@ -462,3 +462,27 @@ def test_seq_target_sizes_decode_by_its_own_share_of_the_slots():
     assert decode(kv=2_400, seq_target=0.8) == 4
     with pytest.raises(ValueError, match="seq_target"):
         PlannerConfig(seq_target=1.5)
+
+
+def test_trend_autocorrelation_reads_a_slow_swing_as_no_rise():
+    # a stationary demand (no trend) whose windows swing slowly: AR(1) with rho 0.8 about 60,000 tokens/s, one
+    # window every 10 s. Taken as independent windows, its swings read as rises (the lookahead then orders
+    # workers a cold start ahead); with their autocorrelation in the slope's standard error, far fewer do
+    import random
+
+    def rising_ticks(**config):
+        rng, x, n = random.Random(7), 0.0, 0
+        p = planner(target_utilisation=0.5, lookahead_s=120, trend_window_s=300, **config)
+        for i in range(600):
+            x = 0.8 * x + rng.gauss(0, 3_000)
+            n += "rising demand" in p.decide(signals(10 * i, prefill=13, tokens_per_s=60_000 + x)).reason
+        return n
+
+    independent, corrected = rising_ticks(), rising_ticks(trend_autocorrelation=True)
+    assert independent > 30 and corrected < independent / 2
+    # a steady ramp (+100 tokens/s each 10 s window, small independent noise) still reads as a rise
+    rng, p = random.Random(3), planner(target_utilisation=0.5, lookahead_s=120, trend_window_s=300,
+                                       trend_autocorrelation=True)
+    reasons = [p.decide(signals(10 * i, prefill=13, tokens_per_s=40_000 + 100 * i + rng.gauss(0, 300))).reason
+               for i in range(100)]
+    assert sum("rising demand" in r for r in reasons[40:]) > 30
