@@ -65,6 +65,8 @@ def main() -> None:
     over = [i for i in span if rows[i]["decode"] > math.ceil(levels[i] / per_worker) + 1]
     print(f"  ticks with decode over the level's need + 1: {len(over)}, of them 'rising demand' "
           f"{sum('rising demand' in rows[i]['reason'] for i in over)}")
+    every = Counter(x.rstrip("0123456789. s").strip() for r in rows for x in r["reason"].split("; "))
+    print(f"  reasons over the whole file (ticks): {dict(every.most_common())}")
     print(f"  KV's lag-1 autocorrelation about each trend window's line: median {statistics.median(rhos):.2f} "
           f"(a window of n ticks then holds about n x (1 - rho) / (1 + rho) independent ones)")
 

@@ -171,8 +171,9 @@ class PlannerConfig:
     seq_target: float = 0.0
     # the trend test's standard error from the windows' lag-1 autocorrelation (False: as if independent). At
     # the day's peak decode's KV need swung 4.0-8.9 workers with an autocorrelation of 0.59 in a trend window,
-    # and its swings read as rises: decode ran 7.85 workers where its level needed 6.27 (BENCHMARKS.md,
-    # "Autoscaling, twenty-third session")
+    # and decode ran 7.85 workers where its level needed 6.27. With this on it still ran 7.87 (the level's own
+    # swings, held by the hysteresis), and prefill, its lookahead lost on the real ramp, missed more TTFTs: over
+    # the day's first 3,300 s 0.9946 against 0.9987 (BENCHMARKS.md, "Autoscaling, twenty-third session")
     trend_autocorrelation: bool = False
     lookahead_s: float = 0.0  # 0: react to the demand now; else read it this far ahead on its rising trend
     # 300 s of a real day: at 120 the demand's level was noisy enough that the hysteresis floor (the highest need
