@@ -14,19 +14,18 @@ import math
 import statistics
 from collections import Counter
 
-from services.planner.policy import PlannerConfig
+from services.planner.policy import PlannerConfig, lag1_autocorrelation
 from services.sim.day_scale import DayScale
 from services.sim.profiles import load_profile
 
 
 def lag1(ys: list[float]) -> float:
-    """The lag-1 autocorrelation of ``ys`` about their least-squares line."""
+    """The lag-1 autocorrelation of ``ys`` about their least-squares line (windows evenly spaced)."""
     n = len(ys)
     mean_x, mean_y = (n - 1) / 2, sum(ys) / n
     var = sum((x - mean_x) ** 2 for x in range(n))
     slope = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(ys)) / var
-    r = [y - mean_y - slope * (x - mean_x) for x, y in enumerate(ys)]
-    return sum(a * b for a, b in zip(r, r[1:])) / sum(a * a for a in r)
+    return lag1_autocorrelation([y - mean_y - slope * (x - mean_x) for x, y in enumerate(ys)])
 
 
 def main() -> None:
@@ -45,6 +44,7 @@ def main() -> None:
     levels, rhos = [], []
     for i, t in enumerate(ts):
         w = [kv[j] for j in range(i + 1) if ts[j] >= t - window_s]
+        # the planner's level (Planner._ahead): the trend window's mean less its highest and lowest window
         levels.append((sum(w) - max(w) - min(w)) / (len(w) - 2) if len(w) > 3 else kv[i])
         if args.start <= t < args.end and len(w) > 4:
             rhos.append(lag1(w))

@@ -29,8 +29,9 @@ def main() -> None:
     ap.add_argument("shape", choices=list(experiments.TRACE_SHAPES))
     ap.add_argument("seed", type=int)
     ap.add_argument("static_worker_hours", type=float)
-    ap.add_argument("config", nargs="?", default="{}", help="PlannerConfig fields as JSON over its defaults (before the twenty-third session this probe "
-                    "set target_utilisation 0.9 unless given)")
+    ap.add_argument("config", nargs="?", default="{}",
+                    help="PlannerConfig fields as JSON over its defaults (before the twenty-third session this "
+                         "probe set target_utilisation 0.9 unless given)")
     ap.add_argument("--rate", type=float, default=8.0)
     ap.add_argument("--profile", default="h100", help="the calibration profile (default h100, the bench's)")
     args = ap.parse_args()

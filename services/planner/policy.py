@@ -266,7 +266,7 @@ class Planner:
                 # the windows are not independent: a slow swing is many windows high in a row. With a lag-1
                 # autocorrelation rho the line has about n (1 - rho) / (1 + rho) independent windows
                 r = [y - mean_y - slope * (t - mean_t) for t, y in zip(ts, ys)]
-                rho = min(0.95, max(0.0, sum(a * b for a, b in zip(r, r[1:])) / residual))
+                rho = min(0.95, max(0.0, lag1_autocorrelation(r)))
                 se *= math.sqrt((1 + rho) / (1 - rho))
             rise = max(0.0, slope - 2 * se)
             level = (sum(ys) - max(ys) - min(ys)) / (n - 2)
@@ -424,6 +424,12 @@ class Planner:
         if target < current:
             self._down_at[role] = now
         return target
+
+
+def lag1_autocorrelation(residuals: list[float]) -> float:
+    """The lag-1 autocorrelation of residuals about a fitted line (0 when they are all 0)."""
+    total = sum(a * a for a in residuals)
+    return sum(a * b for a, b in zip(residuals, residuals[1:])) / total if total else 0.0
 
 
 def _up(need: float, running: int, margin: float) -> float:

@@ -1,5 +1,7 @@
 """The autoscaling planner's decisions on small crafted signal traces."""
 
+import random
+
 import pytest
 
 from services.planner.policy import (
@@ -239,8 +241,6 @@ def test_a_steady_noisy_demand_is_served_near_its_mean_not_its_noise_peaks():
     # 20,000 tokens/s on average (4 workers at 50%), each window's count log-normally noisy (sigma 0.6, as
     # prompts counted as they finish are at short windows); the hysteresis floor is the highest need of its
     # window, so a level that follows the noise is held at its peaks
-    import random
-
     rng = random.Random(0)
     p = planner(target_utilisation=0.5, trend_window_s=120, lookahead_s=120, down_after_s=300, down_step=0.25)
     current, counts = 1, []
@@ -315,8 +315,6 @@ def test_the_default_trend_window_holds_less_of_a_steady_demands_noise():
     # the steady noisy demand above (4 workers serve its mean) under the default trend window (300 s): 5.7 on
     # average; the old default (120 s) ran 6.1. On the simulated day the same change took target 0.8 from 0.997x
     # to 0.935x static's worker-hours (coding seed 1, k = 12)
-    import random
-
     rng = random.Random(0)
     p = planner(target_utilisation=0.5, lookahead_s=120, down_after_s=300, down_step=0.25)
     current, counts = 1, []
@@ -422,8 +420,8 @@ def test_warm_confirm_s_must_not_be_negative():
 
 
 def test_up_margin_holds_a_need_just_over_the_workers_running():
-    # target 0.5 at 10,000 tokens/s a worker: 15,500 tokens/s need 3.1 prefill workers, 3,500 KV blocks at
-    # kv_target 0.5 need 7 decode workers of 1000 blocks (7.0, none over)
+    # target 0.5 at 10,000 tokens/s a worker: 15,500 tokens/s need 3.1 prefill workers; 3,100 KV blocks at
+    # kv_target 0.5 need 6.2 decode workers of 1000 blocks
     def counts(tokens, kv, **config):
         d = planner(target_utilisation=0.5, kv_target=0.5, **config).decide(
             signals(0, prefill=3, decode=6, tokens_per_s=tokens, kv=kv))
@@ -432,7 +430,7 @@ def test_up_margin_holds_a_need_just_over_the_workers_running():
     assert counts(15_500, 3_100) == (4, 7)  # at once: 3.1 -> 4, 6.2 -> 7
     assert counts(15_500, 3_100, up_margin=0.25) == (3, 6)  # within the margin: the running 3 and 6 stay
     assert counts(17_500, 3_200, up_margin=0.25) == (4, 7)  # 3.5 and 6.4 stand over it: up
-    # a role at 0 starts its first worker at once, and a need under the running count is not raised
+    # a role at 0 starts its first worker at once
     d = planner(target_utilisation=0.5, up_margin=0.5).decide(signals(0, prefill=0, tokens_per_s=1_000))
     assert d.prefill == 1
     # a need under the running count goes down as before (no hysteresis here): 1.0 and 2.0
@@ -468,8 +466,6 @@ def test_trend_autocorrelation_reads_a_slow_swing_as_no_rise():
     # a stationary demand (no trend) whose windows swing slowly: AR(1) with rho 0.8 about 60,000 tokens/s, one
     # window every 10 s. Taken as independent windows, its swings read as rises (the lookahead then orders
     # workers a cold start ahead); with their autocorrelation in the slope's standard error, far fewer do
-    import random
-
     def rising_ticks(**config):
         rng, x, n = random.Random(7), 0.0, 0
         p = planner(target_utilisation=0.5, lookahead_s=120, trend_window_s=300, **config)
