@@ -1,0 +1,89 @@
+"""Probe: an autoscaler that knows the day's arrival rate ahead, on the k = 12 day. How far under static
+peak provisioning can whole workers, started cold when needed, go at given targets, and does the SLO hold?
+
+The planner (``pdserve planner``) reads its demand from the cluster and must guess where it goes; this
+controller reads it from the trace's own arrival rate (``ArrivalShape.rate_at``, bursts included), which no
+real autoscaler has. Its demand is the highest rate over ``[now - hold, now + lead]`` (lead: a cold start and
+two ticks, so a worker ordered now serves when the rate arrives; hold: the sessions a rise started keep
+sending turns after it), converted to prefill tokens/s and decode KV blocks by ``--tokens-per-start`` and
+``--kv-per-start`` (the reference planner run's demand over its arrival rate, per tenth of the day: 4,470-5,360
+tokens/s and 1,570-2,260 KV blocks per session start a second; ``sim-autoscale-h100-measured-stepped-20261127-
+s22.log``). Counts: ``ceil(demand / (one worker's capacity x target))`` per role, at least one each; no warm pool
+(the lead stands in for it), no hysteresis beyond the hold. Worker-hours are accounted as the planner's are.
+
+    PYTHONPATH=. python benchmarks/probes/autoscale_foresight.py coding 1 38.026 --rate 32 \
+        --profile h100-measured --prefill-target 0.6 --kv-target 0.7
+"""
+
+import argparse
+import math
+import time
+
+from autoscale_day import add_day_arguments, load_day_and_arrivals
+
+from services.planner.policy import Capacity, Decision, PlannerConfig
+from services.sim import autoscale, experiments
+from services.sim.metrics import SLO
+
+
+class Foresight:
+    """Decides as ``Planner.decide`` does, from the arrival rate ahead instead of the signals."""
+
+    def __init__(self, config: PlannerConfig, capacity: Capacity, rate_at, args, lead_s: float, hold_s: float):
+        self.config, self.capacity, self.rate_at = config, capacity, rate_at
+        self.args, self.lead_s, self.hold_s = args, lead_s, hold_s
+
+    def decide(self, s) -> Decision:
+        a, cap = self.args, self.capacity
+        steps = 64
+        span = self.hold_s + self.lead_s
+        rate = max(self.rate_at(s.now - self.hold_s + span * i / steps) for i in range(steps + 1))
+        prefill = math.ceil(a.tokens_per_start * rate / (cap.prefill_tokens_per_s * a.prefill_target))
+        decode = math.ceil(a.kv_per_start * rate / (cap.kv_blocks * a.kv_target))
+        return Decision(max(prefill, 1), max(decode, 1), 0, "foresight")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_day_arguments(ap, rate=32.0)
+    ap.add_argument("static_worker_hours", type=float, help="static peak provisioning's worker-hours on this day")
+    ap.add_argument("--prefill-target", type=float, default=0.6, help="prefill tokens/s over capacity (0.6)")
+    ap.add_argument("--kv-target", type=float, default=0.7, help="decode KV blocks in use over capacity (0.7)")
+    ap.add_argument("--tokens-per-start", type=float, default=4700.0,
+                    help="prefill tokens/s per session start a second (4,700)")
+    ap.add_argument("--kv-per-start", type=float, default=2250.0,
+                    help="decode KV blocks in use per session start a second (2,250)")
+    ap.add_argument("--hold-s", type=float, default=150.0, help="the hold, in a real day's seconds (150)")
+    ap.add_argument("--until", type=float, default=None, help="stop the day at this simulated second")
+    args = ap.parse_args()
+    for name in ("prefill_target", "kv_target"):
+        if not 0 < getattr(args, name) <= 1:
+            ap.error(f"--{name.replace('_', '-')} must be in (0, 1]")
+    profile, scale, trace, arrivals = load_day_and_arrivals(args)
+    if args.until is not None:
+        trace = [r for r in trace if r.arrival < args.until]
+    served = scale.profile(profile)
+    lead_s, hold_s = served.cold_start_s + 2 * scale.tick_s, scale.s(args.hold_s)
+    # the simulator's autoscaler builds its planner by this name: the foresight stands in for it
+    autoscale.Planner = lambda config, capacity: Foresight(config, capacity, arrivals.rate_at, args, lead_s, hold_s)
+    started = time.time()
+    run = experiments._autoscaled(served, trace, SLO(2.0, 0.05), scale, "planner",
+                                  PlannerConfig(warm_min=0), windows=list(arrivals.bursts))
+    print(f"{args.shape} seed {args.seed} {args.profile} rate {args.rate:g}: foresight, prefill target "
+          f"{args.prefill_target}, KV target {args.kv_target}, hold {args.hold_s:g} s, lead {lead_s:.2f} s: attainment "
+          f"{run['slo_attainment']}{experiments.bursts_text(run)}, {run['worker_hours']} worker-h = "
+          f"{run['worker_hours'] / args.static_worker_hours:.3f} of static, peak {run['peak']}, "
+          f"wall {time.time() - started:.0f} s")
+    print("  by state", run["worker_hours_by_state"])
+    print("  pool events", run["pool_events"])
+    span = scale.period_s / 10
+    print(f"{'from s':>7}{'prefill':>9}{'decode':>8}")
+    for b in range(10):
+        ds = [d for d in run["decisions"] if b * span <= d["t"] < (b + 1) * span]
+        if ds:
+            print(f"{b * span:>7.0f}{sum(d['prefill'] for d in ds) / len(ds):>9.1f}"
+                  f"{sum(d['decode'] for d in ds) / len(ds):>8.1f}")
+
+
+if __name__ == "__main__":
+    main()
