@@ -10,6 +10,8 @@ sending turns after it), converted to prefill tokens/s and decode KV blocks by `
 tokens/s and 1,570-2,260 KV blocks per session start a second; ``sim-autoscale-h100-measured-stepped-20261127-
 s22.log``). Counts: ``ceil(demand / (one worker's capacity x target))`` per role, at least one each; no warm pool
 (the lead stands in for it), no hysteresis beyond the hold. Worker-hours are accounted as the planner's are.
+Printed per tenth of the day (of ``--until``'s span): the counts, and the requests that arrived and missed the SLO
+(by a late first token, a slow ITL, or unfinished at the end).
 
     PYTHONPATH=. python benchmarks/probes/autoscale_foresight.py coding 1 38.026 --rate 32 \
         --profile h100-measured --prefill-target 0.6 --kv-target 0.7
@@ -23,7 +25,7 @@ from autoscale_day import add_day_arguments, load_day_and_arrivals
 
 from services.planner.policy import Capacity, Decision, PlannerConfig
 from services.sim import autoscale, experiments
-from services.sim.metrics import SLO
+from services.sim.metrics import SLO, itl, ttft
 
 
 class Foresight:
@@ -66,8 +68,17 @@ def main() -> None:
     lead_s, hold_s = served.cold_start_s + 2 * scale.tick_s, scale.s(args.hold_s)
     # the simulator's autoscaler builds its planner by this name: the foresight stands in for it
     autoscale.Planner = lambda config, capacity: Foresight(config, capacity, arrivals.rate_at, args, lead_s, hold_s)
+    captured = []
+    summarize = experiments.summarize
+
+    def keep(sim, slo, *a, **k):  # the run's cluster, for where in the day its misses fell
+        captured.append(sim)
+        return summarize(sim, slo, *a, **k)
+
+    experiments.summarize = keep
+    slo = SLO(2.0, 0.05)
     started = time.time()
-    run = experiments._autoscaled(served, trace, SLO(2.0, 0.05), scale, "planner",
+    run = experiments._autoscaled(served, trace, slo, scale, "planner",
                                   PlannerConfig(warm_min=0), windows=list(arrivals.bursts))
     print(f"{args.shape} seed {args.seed} {args.profile} rate {args.rate:g}: foresight, prefill target "
           f"{args.prefill_target}, KV target {args.kv_target}, hold {args.hold_s:g} s, lead {lead_s:.2f} s: attainment "
@@ -76,13 +87,20 @@ def main() -> None:
           f"wall {time.time() - started:.0f} s")
     print("  by state", run["worker_hours_by_state"])
     print("  pool events", run["pool_events"])
-    span = scale.period_s / 10
-    print(f"{'from s':>7}{'prefill':>9}{'decode':>8}")
+    span = (args.until or scale.period_s) / 10
+    jobs = captured[-1].jobs
+    print(f"{'from s':>7}{'prefill':>9}{'decode':>8}{'arrived':>9}{'missed':>8}{'TTFT':>6}{'ITL':>6}{'unfinished':>11}")
     for b in range(10):
         ds = [d for d in run["decisions"] if b * span <= d["t"] < (b + 1) * span]
+        js = [j for j in jobs if b * span <= j.req.arrival < (b + 1) * span]
+        done = [j for j in js if j.finished_at > 0]
+        late_first = sum(ttft(j) > slo.ttft_s for j in done)
+        slow = sum(itl(j) > slo.itl_s for j in done)
+        missed = sum(not slo.met(j) for j in done) + len(js) - len(done)
         if ds:
             print(f"{b * span:>7.0f}{sum(d['prefill'] for d in ds) / len(ds):>9.1f}"
-                  f"{sum(d['decode'] for d in ds) / len(ds):>8.1f}")
+                  f"{sum(d['decode'] for d in ds) / len(ds):>8.1f}{len(js):>9}{missed:>8}{late_first:>6}{slow:>6}"
+                  f"{len(js) - len(done):>11}")
 
 
 if __name__ == "__main__":
