@@ -10,7 +10,11 @@ sending turns after it), converted to prefill tokens/s and decode KV blocks by `
 tokens/s and 1,570-2,260 KV blocks per session start a second; ``sim-autoscale-h100-measured-stepped-20261127-
 s22.log``). Counts: ``ceil(demand / (one worker's capacity x target))`` per role, at least one each; no warm pool
 (the lead stands in for it), no hysteresis beyond the hold. Worker-hours are accounted as the planner's are.
-Printed per tenth of the day (of ``--until``'s span): the counts, and the requests that arrived and missed the SLO
+With ``--curve`` (one or more ``autoscale_demand_curve.py`` files) the demand is read instead from those
+curves, bin by bin (their median when several: a forecast learned from other days, whose bursts fall at other
+times and drop out of the median; the day's own curve: foresight of its demand, noise and bursts included),
+times ``--tok-factor`` and ``--kv-factor`` (the recorded signals over the trace's estimate), over the same
+window. Printed per tenth of the day (of ``--until``'s span): the counts, and the requests that arrived and missed the SLO
 (as the bench judges the bursts: finished late, or waiting past the TTFT SLO; and by a late first token or a
 slow ITL, and unfinished at the end).
 
@@ -19,7 +23,9 @@ slow ITL, and unfinished at the end).
 """
 
 import argparse
+import json
 import math
+import statistics
 import time
 
 from autoscale_day import add_day_arguments, load_day_and_arrivals
@@ -30,20 +36,36 @@ from services.sim.metrics import SLO, itl, ttft
 
 
 class Foresight:
-    """Decides as ``Planner.decide`` does, from the arrival rate ahead instead of the signals."""
+    """Decides as ``Planner.decide`` does, from the demand ahead instead of the signals: ``demand_at(t)`` gives
+    (prefill tokens/s, KV blocks) at simulated second t."""
 
-    def __init__(self, config: PlannerConfig, capacity: Capacity, rate_at, args, lead_s: float, hold_s: float):
-        self.config, self.capacity, self.rate_at = config, capacity, rate_at
+    def __init__(self, config: PlannerConfig, capacity: Capacity, demand_at, args, lead_s: float, hold_s: float):
+        self.config, self.capacity, self.demand_at = config, capacity, demand_at
         self.args, self.lead_s, self.hold_s = args, lead_s, hold_s
 
     def decide(self, s) -> Decision:
         a, cap = self.args, self.capacity
         steps = 64
         span = self.hold_s + self.lead_s
-        rate = max(self.rate_at(s.now - self.hold_s + span * i / steps) for i in range(steps + 1))
-        prefill = math.ceil(a.tokens_per_start * rate / (cap.prefill_tokens_per_s * a.prefill_target))
-        decode = math.ceil(a.kv_per_start * rate / (cap.kv_blocks * a.kv_target))
+        ahead = [self.demand_at(s.now - self.hold_s + span * i / steps) for i in range(steps + 1)]
+        prefill = math.ceil(max(d[0] for d in ahead) / (cap.prefill_tokens_per_s * a.prefill_target))
+        decode = math.ceil(max(d[1] for d in ahead) / (cap.kv_blocks * a.kv_target))
         return Decision(max(prefill, 1), max(decode, 1), 0, "foresight")
+
+
+def curve_demand(paths: list[str], tok_factor: float, kv_factor: float):
+    """(prefill tokens/s, KV blocks) at t from demand curves: the median of theirs, bin by bin, scaled."""
+    curves = [json.load(open(p)) for p in paths]
+    bin_s = curves[0]["bin_s"]
+    if any(c["bin_s"] != bin_s for c in curves):
+        raise SystemExit("the curves' bins differ")
+    tok = [statistics.median(v) * tok_factor for v in zip(*(c["tok_s"] for c in curves))]
+    kv = [statistics.median(v) * kv_factor for v in zip(*(c["kv"] for c in curves))]
+
+    def at(t: float) -> tuple[float, float]:
+        b = min(max(int(t / bin_s), 0), len(tok) - 1)
+        return tok[b], kv[b]
+    return at
 
 
 def main() -> None:
@@ -56,6 +78,12 @@ def main() -> None:
                     help="prefill tokens/s per session start a second (4,700)")
     ap.add_argument("--kv-per-start", type=float, default=2250.0,
                     help="decode KV blocks in use per session start a second (2,250)")
+    ap.add_argument("--curve", nargs="+", default=[],
+                    help="demand curves (autoscale_demand_curve.py) to read the demand from instead of the rate")
+    ap.add_argument("--tok-factor", type=float, default=1.6,
+                    help="with --curve: the recorded prefill tokens/s over the curve's (1.6)")
+    ap.add_argument("--kv-factor", type=float, default=0.86,
+                    help="with --curve: the recorded KV blocks over the curve's (0.86)")
     ap.add_argument("--hold-s", type=float, default=150.0, help="the hold, in a real day's seconds (150)")
     ap.add_argument("--until", type=float, default=None, help="stop the day at this simulated second")
     ap.add_argument("--starts-only", action="store_true",
@@ -76,8 +104,16 @@ def main() -> None:
         trace = [r for r in trace if r.arrival < args.until]
     served = scale.profile(profile)
     lead_s, hold_s = served.cold_start_s + 2 * scale.tick_s, scale.s(args.hold_s)
+    if args.curve:
+        demand_at = curve_demand(args.curve, args.tok_factor, args.kv_factor)
+        source = f"curves {' '.join(args.curve)} x ({args.tok_factor}, {args.kv_factor})"
+    else:
+        def demand_at(t):
+            rate = arrivals.rate_at(t)
+            return args.tokens_per_start * rate, args.kv_per_start * rate
+        source = "the arrival rate"
     # the simulator's autoscaler builds its planner by this name: the foresight stands in for it
-    autoscale.Planner = lambda config, capacity: Foresight(config, capacity, arrivals.rate_at, args, lead_s, hold_s)
+    autoscale.Planner = lambda config, capacity, *_: Foresight(config, capacity, demand_at, args, lead_s, hold_s)
     captured = []
     summarize = experiments.summarize
 
@@ -90,7 +126,7 @@ def main() -> None:
     started = time.time()
     run = experiments._autoscaled(served, trace, slo, scale, "planner",
                                   PlannerConfig(warm_min=0), windows=list(arrivals.bursts))
-    print(f"{args.shape} seed {args.seed} {args.profile} rate {args.rate:g}: foresight, prefill target "
+    print(f"{args.shape} seed {args.seed} {args.profile} rate {args.rate:g}: foresight of {source}, prefill target "
           f"{args.prefill_target}, KV target {args.kv_target}, hold {args.hold_s:g} s, lead {lead_s:.2f} s: attainment "
           f"{run['slo_attainment']}{experiments.bursts_text(run)}, {run['worker_hours']} worker-h = "
           f"{run['worker_hours'] / args.static_worker_hours:.3f} of static, peak {run['peak']}, "

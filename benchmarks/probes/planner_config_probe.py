@@ -9,6 +9,9 @@ Usage: PYTHONPATH=. python benchmarks/probes/planner_config_probe.py coding 1 14
            [--rate 32] [--profile h100-measured]
 
 Each burst's attainment is printed beside the day's (the bench's rule for static peak provisioning).
+``--forecast-curve`` gives the planner a demand forecast by time of day (``services/planner/forecast.py``) learned
+from those days' demand curves (``autoscale_demand_curve.py``: other seeds' days), times ``--tok-factor`` and
+``--kv-factor`` (a recorded timeline's signals over the curve's estimate).
 """
 
 import argparse
@@ -17,6 +20,7 @@ import time
 from collections import Counter
 
 from services.planner import policy
+from services.planner.forecast import DemandForecast
 from services.planner.policy import PlannerConfig
 from services.sim import experiments
 from services.sim.day_scale import DayScale
@@ -34,11 +38,20 @@ def main() -> None:
                          "probe set target_utilisation 0.9 unless given)")
     ap.add_argument("--rate", type=float, default=8.0)
     ap.add_argument("--profile", default="h100", help="the calibration profile (default h100, the bench's)")
+    ap.add_argument("--forecast-curve", nargs="+", default=[], metavar="CURVE",
+                    help="demand curves of other days: the planner forecasts their median by time of day")
+    ap.add_argument("--tok-factor", type=float, default=1.62, help="the recorded prefill tokens/s over a curve's")
+    ap.add_argument("--kv-factor", type=float, default=0.88, help="the recorded KV blocks over a curve's")
     args = ap.parse_args()
     overrides = json.loads(args.config)
     profile, scale = load_profile(args.profile), DayScale(7200)
     trace, arrivals = experiments.diurnal_day(args.seed, profile, args.rate, scale, args.shape)
     config = scale.planner(PlannerConfig(**overrides), profile.cold_start_s)
+    forecast = None
+    if args.forecast_curve:
+        curves = [json.load(open(path)) for path in args.forecast_curve]
+        forecast = DemandForecast.from_curves(curves, args.tok_factor, args.kv_factor, scale.period_s)
+        overrides["forecast"] = f"{len(curves)} days x ({args.tok_factor}, {args.kv_factor})"  # printed only
     reasons, read = Counter(), []
     decide = policy.Planner.decide
 
@@ -52,7 +65,7 @@ def main() -> None:
     policy.Planner.decide = traced
     started = time.time()
     run = experiments._autoscaled(scale.profile(profile), trace, SLO(2.0, 0.05), scale, "planner", config,
-                                  windows=list(arrivals.bursts))
+                                  windows=list(arrivals.bursts), forecast=forecast)
     print(f"{args.shape} seed {args.seed} {args.profile} {overrides}: attainment {run['slo_attainment']}"
           f"{experiments.bursts_text(run)}, {run['worker_hours']} "
           f"worker-h = {run['worker_hours'] / args.static_worker_hours:.3f} of static, peak {run['peak']}, "

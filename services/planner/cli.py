@@ -7,8 +7,10 @@ import asyncio
 import contextlib
 import shlex
 import signal
+import time
 
 from services import telemetry
+from services.planner.forecast import DemandForecast
 from services.planner.policy import Capacity, Planner, PlannerConfig
 from services.planner.service import EmitActuator, LocalActuator, run_loop
 from services.planner.signals import SignalReader
@@ -42,7 +44,11 @@ async def _main(args) -> int:
                            local_prefill_below=args.local_prefill_below,
                            min_prefill=args.min_prefill,
                            min_decode=args.min_decode, max_workers=args.max_workers)
-    planner = Planner(config, _capacity(args))
+    forecast = None
+    if args.forecast_file:
+        forecast = DemandForecast.load(args.forecast_file, 86_400.0, args.forecast_bin_s, args.forecast_days)
+        print(f"forecast: {len(forecast.days)} recorded days in {args.forecast_file}", flush=True)
+    planner = Planner(config, _capacity(args), forecast)
     redis = await connect_redis(args.redis_url)
     gauge = None
     if args.metrics_port >= 0:
@@ -58,14 +64,16 @@ async def _main(args) -> int:
                                  echo=lambda name, line: print(f"[{name}] {line}", flush=True))
     else:
         actuator = EmitActuator(redis, model, gauge)
-    reader = SignalReader(redis, args.model, args.ttft_slo, args.itl_slo, args.scrape)
+    # the forecast is by time of day: the signals are read on the wall clock
+    reader = SignalReader(redis, args.model, args.ttft_slo, args.itl_slo, args.scrape,
+                          **({"clock": time.time} if forecast is not None else {}))
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stopping.set)
     try:
-        await run_loop(reader, planner, actuator, args.interval, args.ticks, stopping)
+        await run_loop(reader, planner, actuator, args.interval, args.ticks, stopping, args.forecast_file or None)
     finally:
         actuator.close()
         await redis.aclose()
@@ -75,6 +83,8 @@ async def _main(args) -> int:
 def run(args) -> int:
     if args.interval <= 0 or args.ticks < 0:
         raise ValueError("--interval must be > 0 and --ticks >= 0")
+    if not 0 < args.forecast_bin_s <= 86_400 or args.forecast_days < 1:
+        raise ValueError("--forecast-bin-s must be in (0, 86400] and --forecast-days >= 1")
     return asyncio.run(_main(args))
 
 
@@ -156,6 +166,12 @@ def add_parser(sub) -> None:
     p.add_argument("--up-margin", type=float, default=0.0,
                    help="a role scales up for its demand only once the need stands this many workers (under 1) "
                         "over those running (0: at once); the queue lag and missed SLOs scale up at once")
+    p.add_argument("--forecast-file", default="",
+                   help="record the demand by time of day (UTC) in this JSON file and, once a day is recorded, "
+                        "read the median of the recorded days ahead instead of the demand's trend (set "
+                        "--lookahead-s to a cold start); kept across restarts")
+    p.add_argument("--forecast-bin-s", type=float, default=300.0, help="the forecast's bin, seconds (300)")
+    p.add_argument("--forecast-days", type=int, default=7, help="the recorded days the forecast keeps (7)")
     p.add_argument("--local-prefill-below", type=float, default=0.0,
                    help="no prefill worker while the prefill demand is under this share of one: the decode "
                         "workers prefill it (0: always at least one prefill worker when there is demand)")

@@ -44,6 +44,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.planner.forecast import DemandForecast
+
 
 @dataclass(frozen=True)
 class Capacity:
@@ -219,6 +221,8 @@ class PlannerConfig:
 class Planner:
     config: PlannerConfig
     capacity: Capacity
+    # the demand by time of day from earlier days (forecast.py): read ahead instead of the trend
+    forecast: DemandForecast | None = None
     _below_since: dict = field(default_factory=dict)
     _last_traffic: float | None = None  # idle is counted from the first decision
     _history: deque = field(default_factory=deque)  # (now, prefill tokens/s, KV blocks, sequences) for the trend
@@ -280,7 +284,19 @@ class Planner:
             levels.append(level)
             ahead.append(max(0.0, level + rise * (s.now - mean_t + c.lookahead_s)))
             likely.append(max(0.0, level + max(0.0, slope) * (s.now - mean_t + c.lookahead_s)))
+        if self.forecast is not None:
+            ahead = likely = self._forecast_ahead(s.now, ts[0], levels) or ahead
         return tuple(levels), tuple(ahead), tuple(likely)
+
+    def _forecast_ahead(self, now: float, since: float, levels: list[float]) -> list[float] | None:
+        """The forecast's highest demand over the next ``lookahead_s``, scaled per signal by the demand seen
+        over the trend window against the forecast's for it; never under the level. None where the forecast
+        has no day recorded for those times."""
+        f = self.forecast
+        seen, coming = f.expected(since, now), f.peak(now, now + self.config.lookahead_s)
+        if seen is None or coming is None:
+            return None
+        return [max(level, c * level / e) if e > 0 else level for level, e, c in zip(levels, seen, coming)]
 
     def decide(self, s: Signals) -> Decision:
         c, cap = self.config, self.capacity

@@ -116,13 +116,19 @@ class LocalActuator(EmitActuator):
 
 
 async def run_loop(reader: SignalReader, planner: Planner, actuator, interval_s: float, ticks: int = 0,
-                   stopping: asyncio.Event | None = None) -> list[dict]:
-    """Tick until ``stopping`` is set (or ``ticks`` ticks, when > 0); the records of every tick."""
+                   stopping: asyncio.Event | None = None, forecast_path: str | None = None) -> list[dict]:
+    """Tick until ``stopping`` is set (or ``ticks`` ticks, when > 0); the records of every tick. With the
+    planner's forecast, each tick's demand is recorded in it (and saved to ``forecast_path``)."""
     stopping = stopping or asyncio.Event()
     records = []
     while not stopping.is_set():
         snap = await reader.read()
         records.append(await actuator.apply(planner.decide(snap.signals), snap))
+        if planner.forecast is not None:
+            s = snap.signals
+            planner.forecast.record(s.now, (s.prefill_tokens_per_s, float(s.kv_blocks_used), float(s.running_seqs)))
+            if forecast_path:
+                await asyncio.to_thread(planner.forecast.save, forecast_path)
         if ticks and len(records) >= ticks:
             break
         try:

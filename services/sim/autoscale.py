@@ -38,14 +38,14 @@ def capacity_of(profile: WorkerProfile) -> Capacity:
 class SimAutoscaler:
     def __init__(self, kind: str, profile: WorkerProfile, slo: SLO, interval_s: float = 10.0,
                  planner_config: PlannerConfig | None = None, threshold: float = 0.7,
-                 threshold_window_s: float = 300.0):
+                 threshold_window_s: float = 300.0, forecast=None):
         if kind not in ("planner", "threshold"):
             raise ValueError(f"unknown autoscaler {kind!r}")
         self.kind = kind
         self.profile = profile
         self.slo = slo
         self.interval_s = interval_s
-        self.planner = Planner(planner_config or PlannerConfig(), capacity_of(profile))
+        self.planner = Planner(planner_config or PlannerConfig(), capacity_of(profile), forecast)
         self.rule = ThresholdRule(target=threshold, down_after_s=threshold_window_s)
         self.warm = 0  # standbys ready (model loaded, not registered)
         self._warming: list[float] = []  # standbys still loading: when each is ready

@@ -124,12 +124,14 @@ def _fresh(requests):
     return [dataclasses.replace(r) for r in requests]
 
 
-def _autoscaled(profile, requests, slo, scale: DayScale, kind, planner_config=None, threshold=0.7, windows=()):
+def _autoscaled(profile, requests, slo, scale: DayScale, kind, planner_config=None, threshold=0.7, windows=(),
+                forecast=None):
     """``profile``: with its start-up times already compressed by ``scale``. ``windows``: the day's bursts,
-    judged apart as the static search judges them (``windows`` in the result)."""
+    judged apart as the static search judges them (``windows`` in the result). ``forecast``: the planner's
+    demand by time of day (``DemandForecast``), in the simulated day's seconds."""
     sim = ClusterSim(ClusterConfig(profile, 1, 1, heartbeat_s=scale.heartbeat_s), _fresh(requests))
     scaler = SimAutoscaler(kind, profile, slo, interval_s=scale.tick_s, planner_config=planner_config,
-                           threshold=threshold, threshold_window_s=scale.hpa_window_s)
+                           threshold=threshold, threshold_window_s=scale.hpa_window_s, forecast=forecast)
     scaler.attach(sim)
     sim.run()
     s = summarize(sim, slo)
