@@ -25,11 +25,11 @@ slow ITL, and unfinished at the end).
 import argparse
 import json
 import math
-import statistics
 import time
 
 from autoscale_day import add_day_arguments, load_day_and_arrivals
 
+from services.planner.forecast import DemandForecast
 from services.planner.policy import Capacity, Decision, PlannerConfig
 from services.sim import autoscale, experiments
 from services.sim.metrics import SLO, itl, ttft
@@ -54,17 +54,16 @@ class Foresight:
 
 
 def curve_demand(paths: list[str], tok_factor: float, kv_factor: float):
-    """(prefill tokens/s, KV blocks) at t from demand curves: the median of theirs, bin by bin, scaled."""
-    curves = [json.load(open(p)) for p in paths]
-    bin_s = curves[0]["bin_s"]
-    if any(c["bin_s"] != bin_s for c in curves):
-        raise SystemExit("the curves' bins differ")
-    tok = [statistics.median(v) * tok_factor for v in zip(*(c["tok_s"] for c in curves))]
-    kv = [statistics.median(v) * kv_factor for v in zip(*(c["kv"] for c in curves))]
+    """(prefill tokens/s, KV blocks) at t from demand curves: the median of theirs, bin by bin, scaled (the
+    planner's ``DemandForecast``, every bin of the curves kept), t held within the curves' span."""
+    try:
+        f = DemandForecast.from_curves([json.load(open(p)) for p in paths], tok_factor, kv_factor)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
     def at(t: float) -> tuple[float, float]:
-        b = min(max(int(t / bin_s), 0), len(tok) - 1)
-        return tok[b], kv[b]
+        tok, kv, _ = f.expected(*[min(max(t, 0.0), f.period_s - f.bin_s / 2)] * 2)
+        return tok, kv
     return at
 
 
