@@ -202,6 +202,9 @@ class AsyncEngine:
         after that set it again."""
         event = asyncio.Event()
         self._kv_watch, self._kv_told = (asyncio.get_running_loop(), event), False
+        if self.engine.has_kv_events():  # stored before the watch began: no later step would tell of them
+            self._kv_told = True
+            event.set()
         return event
 
     def kv_events_taken(self) -> None:

@@ -86,3 +86,38 @@ def test_an_idle_worker_does_no_work_and_a_busy_one_still_publishes(with_redis):
                             f"reads went from {before} to {idle}")
     assert published, "the second request's blocks never reached the router's index"
     assert stats_fresh, "the stats were not read again after the engine worked"
+
+
+def test_blocks_stored_before_the_publishing_loop_started_are_published(with_redis):
+    """The loop sleeps until the engine thread says events wait, and the engine thread says so after a step. Blocks
+    a step stored before the loop began watching (a request served while the loop was still starting) must not
+    wait for the next request to be published."""
+    engine = Engine(EngineConfig(model="dummy:tiny", dtype="fp32", kv_cache_bytes=64 * TINY_BLOCK_BYTES))
+    runtime = WorkerRuntime(WorkerConfig(role="decode", kv_events_interval_s=0.002), engine.config,
+                            TransferConfig(transport="loopback"))
+    runtime.engine, runtime.aengine = engine, AsyncEngine(engine)
+    prompt = list(range(100, 140))  # 2 full blocks
+
+    async def go(r):
+        runtime.redis = r
+        async for _ in runtime.aengine.generate(prompt, SamplingParams(max_tokens=1, temperature=0)):
+            pass
+        assert engine.has_kv_events()  # stored, and no one watching yet
+        index = PrefixIndex()
+        follower = KVEventFollower(r, index, block_ms=50, max_backoff_s=0.1)
+        await follower.start()
+        publishing = asyncio.create_task(runtime._publish_kv_events())
+        try:
+            async def held() -> bool:
+                return index.overlap(runtime.worker_id, hash_prompt_blocks(prompt, 16, engine.namespace)) == 2
+
+            return await until(held, timeout_s=5)
+        finally:
+            publishing.cancel()
+            await asyncio.gather(publishing, return_exceptions=True)
+            await follower.stop()
+
+    try:
+        assert with_redis(go), "blocks stored before the publishing loop started never reached the router's index"
+    finally:
+        runtime.aengine.shutdown()
