@@ -35,10 +35,12 @@ async def _main(args) -> int:
                            burst_factor=args.burst_factor, burst_utilisation=args.burst_utilisation,
                            burst_kv_target=args.burst_kv_target,
                            idle_to_zero_s=args.idle_to_zero_s, lookahead_s=args.lookahead_s,
+                           forecast_level_s=args.forecast_level_s,
                            trend_window_s=args.trend_window_s, boost=args.boost, boost_every_s=args.boost_every_s,
                            boost_only_while_missing=args.boost_only_while_missing,
                            slo_window_s=args.slo_window_s, slo_sigmas=args.slo_sigmas,
                            warm_min=args.warm_min, warm_confirm_s=args.warm_confirm_s,
+                           warm_min_ahead_s=args.warm_min_ahead_s,
                            standby_hold_s=args.standby_hold_s, up_margin=args.up_margin,
                            seq_target=args.seq_target, trend_autocorrelation=args.trend_autocorrelation,
                            local_prefill_below=args.local_prefill_below,
@@ -172,6 +174,12 @@ def add_parser(sub) -> None:
                         "--lookahead-s to a cold start); kept across restarts")
     p.add_argument("--forecast-bin-s", type=float, default=300.0, help="the forecast's bin, seconds (300)")
     p.add_argument("--forecast-days", type=int, default=7, help="the recorded days the forecast keeps (7)")
+    p.add_argument("--warm-min-ahead-s", type=float, default=0.0,
+                   help="with --forecast-file: keep --warm-min's standbys only while the forecast's demand over the "
+                        "next this many seconds stands over the last as many's (0: always)")
+    p.add_argument("--forecast-level-s", type=float, default=0.0,
+                   help="with --forecast-file: the demand now is the forecast's, scaled by the demand seen over "
+                        "this many seconds against the forecast's for them (0: the trend window's mean)")
     p.add_argument("--local-prefill-below", type=float, default=0.0,
                    help="no prefill worker while the prefill demand is under this share of one: the decode "
                         "workers prefill it (0: always at least one prefill worker when there is demand)")

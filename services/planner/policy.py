@@ -147,6 +147,10 @@ class PlannerConfig:
     # seed 1: 0.9717 against 0.9909): the pool those two size is ~0 when the decided counts already stand over
     # the demand, and each ramp's first scale-up then starts cold
     warm_min: int = 1
+    # with a forecast: keep the warm_min standbys only while the forecast's mean demand over the next this many
+    # seconds stands over its mean over the last as many (a rising day; 0: always). On the way down the workers
+    # the hysteresis holds over the demand cover a jump, and the standby is seldom taken
+    warm_min_ahead_s: float = 0.0
     idle_to_zero_s: float = 900.0
     # no prefill worker while the prefill demand is under this share of one (at the target utilisation): the
     # decode workers prefill it themselves (the router prefills on the decode worker when no prefill worker
@@ -178,6 +182,12 @@ class PlannerConfig:
     # the day's first 3,300 s 0.9946 against 0.9987 (BENCHMARKS.md, "Autoscaling, twenty-third session")
     trend_autocorrelation: bool = False
     lookahead_s: float = 0.0  # 0: react to the demand now; else read it this far ahead on its rising trend
+    # with a forecast: the level is the forecast's demand now, scaled by the demand seen over this long a window
+    # against the forecast's for it (0: the trend window's trimmed mean). The trimmed mean of a trend window's
+    # noisy windows swings by a worker or two at the day's peak, the hysteresis holds each swing up, and each
+    # one started a worker; a long window's ratio to the forecast hardly swings, and the forecast carries the
+    # day's shape within it. A step (a burst) is still taken at once, as from the trimmed mean
+    forecast_level_s: float = 0.0
     # 300 s of a real day: at 120 the demand's level was noisy enough that the hysteresis floor (the highest need
     # of its window) ran the day's peak at twice the mean's need (k = 12, coding seed 1, target 0.6: 1.071x static
     # at 120, 0.922x at 300; target 0.8: 0.997x -> 0.935x; benchmarks/probes/planner_config_probe.py)
@@ -205,14 +215,14 @@ class PlannerConfig:
             raise ValueError("down_every_s must be >= 0")
         if not (self.staffing_beta >= 0 and self.kv_staffing_beta >= 0):
             raise ValueError("staffing_beta and kv_staffing_beta must be >= 0 (0: the fixed targets)")
-        if self.warm_confirm_s < 0 or self.standby_hold_s < 0:
-            raise ValueError("warm_confirm_s and standby_hold_s must be >= 0")
+        if self.warm_confirm_s < 0 or self.standby_hold_s < 0 or self.warm_min_ahead_s < 0:
+            raise ValueError("warm_confirm_s, standby_hold_s and warm_min_ahead_s must be >= 0")
         if not 0 <= self.seq_target <= 1:
             raise ValueError("seq_target must be in [0, 1] (0: target_utilisation)")
         if not 0 <= self.up_margin < 1:
             raise ValueError("up_margin must be in [0, 1) workers (0: scale up at once)")
-        if self.lookahead_s < 0 or not self.trend_window_s > 0:
-            raise ValueError("lookahead_s >= 0 and trend_window_s > 0 needed")
+        if self.lookahead_s < 0 or not self.trend_window_s > 0 or self.forecast_level_s < 0:
+            raise ValueError("lookahead_s >= 0, trend_window_s > 0 and forecast_level_s >= 0 needed")
         if min(self.warm_min, self.min_prefill, self.min_decode) < 0 or self.warm_fraction < 0:
             raise ValueError("minimums and warm_fraction must be >= 0")
 
@@ -226,6 +236,7 @@ class Planner:
     _below_since: dict = field(default_factory=dict)
     _last_traffic: float | None = None  # idle is counted from the first decision
     _history: deque = field(default_factory=deque)  # (now, prefill tokens/s, KV blocks, sequences) for the trend
+    _seen: deque = field(default_factory=deque)  # the same over the last forecast_level_s
     _boosted_at: dict = field(default_factory=dict)
     _down_at: dict = field(default_factory=dict)  # per role: when it last scaled down
     _needs: dict = field(default_factory=dict)  # per role: (now, need) over the last down_after_s
@@ -241,6 +252,7 @@ class Planner:
         self._history.append((s.now, *now))
         while self._history[0][0] < s.now - c.trend_window_s:
             self._history.popleft()
+        scaled = self._forecast_level(s.now, now)  # (level, ahead) per signal, or None
         span = s.now - self._history[0][0]
         if span < c.trend_window_s / 2 or len(self._history) < 4:  # one window's noise is not a trend
             return now, now, now
@@ -279,14 +291,43 @@ class Planner:
             # high window, or a median of three, is noise often enough for the hysteresis to hold it
             before = ys[:-2]
             recent = min(ys[-2:])
-            if len(before) >= 2 and recent > level + 3 * statistics.stdev(before):
+            step = len(before) >= 2 and recent > level + 3 * statistics.stdev(before)
+            if scaled is not None and scaled[i - 1] is not None:
+                level = max(scaled[i - 1][0], recent) if step else scaled[i - 1][0]
+            elif step:
                 level = recent
             levels.append(level)
             ahead.append(max(0.0, level + rise * (s.now - mean_t + c.lookahead_s)))
             likely.append(max(0.0, level + max(0.0, slope) * (s.now - mean_t + c.lookahead_s)))
         if self.forecast is not None:
             ahead = likely = self._forecast_ahead(s.now, ts[0], levels) or ahead
+        if scaled is not None:
+            ahead = likely = [a if x is None else max(level, x[1]) for level, a, x in zip(levels, ahead, scaled)]
         return tuple(levels), tuple(ahead), tuple(likely)
+
+    def _forecast_level(self, now: float, demand: tuple) -> list[tuple[float, float]] | None:
+        """With ``forecast_level_s``: per signal, the forecast's demand now and its highest over the next
+        ``lookahead_s``, both times the demand seen over the last ``forecast_level_s`` over the forecast's
+        for it (None for a signal it expects none of). None without a forecast, before half the window was
+        seen, or where it has no day recorded."""
+        c, f = self.config, self.forecast
+        if f is None or not c.forecast_level_s:
+            return None
+        seen = self._seen
+        seen.append((now, *demand))
+        while seen[0][0] < now - c.forecast_level_s:
+            seen.popleft()
+        if now - seen[0][0] < c.forecast_level_s / 2:
+            return None
+        expected = f.expected(seen[0][0], now)
+        current, coming = f.expected(now - f.bin_s, now + f.bin_s), f.peak(now, now + c.lookahead_s)
+        if expected is None or current is None or coming is None:
+            return None
+        out = []
+        for i in range(3):  # a signal the forecast expects none of keeps the trimmed mean
+            ratio = sum(h[i + 1] for h in seen) / len(seen) / expected[i] if expected[i] > 0 else None
+            out.append(None if ratio is None else (current[i] * ratio, coming[i] * ratio))
+        return out
 
     def _forecast_ahead(self, now: float, since: float, levels: list[float]) -> list[float] | None:
         """The forecast's highest demand over the next ``lookahead_s``, scaled per signal by the demand seen
@@ -306,6 +347,7 @@ class Planner:
             self._below_since.clear()
             self._needs.clear()
             self._history.clear()
+            self._seen.clear()
             return Decision(0, 0, c.warm_min, "idle: scaled to zero")
 
         def counts(tokens_per_s, kv_blocks, seqs, utilisation=c.target_utilisation, kv_target=c.kv_target,
@@ -382,8 +424,17 @@ class Planner:
         rising = counts(*likely, utilisation=c.burst_utilisation, kv_target=c.burst_utilisation,
                         seq_target=c.burst_utilisation)
         warm = max(warm, max(0, rising[0] - prefill) + max(0, rising[1] - decode))
-        warm = max(warm, c.warm_min, math.ceil(c.warm_fraction * (prefill + decode)))
+        warm = max(warm, c.warm_min if self._rising(s.now) else 0, math.ceil(c.warm_fraction * (prefill + decode)))
         return Decision(prefill, decode, self._confirmed(s.now, warm), "; ".join(reasons) or "demand")
+
+    def _rising(self, now: float) -> bool:
+        """Whether the forecast's mean prefill tokens/s or KV over the next ``warm_min_ahead_s`` stands over its
+        mean over the last as many; True without the option, a forecast, or a day recorded for those times."""
+        h, f = self.config.warm_min_ahead_s, self.forecast
+        if not h or f is None:
+            return True
+        ahead, behind = f.expected(now, now + h), f.expected(now - h, now)
+        return ahead is None or behind is None or ahead[0] > behind[0] or ahead[1] > behind[1]
 
     def _confirmed(self, now: float, warm: int) -> int:
         """The lowest pool of the last ``warm_confirm_s``: a rise is taken once it held that long."""

@@ -79,4 +79,6 @@ class DayScale:
                                    boost_every_s=self.s(config.boost_every_s), slo_window_s=self.s(config.slo_window_s),
                                    down_every_s=self.s(config.down_every_s),
                                    warm_confirm_s=self.s(config.warm_confirm_s),
-                                   standby_hold_s=self.s(config.standby_hold_s))
+                                   standby_hold_s=self.s(config.standby_hold_s),
+                                   forecast_level_s=self.s(config.forecast_level_s),
+                                   warm_min_ahead_s=self.s(config.warm_min_ahead_s))

@@ -1,8 +1,11 @@
 """The planner's demand forecast by time of day: learned from earlier days, read ahead instead of a trend."""
 
 import asyncio
+import dataclasses
 import io
 import json
+import math
+import random
 import subprocess
 import sys
 
@@ -109,6 +112,69 @@ def test_the_forecast_is_scaled_to_the_day_it_sees():
     # and never under the demand it sees
     low = DemandForecast(period_s=400, bin_s=10, days=[day([0] * 40, bins=40)])
     assert run(Planner(config, CAP, low), 20_000)[195] == 4
+
+
+def swinging_day(planner, until=1500, burst_at=1400):
+    """A demand that swings slowly about 20k tokens/s (+-7k over 300 s) with +-20% noise a window, and a burst
+    of 60k for 20 s at ``burst_at``: the prefill counts decided, every 5 s."""
+    rng, current, out = random.Random(0), 1, {}
+    for t in range(0, until, 5):
+        level = (20_000 + 7_000 * math.sin(2 * math.pi * t / 300)) * rng.uniform(0.8, 1.2)
+        if burst_at <= t < burst_at + 20:
+            level = 60_000
+        current = planner.decide(signals(t, level, current)).prefill
+        out[t] = current
+    return out
+
+
+def test_a_level_scaled_from_the_forecast_over_a_long_window_holds_through_the_demands_swings():
+    # the forecast says 20k all day; at target 0.5 that is 4 workers. The trend window's trimmed mean follows
+    # each swing (3 to 6 workers); the forecast scaled by the last 600 s's demand hardly moves
+    flat = DemandForecast(period_s=4000, bin_s=10, days=[day([20_000] * 400, bins=400)])
+
+    def planner(forecast_level_s):
+        config = PlannerConfig(target_utilisation=0.5, lookahead_s=30, trend_window_s=60, down_after_s=30,
+                               forecast_level_s=forecast_level_s)
+        return Planner(config, CAP, flat)
+
+    plain, scaled = swinging_day(planner(0)), swinging_day(planner(600))
+    assert {v for t, v in plain.items() if 400 <= t < 1400} == {3, 4, 5, 6}
+    assert {v for t, v in scaled.items() if 400 <= t < 1400} <= {4, 5}
+    # a burst is still taken at once (60k at 0.5: 12 workers, on the tick after its second window)
+    assert plain[1405] == scaled[1405] == 12
+
+
+def test_a_forecast_level_needs_half_its_window_seen_and_a_forecast():
+    flat = DemandForecast(period_s=4000, bin_s=10, days=[day([20_000] * 400, bins=400)])
+    config = PlannerConfig(target_utilisation=0.5, lookahead_s=30, trend_window_s=60, forecast_level_s=600)
+    # before 300 s seen (and with no forecast at all) the level is the trend window's, as without the option
+    assert swinging_day(Planner(config, CAP, flat), until=300) == swinging_day(
+        Planner(dataclasses.replace(config, forecast_level_s=0), CAP, flat), until=300)
+    assert swinging_day(Planner(config, CAP)) == swinging_day(
+        Planner(dataclasses.replace(config, forecast_level_s=0), CAP))
+    with pytest.raises(ValueError, match="forecast_level_s >= 0"):
+        PlannerConfig(forecast_level_s=-1)
+
+
+def test_the_fixed_standby_is_kept_while_the_forecast_rises_and_let_go_on_the_way_down():
+    # the recorded days rise to 60k tokens/s at 200 s and fall back to 20k by 400 s (10 s bins, 400 s period)
+    hill = DemandForecast(period_s=400, bin_s=10, days=[day([20_000 + 2_000 * min(b, 40 - b) for b in range(40)],
+                                                             bins=40)])
+
+    def pools(warm_min_ahead_s):
+        config = PlannerConfig(target_utilisation=0.5, lookahead_s=30, trend_window_s=60, burst_factor=1.0,
+                               warm_min=1, warm_min_ahead_s=warm_min_ahead_s)
+        planner, out = Planner(config, CAP, hill), {}
+        for t in range(0, 400, 5):
+            out[t] = planner.decide(signals(t, 20_000 + 2_000 * min(t / 10, 40 - t / 10), 4)).warm
+        return out
+
+    gated, always = pools(50), pools(0)
+    assert all(always[t] >= 1 for t in always)
+    assert all(gated[t] >= 1 for t in range(10, 190, 5))  # rising: the next 50 s stand over the last 50
+    assert all(gated[t] == 0 for t in range(215, 400, 5))  # falling: no standby
+    with pytest.raises(ValueError, match="warm_min_ahead_s must be >= 0"):
+        PlannerConfig(warm_min_ahead_s=-1)
 
 
 class StepClock:
