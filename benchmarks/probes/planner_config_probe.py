@@ -6,7 +6,7 @@ is one simulated day (~3 min on a quiet core, ~7 at load 10). The static peak's 
 given, from a saved ``bench sim --parts autoscale`` result of the same trace.
 
 Usage: PYTHONPATH=. python benchmarks/probes/planner_config_probe.py coding 1 14.013 '{"warm_min": 0}'
-           [--rate 32] [--profile h100-measured]
+           [--rate 32] [--profile h100-measured] [--router '{"prefill_queue_limit_tokens": 32768}']
 
 Each burst's attainment is printed beside the day's (the bench's rule for static peak provisioning).
 ``--forecast-curve`` gives the planner a demand forecast by time of day (``services/planner/forecast.py``) learned
@@ -42,6 +42,8 @@ def main() -> None:
                     help="demand curves of other days: the planner forecasts their median by time of day")
     ap.add_argument("--tok-factor", type=float, default=1.62, help="the recorded prefill tokens/s over a curve's")
     ap.add_argument("--kv-factor", type=float, default=0.88, help="the recorded KV blocks over a curve's")
+    ap.add_argument("--router", default="{}",
+                    help="RouterPolicyConfig fields as JSON (autoscale_static_points.py takes the same)")
     args = ap.parse_args()
     overrides = json.loads(args.config)
     profile, scale = load_profile(args.profile), DayScale(7200)
@@ -65,13 +67,16 @@ def main() -> None:
     policy.Planner.decide = traced
     started = time.time()
     run = experiments._autoscaled(scale.profile(profile), trace, SLO(2.0, 0.05), scale, "planner", config,
-                                  windows=list(arrivals.bursts), forecast=forecast)
-    print(f"{args.shape} seed {args.seed} {args.profile} {overrides}: attainment {run['slo_attainment']}"
+                                  windows=list(arrivals.bursts), forecast=forecast,
+                                  policy_options=json.loads(args.router))
+    router = f" router {args.router}" if json.loads(args.router) else ""
+    print(f"{args.shape} seed {args.seed} {args.profile} {overrides}{router}: attainment {run['slo_attainment']}"
           f"{experiments.bursts_text(run)}, {run['worker_hours']} "
           f"worker-h = {run['worker_hours'] / args.static_worker_hours:.3f} of static, peak {run['peak']}, "
           f"wall {time.time() - started:.0f} s")
     print("  by state", run["worker_hours_by_state"])
     print("  pool events", run["pool_events"])
+    print("  prefilled on their decode worker", run["local_prefills"], "of", len(trace), "requests")
     print("  reasons (ticks)", reasons.most_common(6))
     span = scale.period_s / 10
     print(f"{'from s':>7}{'prefill':>9}{'decode':>8}{'warm':>6}{'tokens/s':>10}{'KV blocks':>11}{'sequences':>11}")

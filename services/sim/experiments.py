@@ -125,11 +125,13 @@ def _fresh(requests):
 
 
 def _autoscaled(profile, requests, slo, scale: DayScale, kind, planner_config=None, threshold=0.7, windows=(),
-                forecast=None):
+                forecast=None, policy_options: dict | None = None):
     """``profile``: with its start-up times already compressed by ``scale``. ``windows``: the day's bursts,
     judged apart as the static search judges them (``windows`` in the result). ``forecast``: the planner's
-    demand by time of day (``DemandForecast``), in the simulated day's seconds."""
-    sim = ClusterSim(ClusterConfig(profile, 1, 1, heartbeat_s=scale.heartbeat_s), _fresh(requests))
+    demand by time of day (``DemandForecast``), in the simulated day's seconds. ``policy_options``: the
+    router's (``RouterPolicyConfig`` fields), as ``_static`` takes them."""
+    sim = ClusterSim(ClusterConfig(profile, 1, 1, heartbeat_s=scale.heartbeat_s, policy_options=policy_options or {}),
+                     _fresh(requests))
     scaler = SimAutoscaler(kind, profile, slo, interval_s=scale.tick_s, planner_config=planner_config,
                            threshold=threshold, threshold_window_s=scale.hpa_window_s, forecast=forecast)
     scaler.attach(sim)
@@ -140,6 +142,7 @@ def _autoscaled(profile, requests, slo, scale: DayScale, kind, planner_config=No
            "peak": {"prefill": peak[0], "decode": peak[1]}, "ttft_s": s["ttft_s"], "itl_s": s["itl_s"],
            "worker_hours_by_state": {k: round(v / 3600, 3) for k, v in sorted(scaler.breakdown.items())},
            "pool_events": dict(sorted(scaler.pool_events.items())),
+           "local_prefills": sum(1 for j in sim.jobs if j.local),
            "decisions": scaler.decisions, "series": sim.series}
     if windows:
         run["windows"] = _window_attainment(sim, slo, windows)

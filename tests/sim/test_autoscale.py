@@ -5,8 +5,10 @@ tokens) on the h100 profile (cold start 120 s, warm start 2 s), 10 s planner tic
 """
 
 from services.planner.policy import PlannerConfig
+from services.sim import experiments
 from services.sim.autoscale import SimAutoscaler
 from services.sim.cluster import ClusterConfig, ClusterSim
+from services.sim.day_scale import DayScale
 from services.sim.metrics import SLO, ttft
 from services.sim.profiles import load_profile
 from services.sim.workloads import SimRequest
@@ -107,3 +109,22 @@ def test_with_a_standby_hold_the_worker_a_dip_released_serves_its_recovery_witho
     assert held.pool_events["standby"] < plain.pool_events["standby"]
     recovery = [j for j in sim.jobs if j.req.arrival >= 540]
     assert sum(SLO_.met(j) for j in recovery) / len(recovery) >= 0.99
+
+
+def test_the_routers_options_reach_an_autoscaled_day_and_a_saturated_prefill_tier_spills_to_decode():
+    # 2 req/s, then a burst of 20 req/s that one prefill worker cannot keep up with, no standby: the planner's
+    # next prefill worker is a cold start (120 s) away. With the router's prefill_queue_limit_tokens the decode
+    # workers prefill what would wait past that queue, and the burst's first tokens come sooner
+    reqs = trace((0, 300, 2), (300, 420, 20))
+    day = DayScale(86_400)
+
+    def autoscaled(options):
+        return experiments._autoscaled(PROFILE, reqs, SLO_, day, "planner", PlannerConfig(warm_min=0),
+                                       windows=[(300, 420)], policy_options=options)
+
+    plain, spilled = autoscaled({}), autoscaled({"prefill_queue_limit_tokens": 8192})
+    assert plain["local_prefills"] == 0
+    assert spilled["local_prefills"] > 0
+    # the burst lost almost every request waiting for the one prefill worker; the decode worker's help met it
+    assert plain["windows"][0]["slo_attainment"] < 0.5
+    assert spilled["windows"][0]["slo_attainment"] >= 0.99
