@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--router", default="{}",
                     help="RouterPolicyConfig fields as JSON (autoscale_static_points.py takes the same)")
     args = ap.parse_args()
-    overrides = json.loads(args.config)
+    overrides, router = json.loads(args.config), json.loads(args.router)
     profile, scale = load_profile(args.profile), DayScale(7200)
     trace, arrivals = experiments.diurnal_day(args.seed, profile, args.rate, scale, args.shape)
     config = scale.planner(PlannerConfig(**overrides), profile.cold_start_s)
@@ -68,15 +68,14 @@ def main() -> None:
     started = time.time()
     run = experiments._autoscaled(scale.profile(profile), trace, SLO(2.0, 0.05), scale, "planner", config,
                                   windows=list(arrivals.bursts), forecast=forecast,
-                                  policy_options=json.loads(args.router))
-    router = f" router {args.router}" if json.loads(args.router) else ""
-    print(f"{args.shape} seed {args.seed} {args.profile} {overrides}{router}: attainment {run['slo_attainment']}"
+                                  policy_options=router)
+    print(f"{args.shape} seed {args.seed} {args.profile} {overrides}{f' router {router}' if router else ''}: attainment {run['slo_attainment']}"
           f"{experiments.bursts_text(run)}, {run['worker_hours']} "
           f"worker-h = {run['worker_hours'] / args.static_worker_hours:.3f} of static, peak {run['peak']}, "
           f"wall {time.time() - started:.0f} s")
     print("  by state", run["worker_hours_by_state"])
     print("  pool events", run["pool_events"])
-    print("  prefilled on their decode worker", run["local_prefills"], "of", len(trace), "requests")
+    print("  share of the finished requests prefilled on their decode worker", run["local_prefill_share"])
     print("  reasons (ticks)", reasons.most_common(6))
     span = scale.period_s / 10
     print(f"{'from s':>7}{'prefill':>9}{'decode':>8}{'warm':>6}{'tokens/s':>10}{'KV blocks':>11}{'sequences':>11}")

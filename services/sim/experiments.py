@@ -142,7 +142,7 @@ def _autoscaled(profile, requests, slo, scale: DayScale, kind, planner_config=No
            "peak": {"prefill": peak[0], "decode": peak[1]}, "ttft_s": s["ttft_s"], "itl_s": s["itl_s"],
            "worker_hours_by_state": {k: round(v / 3600, 3) for k, v in sorted(scaler.breakdown.items())},
            "pool_events": dict(sorted(scaler.pool_events.items())),
-           "local_prefills": sum(1 for j in sim.jobs if j.local),
+           "local_prefill_share": s["local_prefill_share"],
            "decisions": scaler.decisions, "series": sim.series}
     if windows:
         run["windows"] = _window_attainment(sim, slo, windows)

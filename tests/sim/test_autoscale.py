@@ -123,8 +123,8 @@ def test_the_routers_options_reach_an_autoscaled_day_and_a_saturated_prefill_tie
                                        windows=[(300, 420)], policy_options=options)
 
     plain, spilled = autoscaled({}), autoscaled({"prefill_queue_limit_tokens": 8192})
-    assert plain["local_prefills"] == 0
-    assert spilled["local_prefills"] > 0
+    assert plain["local_prefill_share"] == 0
+    assert spilled["local_prefill_share"] > 0
     # the burst lost almost every request waiting for the one prefill worker; the decode worker's help met it
     assert plain["windows"][0]["slo_attainment"] < 0.5
     assert spilled["windows"][0]["slo_attainment"] >= 0.99
