@@ -93,7 +93,8 @@ def with_redis(redis_url):
     asyncio client of the session's Redis, and returns what it returns.
 
     ``flush`` empties the database first: the queue, registry and stream keys have fixed names,
-    so a test starts from nothing; tests run serially, so no one else's keys are lost mid-test.
+    so a test starts from nothing; a test process runs one test at a time and has its own server
+    (scripts/test.sh runs two processes: pytest-xdist), so no one else's keys are lost mid-test.
     A test against a running stack passes ``flush=False``.
     """
     import asyncio
