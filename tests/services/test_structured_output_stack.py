@@ -108,7 +108,7 @@ def test_invalid_schema_is_a_400_naming_it_and_not_queued(stack, client, fmt, na
     body = err.value.body
     assert body["param"].startswith("response_format")
     assert named in body["message"] or named == body["param"]
-    assert _queued(stack) == before
+    assert _queued(stack) <= before  # an earlier test's entry may be acked meanwhile; none is added
 
 
 def _generate(stack, **structured):
@@ -243,7 +243,7 @@ def test_bad_tools_are_a_400_naming_the_field(stack, client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, extra_body=extra)
     assert err.value.body["param"] == param
-    assert _queued(stack) == before
+    assert _queued(stack) <= before  # an earlier test's entry may be acked meanwhile; none is added
 
 
 # ---- sampling surface: logit_bias, logprobs across the hand-off, the Responses API -------------------
