@@ -54,12 +54,12 @@ def main() -> None:
     bin_s = curve["bin_s"]
     n = len(curve["tok_s"])
     day_h = n * bin_s / 3600
-    # a burst's bins, and a window's worth after it (the moving mean carries it that long)
-    in_burst = [any(a <= i * bin_s < b + max(args.window_s) for a, b in curve["bursts"]) for i in range(n)]
     static_h = (prefill + decode) * day_h
     print(f"{curve['shape']} seed {curve['seed']} rate {curve['rate']:g} {curve['profile']}: static {args.static} "
           f"over {day_h:.3f} h = {static_h:.3f} worker-h")
     for w in args.window_s:
+        # a burst's bins, and this window's worth after it (the moving mean carries it that long)
+        in_burst = [any(a <= i * bin_s < b + w for a, b in curve["bursts"]) for i in range(n)]
         pf, pw = bound(curve["tok_s"], prefill, bin_s, w, in_burst)
         df, dw = bound(curve["kv"], decode, bin_s, w, in_burst)
         print(f"  window {w:5.0f} s: fractional {pf:6.3f} + {df:6.3f} = {pf + df:6.3f} worker-h "
