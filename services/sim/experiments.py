@@ -301,19 +301,23 @@ def static_hint(run: dict, quantile: float = 0.95) -> tuple[int, int]:
 
 # The planner's knobs swept for the trade-off curve, and two ablations at the headline target; each in a
 # real day's seconds (lookahead: one real cold start), then compressed with the day.
+# ``base``: PlannerConfig fields over its defaults, in every variant (``pdserve bench sim --planner-config``).
 def planner_variants(profile: WorkerProfile, scale: DayScale, targets, headline_target: float,
-                     ablations: bool) -> dict[str, PlannerConfig]:
-    out = {f"target {t}": PlannerConfig(target_utilisation=t) for t in targets}
+                     ablations: bool, base: dict | None = None) -> dict[str, PlannerConfig]:
+    base = dict(base or {})
+    out = {f"target {t}": PlannerConfig(**{**base, "target_utilisation": t}) for t in targets}
     if ablations:
         out["no lookahead"] = dataclasses.replace(out[f"target {headline_target}"], lookahead_s=0.0)
-        out["no warm pool"] = PlannerConfig(target_utilisation=headline_target, warm_min=0, burst_factor=1.0)
+        out["no warm pool"] = PlannerConfig(**{**base, "target_utilisation": headline_target, "warm_min": 0,
+                                               "burst_factor": 1.0, "warm_fraction": 0.0})
     return {name: scale.planner(c, None if name == "no lookahead" else profile.cold_start_s)
             for name, c in out.items()}
 
 
 def run_autoscale(profile: WorkerProfile, requests, slo: SLO, scale: DayScale, planner_targets, threshold_targets,
                   headline_target: float, ablations: bool = True, static_start: tuple[int, int] | None = None,
-                  static_known: dict | None = None, static_windows=()) -> dict:
+                  static_known: dict | None = None, static_windows=(), planner_base: dict | None = None,
+                  forecast=None) -> dict:
     """The planner at several target utilisations (and, at the headline target, without its trend
     lookahead and without a warm pool), the HPA-like threshold rule at several targets, and static
     provisioning searched from the headline planner's 95th-percentile counts to the smallest meeting
@@ -322,9 +326,10 @@ def run_autoscale(profile: WorkerProfile, requests, slo: SLO, scale: DayScale, p
     costs three runs: it, one prefill fewer, one decode fewer). ``static_known``: a saved run's ``autoscale``
     object on the same trace (``static_from`` checks that): its search is taken, its peak re-run once here
     and refused if the simulator now gives it another attainment.
-    ``profile``: the real one; its start-up times are compressed with the day here."""
+    ``profile``: the real one; its start-up times are compressed with the day here. ``planner_base``: PlannerConfig
+    fields over its defaults in every planner run; ``forecast``: a ``DemandForecast`` every planner run reads."""
     day = scale.profile(profile)
-    variants = planner_variants(profile, scale, planner_targets, headline_target, ablations)
+    variants = planner_variants(profile, scale, planner_targets, headline_target, ablations, planner_base)
     # the headline planner and the static search first: they are the headline ratio, and a run cut short
     # for time is more use with them than with the sweep
     headline_name = f"target {headline_target}"
@@ -333,7 +338,7 @@ def run_autoscale(profile: WorkerProfile, requests, slo: SLO, scale: DayScale, p
     peak = static = None
     for name in order:
         config = variants[name]
-        run = _autoscaled(day, requests, slo, scale, "planner", config, windows=static_windows)
+        run = _autoscaled(day, requests, slo, scale, "planner", config, windows=static_windows, forecast=forecast)
         run.update(variant=name, target_utilisation=config.target_utilisation, lookahead_s=config.lookahead_s,
                    burst_factor=config.burst_factor, warm_min=config.warm_min)
         planner[name] = run

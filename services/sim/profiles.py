@@ -12,7 +12,9 @@ this module, ``--calibration`` to use another), one entry per hardware profile:
   stated efficiencies: derived, not measured.
 * ``h200``: Llama-3.1-8B's shapes (random weights) in bf16 on a lent H200, prefill and decode
   measured by ``python -m services.sim.calibrate --device cuda`` (CUDA graphs, wall clock), its
-  KV capacity the engine's; the KV transfer and the start-up times kept from ``h100``.
+  KV capacity the engine's, its cold start measured there too (33.5 s from launch to a first request
+  with 16 GB of weights read from local disk: ``benchmarks/probes/gpu_cold_start.py``); the KV
+  transfer and the warm start kept from ``h100``.
 * ``h100-measured``: the same measurement on a lent H100 80GB HBM3; what one engine does not
   measure (KV transfer, start-up times, max_num_seqs) kept from ``h100``. Against the derived
   ``h100`` its decode steps are 1.04-1.31x faster, its prefill of 1k-8k tokens 1.3-1.45x faster,

@@ -1,0 +1,76 @@
+"""``pdserve bench sim --parts autoscale`` runs the planner as configured: ``--planner-config`` (PlannerConfig
+fields), ``--forecast-curve`` (other days' demand curves) and ``--cold-start-s`` reach every planner run and
+are recorded in the result; a config or a curve that does not fit is refused with a message."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+TINY_DAY = ["--parts", "autoscale", "--period-s", "300", "--autoscale-rate", "0.2", "--planner-targets", "0.6",
+            "--headline-target", "0.6", "--threshold-targets", "", "--check-trace", "", "--no-ablations", "--json"]
+
+
+def _bench(*extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", "bench", "sim", *TINY_DAY, *extra],
+                          capture_output=True, text=True, timeout=300)
+
+
+def _autoscale(*extra: str) -> dict:
+    proc = _bench(*extra)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)["autoscale"]
+
+
+def _curve(path, seed: int, tok_s: float, rate: float = 0.2, bins: int = 60, fall: float = 0.0) -> str:
+    """A demand curve of the tiny day's trace (5 s bins), flat or falling by ``fall`` of its start a bin."""
+    tok = [tok_s * (1 - fall * b) for b in range(bins)]
+    path.write_text(json.dumps({"bin_s": 5.0, "tok_s": tok, "kv": [t / 10 for t in tok], "shape": "coding",
+                                "seed": seed, "rate": rate, "profile": "h100", "bursts": 2}))
+    return str(path)
+
+
+def test_the_planner_config_forecast_and_cold_start_reach_the_planner_and_the_result(tmp_path):
+    plain = _autoscale()
+    assert plain["planner_config"] == {} and plain["forecast"] is None
+    assert plain["day_scale"]["real_cold_start_s"] == 120.0  # the h100 profile's
+
+    config = {"warm_min": 0, "burst_factor": 1.0, "warm_confirm_s": 30}
+    tuned = _autoscale("--planner-config", json.dumps(config), "--cold-start-s", "600")
+    assert tuned["planner_config"] == config
+    assert tuned["day_scale"]["real_cold_start_s"] == 600.0
+    assert tuned["day_scale"]["cold_start_s"] == pytest.approx(600 / 288, abs=1e-3)  # compressed with the day
+    assert tuned["headline_run"]["worker_hours_by_state"] != plain["headline_run"]["worker_hours_by_state"]
+
+    # warm_min_ahead_s keeps the standby only while the forecast rises: without a forecast it stays all day, with
+    # one that falls all day it goes
+    gated = ["--planner-config", json.dumps({"warm_min_ahead_s": 3600})]
+    curves = [_curve(tmp_path / f"c{seed}.json", seed, 1000.0, fall=0.015) for seed in (1, 2)]
+    no_forecast, forecast = _autoscale(*gated), _autoscale(*gated, "--forecast-curve", *curves)
+    assert forecast["forecast"] == {"curves": ["c1.json", "c2.json"], "tok_factor": 1.62, "kv_factor": 0.88}
+    warm = [run["headline_run"]["worker_hours_by_state"]["warm"] for run in (no_forecast, forecast)]
+    assert warm[1] < warm[0] / 2, warm
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--planner-config", '{"warm_mni": 0}'], "unknown field(s) ['warm_mni']"),
+    (["--planner-config", '{"target_utilisation": 0.7}'], "set the target with --planner-targets"),
+    (["--planner-config", '{"burst_factor": 0.5}'], "burst_factor must be >= 1"),
+    (["--planner-config", "warm_min=0"], "--planner-config is not JSON"),
+    (["--cold-start-s", "0"], "--cold-start-s must be positive"),
+])
+def test_a_planner_config_that_does_not_fit_is_refused_with_a_message(extra, message):
+    proc = _bench(*extra)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_curve_of_this_very_day_or_of_another_trace_is_refused(tmp_path):
+    proc = _bench("--forecast-curve", _curve(tmp_path / "same.json", seed=0, tok_s=10.0))  # the run's seed is 0
+    assert proc.returncode == 2 and "is foresight, not a forecast" in proc.stderr, proc.stderr[-2000:]
+    proc = _bench("--forecast-curve", _curve(tmp_path / "rate.json", seed=1, tok_s=10.0, rate=32.0))
+    assert proc.returncode == 2 and "this run's day is" in proc.stderr, proc.stderr[-2000:]
+    proc = _bench("--forecast-curve", _curve(tmp_path / "short.json", seed=1, tok_s=10.0, bins=10))
+    assert proc.returncode == 2 and "covers 50 s, this run's day is 300 s" in proc.stderr, proc.stderr[-2000:]
+    proc = _bench("--forecast-curve", str(tmp_path / "missing.json"))
+    assert proc.returncode == 2 and "cannot read a demand curve" in proc.stderr, proc.stderr[-2000:]
