@@ -5,13 +5,14 @@ lent device had measured: 120 s, a parameter. This probe measures what pdserve's
 the device it runs on, for a model of the profile's shape (default Llama-3.1-8B, bf16, random weights written
 once as a Hugging Face checkpoint of safetensors shards, as a served checkpoint would be):
 
-    python benchmarks/probes/gpu_cold_start.py DIR [--preset llama-3.1-8b] [--device cuda] [--runs 3] [--json F]
+    python benchmarks/probes/gpu_cold_start.py DIR [--preset llama-3.1-8b] [--device cuda] [--runs 3]
+        [--cold-runs 1] [--json F]
 
 Each run is a fresh process (``python -c`` of this file's ``start``), timed from just before it is launched:
 interpreter and imports, ``Engine(...)`` (the weights read from DIR onto the device, the KV cache, CUDA-graph
-capture), then one request of 16 prompt tokens to its 8th output token. The first run follows a drop of the
-page cache (``/proc/sys/vm/drop_caches``, where writable: a cold disk; the JSON says whether it was), the
-others find the checkpoint in memory. What a real deployment adds is not here: pulling the image, fetching
+capture), then one request of 16 prompt tokens to its 8th output token. The first ``--cold-runs`` runs each
+follow a drop of the page cache (``/proc/sys/vm/drop_caches``, where writable: a cold disk; the JSON says
+whether it was), the others find the checkpoint in memory. What a real deployment adds is not here: pulling the image, fetching
 the weights over a network, and registering with the router (under a second on the CPU machine:
 ``pdserve bench startup``).
 """
@@ -128,18 +129,19 @@ def main() -> int:
     ap.add_argument("dir", type=Path, help="the checkpoint's directory (written there first if it has no config.json)")
     ap.add_argument("--preset", default="llama-3.1-8b", help="the shapes (services/engine/model_config.py PRESETS)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--runs", type=int, default=3, help="fresh processes to start, the first after a page-cache drop")
+    ap.add_argument("--runs", type=int, default=3, help="fresh processes to start, one after another")
+    ap.add_argument("--cold-runs", type=int, default=1, help="how many of them (the first) follow a page-cache drop")
     ap.add_argument("--json", type=Path, help="write the whole result here")
     args = ap.parse_args()
-    if args.runs < 1:
-        ap.error("--runs must be at least 1")
+    if args.runs < 1 or not 0 <= args.cold_runs <= args.runs:
+        ap.error("--runs must be at least 1 and --cold-runs between 0 and --runs")
     write_s = write_checkpoint(args.dir, args.preset, args.device)
     gb = sum(f.stat().st_size for f in args.dir.glob("*.safetensors")) / 1e9
     print(f"[cold-start] checkpoint {gb:.2f} GB ({'written in %.1f s' % write_s if write_s else 'already there'})",
           file=sys.stderr)
     runs = []
     for i in range(args.runs):
-        dropped = drop_page_cache() if i == 0 else False
+        dropped = drop_page_cache() if i < args.cold_runs else False
         code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r}); "
                 f"import gpu_cold_start as g; g.start({str(args.dir)!r}, {args.device!r}, {time.time()!r})")
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

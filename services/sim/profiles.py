@@ -12,7 +12,7 @@ this module, ``--calibration`` to use another), one entry per hardware profile:
   stated efficiencies: derived, not measured.
 * ``h200``: Llama-3.1-8B's shapes (random weights) in bf16 on a lent H200, prefill and decode
   measured by ``python -m services.sim.calibrate --device cuda`` (CUDA graphs, wall clock), its
-  KV capacity the engine's, its cold start measured there too (33.5 s from launch to a first request
+  KV capacity the engine's, its cold start measured there too (35.3 s from launch to a first request
   with 16 GB of weights read from local disk: ``benchmarks/probes/gpu_cold_start.py``); the KV
   transfer and the warm start kept from ``h100``.
 * ``h100-measured``: the same measurement on a lent H100 80GB HBM3; what one engine does not
