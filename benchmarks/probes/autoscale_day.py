@@ -8,6 +8,7 @@ session starts per second; this builds it once, the way the bench does (``experi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from services.sim import experiments
 from services.sim.day_scale import DayScale
@@ -22,6 +23,8 @@ def add_day_arguments(ap: argparse.ArgumentParser, rate: float = 8.0, config_hel
         ap.add_argument("config", nargs="?", default="{}", help=config_help)
     ap.add_argument("--rate", type=float, default=rate, help="session starts per second")
     ap.add_argument("--profile", default="h100", help="the calibration profile (default h100, the bench's)")
+    ap.add_argument("--cold-start-s", type=float, default=None,
+                    help="a worker's cold start in real seconds over the profile's (gpu_cold_start.py measures one)")
 
 
 def load_day(args: argparse.Namespace, period_s: float = 7200.0) -> tuple[WorkerProfile, DayScale, list]:
@@ -33,5 +36,9 @@ def load_day(args: argparse.Namespace, period_s: float = 7200.0) -> tuple[Worker
 def load_day_and_arrivals(args: argparse.Namespace, period_s: float = 7200.0):
     """``load_day``'s three and the day's arrival shape (its ``bursts``: the (start, end) of each)."""
     profile, scale = load_profile(getattr(args, "profile", "h100")), DayScale(period_s)
+    if getattr(args, "cold_start_s", None) is not None:
+        if args.cold_start_s <= 0:
+            raise SystemExit("--cold-start-s must be positive")
+        profile = dataclasses.replace(profile, cold_start_s=args.cold_start_s)
     trace, arrivals = experiments.diurnal_day(args.seed, profile, args.rate, scale, args.shape)
     return profile, scale, trace, arrivals
