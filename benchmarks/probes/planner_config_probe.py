@@ -56,7 +56,8 @@ def main() -> None:
             ap.error("--cold-start-s must be positive")
         profile = dataclasses.replace(profile, cold_start_s=args.cold_start_s)
     trace, arrivals = experiments.diurnal_day(args.seed, profile, args.rate, scale, args.shape)
-    config = scale.planner(PlannerConfig(**overrides), profile.cold_start_s)
+    # the lookahead is one cold start unless the config sets it
+    config = scale.planner(PlannerConfig(**overrides), None if "lookahead_s" in overrides else profile.cold_start_s)
     if args.cold_start_s is not None:
         overrides["cold_start_s"] = args.cold_start_s  # printed only
     forecast = None

@@ -366,7 +366,8 @@ def add_parser(sub) -> None:
                         "checked); the static peak is re-run once to confirm the simulator still gives it")
     p.add_argument("--planner-config", default="{}", metavar="JSON",
                    help="PlannerConfig fields over its defaults in every planner run (e.g. "
-                        "'{\"warm_confirm_s\": 30, \"burst_factor\": 1.0}'); the target comes from --planner-targets")
+                        "'{\"warm_confirm_s\": 30, \"burst_factor\": 1.0}'); the target comes from --planner-targets, the "
+                        "lookahead is one cold start unless lookahead_s is set here")
     p.add_argument("--forecast-curve", nargs="+", default=[], metavar="CURVE",
                    help="demand curves of other days of this trace (benchmarks/probes/autoscale_demand_curve.py): "
                         "every planner run forecasts their median by time of day (services/planner/forecast.py)")

@@ -310,7 +310,9 @@ def planner_variants(profile: WorkerProfile, scale: DayScale, targets, headline_
         out["no lookahead"] = dataclasses.replace(out[f"target {headline_target}"], lookahead_s=0.0)
         out["no warm pool"] = PlannerConfig(**{**base, "target_utilisation": headline_target, "warm_min": 0,
                                                "burst_factor": 1.0, "warm_fraction": 0.0})
-    return {name: scale.planner(c, None if name == "no lookahead" else profile.cold_start_s)
+    # the lookahead is one cold start unless ``base`` sets it
+    own_lookahead = "lookahead_s" in base
+    return {name: scale.planner(c, None if name == "no lookahead" or own_lookahead else profile.cold_start_s)
             for name, c in out.items()}
 
 

@@ -74,3 +74,17 @@ def test_a_curve_of_this_very_day_or_of_another_trace_is_refused(tmp_path):
     assert proc.returncode == 2 and "covers 50 s, this run's day is 300 s" in proc.stderr, proc.stderr[-2000:]
     proc = _bench("--forecast-curve", str(tmp_path / "missing.json"))
     assert proc.returncode == 2 and "cannot read a demand curve" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_lookahead_is_one_cold_start_unless_the_planner_config_sets_it():
+    from services.sim.day_scale import DayScale
+    from services.sim.experiments import planner_variants
+    from services.sim.profiles import load_profile
+
+    profile, scale = load_profile("h100"), DayScale(7200)  # k = 12; h100's cold start 120 s
+    plain = planner_variants(profile, scale, [0.6], 0.6, ablations=True)
+    assert plain["target 0.6"].lookahead_s == pytest.approx(120 / 12)
+    assert plain["no lookahead"].lookahead_s == 0
+    own = planner_variants(profile, scale, [0.6], 0.6, ablations=True, base={"lookahead_s": 300, "warm_min": 2})
+    assert own["target 0.6"].lookahead_s == pytest.approx(300 / 12) and own["target 0.6"].warm_min == 2
+    assert own["no warm pool"].warm_min == 0 and own["no warm pool"].lookahead_s == pytest.approx(300 / 12)
