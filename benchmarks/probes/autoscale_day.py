@@ -8,7 +8,6 @@ session starts per second; this builds it once, the way the bench does (``experi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from services.sim import experiments
 from services.sim.day_scale import DayScale
@@ -35,10 +34,7 @@ def load_day(args: argparse.Namespace, period_s: float = 7200.0) -> tuple[Worker
 
 def load_day_and_arrivals(args: argparse.Namespace, period_s: float = 7200.0):
     """``load_day``'s three and the day's arrival shape (its ``bursts``: the (start, end) of each)."""
-    profile, scale = load_profile(getattr(args, "profile", "h100")), DayScale(period_s)
-    if getattr(args, "cold_start_s", None) is not None:
-        if args.cold_start_s <= 0:
-            raise SystemExit("--cold-start-s must be positive")
-        profile = dataclasses.replace(profile, cold_start_s=args.cold_start_s)
+    profile = load_profile(getattr(args, "profile", "h100"), cold_start_s=getattr(args, "cold_start_s", None))
+    scale = DayScale(period_s)
     trace, arrivals = experiments.diurnal_day(args.seed, profile, args.rate, scale, args.shape)
     return profile, scale, trace, arrivals

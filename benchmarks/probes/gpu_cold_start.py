@@ -34,25 +34,17 @@ def write_checkpoint(directory: Path, preset: str, device: str, shard_bytes: flo
     """Random bf16 weights of ``preset``'s shapes as HF safetensors shards + config.json; returns seconds."""
     import torch
     from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
 
+    from services.engine.hf_baseline import hf_config
     from services.engine.model_config import preset_config
 
     if (directory / "config.json").is_file():
         return 0.0
     t0 = time.perf_counter()
-    cfg = preset_config(preset)
-    h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    shapes = [("model.embed_tokens.weight", (cfg.vocab_size, h))]
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes += [(p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-                   (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
-                   (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
-                   (p + "mlp.down_proj.weight", (h, inter)),
-                   (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
-    shapes.append(("model.norm.weight", (h,)))
-    if not cfg.tie_word_embeddings:
-        shapes.append(("lm_head.weight", (cfg.vocab_size, h)))
+    config = hf_config(preset_config(preset))  # the transformers config the engine reads back as the preset
+    with torch.device("meta"):  # the checkpoint's tensor names and shapes, no memory
+        shapes = [(name, p.shape) for name, p in AutoModelForCausalLM.from_config(config).named_parameters()]
     tmp = directory.with_name(directory.name + ".partial")
     tmp.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -76,14 +68,7 @@ def write_checkpoint(directory: Path, preset: str, device: str, shard_bytes: flo
         if size >= shard_bytes:
             flush()
     flush()
-    hf = {"architectures": ["LlamaForCausalLM"], "model_type": cfg.model_type, "hidden_size": h,
-          "intermediate_size": inter, "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-          "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
-          "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-          "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
-          "tie_word_embeddings": cfg.tie_word_embeddings, "eos_token_id": list(cfg.eos_token_ids),
-          "torch_dtype": "bfloat16"}
-    (tmp / "config.json").write_text(json.dumps(hf, indent=1))
+    config.save_pretrained(tmp)
     os.sync()
     tmp.rename(directory)
     return time.perf_counter() - t0

@@ -15,7 +15,6 @@ from those days' demand curves (``autoscale_demand_curve.py``: other seeds' days
 """
 
 import argparse
-import dataclasses
 import json
 import time
 from collections import Counter
@@ -50,14 +49,12 @@ def main() -> None:
                          "the planner's lookahead follows it")
     args = ap.parse_args()
     overrides, router = json.loads(args.config), json.loads(args.router)
-    profile, scale = load_profile(args.profile), DayScale(7200)
-    if args.cold_start_s is not None:
-        if args.cold_start_s <= 0:
-            ap.error("--cold-start-s must be positive")
-        profile = dataclasses.replace(profile, cold_start_s=args.cold_start_s)
+    profile, scale = load_profile(args.profile, cold_start_s=args.cold_start_s), DayScale(7200)
     trace, arrivals = experiments.diurnal_day(args.seed, profile, args.rate, scale, args.shape)
-    # the lookahead is one cold start unless the config sets it
-    config = scale.planner(PlannerConfig(**overrides), None if "lookahead_s" in overrides else profile.cold_start_s)
+    # as the bench builds its planner (the lookahead one cold start unless the config sets it)
+    target = overrides.get("target_utilisation", PlannerConfig.target_utilisation)
+    base = {k: v for k, v in overrides.items() if k != "target_utilisation"}
+    (config,) = experiments.planner_variants(profile, scale, [target], target, False, base).values()
     if args.cold_start_s is not None:
         overrides["cold_start_s"] = args.cold_start_s  # printed only
     forecast = None

@@ -61,11 +61,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--headline-target {args.headline_target} must be one of --planner-targets")
     if args.workers < 2 or args.requests < 1:
         raise ValueError("--workers must be >= 2 and --requests >= 1")
-    profile = load_profile(args.profile, args.calibration)
-    if args.cold_start_s is not None:
-        if not args.cold_start_s > 0:
-            raise ValueError("--cold-start-s must be positive (seconds of a real day)")
-        profile = dataclasses.replace(profile, cold_start_s=args.cold_start_s)
+    if args.cold_start_s is not None and not args.cold_start_s > 0:
+        raise ValueError("--cold-start-s must be positive (seconds of a real day)")
+    profile = load_profile(args.profile, args.calibration, args.cold_start_s)
     planner_base = _planner_config(args.planner_config) if "autoscale" in parts else None
     slo = SLO(args.ttft_slo, args.itl_slo)
     result: dict = {"workers": args.workers, "requests": args.requests, "profile": profile.name,

@@ -152,8 +152,13 @@ def load_profiles(path: str | Path | None = None) -> dict[str, WorkerProfile]:
     return out
 
 
-def load_profile(name: str, path: str | Path | None = None) -> WorkerProfile:
+def load_profile(name: str, path: str | Path | None = None, cold_start_s: float | None = None) -> WorkerProfile:
+    """The calibration file's profile ``name``; ``cold_start_s``: with this cold start (real seconds) instead."""
     profiles = load_profiles(path)
     if name not in profiles:
         raise ValueError(f"unknown worker profile {name!r}; the calibration file has {', '.join(sorted(profiles))}")
-    return profiles[name]
+    if cold_start_s is None:
+        return profiles[name]
+    if not cold_start_s > 0:
+        raise ValueError(f"a cold start must be positive seconds, got {cold_start_s}")
+    return dataclasses.replace(profiles[name], cold_start_s=cold_start_s)
