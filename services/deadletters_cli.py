@@ -14,6 +14,7 @@ import time
 
 from services.queue.dead_letters import DeadLetter, DeadLetters
 from services.errors import ServiceUnavailableError
+from services.registry import redis_client_options
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -47,7 +48,7 @@ async def _run(args: argparse.Namespace) -> int:
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
-    client = aioredis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=30)
+    client = aioredis.Redis.from_url(args.redis_url, **redis_client_options())
     try:
         return await _ACTIONS[args.action](DeadLetters(client), args)
     except (RedisConnectionError, RedisTimeoutError, OSError) as exc:

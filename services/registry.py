@@ -31,6 +31,20 @@ ROLES = ("prefill", "decode")
 
 
 REDIS_CONNECT_TIMEOUT_S = 5.0
+# How long one command's reply may take before redis-py gives up on the connection (TimeoutError). redis-py 8
+# made this 5 s by default (it had been no limit): on a loaded machine a pipelined write of an engine step's
+# chunks can wait that long for a starved Redis, and the worker failed the requests whose chunks they were. A
+# blocking read (XREAD BLOCK, at most a few seconds here) must stay well under it.
+REDIS_SOCKET_TIMEOUT_S = 30.0
+
+
+def redis_client_options(name: str = "") -> dict:
+    """The socket options of every Redis client pdserve opens (``redis.Redis.from_url(url, **options)``);
+    ``name`` becomes its CLIENT SETNAME, suffixed with the pid."""
+    options = {"socket_timeout": REDIS_SOCKET_TIMEOUT_S, "socket_connect_timeout": REDIS_CONNECT_TIMEOUT_S}
+    if name:
+        options["client_name"] = f"{name}-{os.getpid()}"
+    return options
 REDIS_MAX_CONNECTIONS = 100  # per process; the gateway's is its --redis-max-connections
 REDIS_POOL_TIMEOUT_S = 10.0
 
@@ -57,7 +71,6 @@ async def connect_redis(url: str, *, max_connections: int = REDIS_MAX_CONNECTION
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialBackoff
 
-    extra = {"client_name": f"{name}-{os.getpid()}"} if name else {}
     # a pooled connection that Redis closed (a restart, a failover, CLIENT KILL) fails its next command:
     # reconnect and send it again, twice at most (the queue's writes are idempotent on the request id)
     retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), 2)
@@ -66,7 +79,7 @@ async def connect_redis(url: str, *, max_connections: int = REDIS_MAX_CONNECTION
     # first come, first served: redis-py's own blocking pool lets newcomers overtake a waiting command until it
     # times out (fair_pool.py)
     pool = FairConnectionPool.from_url(url, max_connections=max_connections, timeout=pool_timeout_s, retry=retry,
-                                       **extra)
+                                       **redis_client_options(name))
     client = aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes it
     try:
         await asyncio.wait_for(client.ping(), REDIS_CONNECT_TIMEOUT_S)

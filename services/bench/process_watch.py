@@ -15,6 +15,8 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
+from services.registry import redis_client_options
+
 
 def cpu_seconds(procs: dict) -> dict[str, float]:
     """User + system CPU seconds so far of each psutil process by name (0 for one that is gone);
@@ -70,7 +72,7 @@ class ProcessWatch:
         import psutil
         import redis
 
-        self.redis = redis.Redis.from_url(redis_url, client_name="bench-watch")
+        self.redis = redis.Redis.from_url(redis_url, **redis_client_options("bench-watch"))
         self.procs = {name: psutil.Process(pid) for name, pid in pids.items()}
         self.names = {pid: name for name, pid in pids.items()}
         self.interval_s = interval_s

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +31,7 @@ from services.grpc_codec import abort_with, check_deadline, chunk_from_output, l
 from services.choice_requests import choice_targets
 from services.decode.choices import relay_choices
 from services.decode.step_results import StepResultWriter
+from services.registry import redis_client_options
 from services.handoff import EngineBlockOwner, decode_after_transfer, reserve_for_transfer
 from services.worker import WorkerRuntime, add_worker_parser, run_worker
 
@@ -67,7 +67,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.receiver = Receiver(engine.kv_cache, engine.namespace, self.owner, self.rt.transfer)
         await self.receiver.start()
         tok = engine.tokenizer
-        results_redis = aioredis.Redis.from_url(self.rt.config.redis_url, client_name=f"pdserve-decode-{os.getpid()}")
+        results_redis = aioredis.Redis.from_url(self.rt.config.redis_url, **redis_client_options("pdserve-decode"))
         self.results = StepResultWriter(results_redis,
                                         (lambda t: tok.decode([t], skip_special_tokens=False)) if tok else None,
                                         worker_id=self.rt.worker_id, interval=self.rt.config.stream_interval,
