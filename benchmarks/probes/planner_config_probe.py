@@ -47,6 +47,10 @@ def main() -> None:
     ap.add_argument("--cold-start-s", type=float,
                     help="a worker's cold start in real seconds over the profile's (gpu_cold_start.py measures one); "
                          "the planner's lookahead follows it")
+    ap.add_argument("--burst-detail", type=float, default=0.0, metavar="REAL_S",
+                    help="print every tick from this many real seconds before each burst to its end (the decisions, "
+                         "the demand read, the cluster's queues) and the attainment of the arrivals of each 30 real "
+                         "seconds of it: why a burst was missed")
     args = ap.parse_args()
     overrides, router = json.loads(args.config), json.loads(args.router)
     profile, scale = load_profile(args.profile, cold_start_s=args.cold_start_s), DayScale(7200)
@@ -69,14 +73,20 @@ def main() -> None:
         d = decide(self, s)
         for reason in d.reason.split("; "):
             reasons[reason.rstrip("0123456789. s").strip()] += 1  # "queue lag 2.1 s" -> "queue lag"
-        read.append((s.now, s.prefill_tokens_per_s, s.kv_blocks_used, s.running_seqs))
+        read.append((s.now, s.prefill_tokens_per_s, s.kv_blocks_used, s.running_seqs, s.queued_prefill_tokens,
+                     s.prefill_workers, s.prefill_starting, s.decode_workers, s.decode_starting, s.ttft_attainment))
         return d
 
     policy.Planner.decide = traced
     started = time.time()
+    bursts = list(arrivals.bursts)
+    bins = [] if not args.burst_detail else [
+        (t, min(t + scale.s(30.0), b)) for a, b in bursts
+        for t in _steps(a - scale.s(args.burst_detail), b, scale.s(30.0))]
     run = experiments._autoscaled(scale.profile(profile), trace, SLO(2.0, 0.05), scale, "planner", config,
-                                  windows=list(arrivals.bursts), forecast=forecast,
+                                  windows=bursts + bins, forecast=forecast,
                                   policy_options=router)
+    run["windows"], binned = run["windows"][:len(bursts)], run["windows"][len(bursts):]
     print(f"{args.shape} seed {args.seed} {args.profile} {overrides}{f' router {router}' if router else ''}: attainment {run['slo_attainment']}"
           f"{experiments.bursts_text(run)}, {run['worker_hours']} "
           f"worker-h = {run['worker_hours'] / args.static_worker_hours:.3f} of static, peak {run['peak']}, "
@@ -96,7 +106,30 @@ def main() -> None:
                   f"{sum(d['warm'] + d['warming'] for d in ds) / len(ds):>6.1f}"
                   f"{sum(r[1] for r in rs) / len(rs):>10.0f}{sum(r[2] for r in rs) / len(rs):>11.0f}"
                   f"{sum(r[3] for r in rs) / len(rs):>11.0f}")
+    if args.burst_detail:
+        _burst_detail(run, read, bursts, binned, scale.s(args.burst_detail))
 
+
+def _steps(a: float, b: float, step: float):
+    while a < b:
+        yield a
+        a += step
+
+
+def _burst_detail(run: dict, read: list, bursts: list, binned: list[dict], before_s: float) -> None:
+    """Every tick around each burst (simulated seconds) and the attainment of each bin of its arrivals."""
+    for i, (a, b) in enumerate(bursts):
+        print(f"burst {i + 1}: {a:.1f}-{b:.1f} s (simulated), attainment of its arrivals by bin:",
+              ", ".join(f"{w['start_s']:.1f}: {w['slo_attainment']} of {w['requests']}" for w in binned
+                        if a - before_s <= w["start_s"] < b))
+        print(f"{'t':>8}{'prefill':>8}{'decode':>7}{'warm':>5}{'warming':>8}{'tokens/s':>10}{'KV':>7}{'seqs':>6}"
+              f"{'queued tok':>11}{'pf (starting)':>14}{'dec (starting)':>15}{'TTFT ok':>8}  reason")
+        for d in (d for d in run["decisions"] if a - before_s <= d["t"] <= b):
+            r = min(read, key=lambda r: abs(r[0] - d["t"]))
+            ttft = "" if r[9] is None else f"{r[9]:.3f}"
+            print(f"{d['t']:>8.1f}{d['prefill']:>8}{d['decode']:>7}{d['warm']:>5}{d['warming']:>8}{r[1]:>10.0f}"
+                  f"{r[2]:>7.0f}{r[3]:>6.0f}{r[4]:>11.0f}{f'{r[5]} ({r[6]})':>14}{f'{r[7]} ({r[8]})':>15}{ttft:>8}"
+                  f"  {d['reason']}")
 
 if __name__ == "__main__":
     main()
