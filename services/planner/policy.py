@@ -181,6 +181,13 @@ class PlannerConfig:
     # swings, held by the hysteresis), and prefill, its lookahead lost on the real ramp, missed more TTFTs: over
     # the day's first 3,300 s 0.9946 against 0.9987 (BENCHMARKS.md, "Autoscaling, twenty-third session")
     trend_autocorrelation: bool = False
+    # decode's KV blocks and sequences read at least the lower of the last two windows, not the trend window's
+    # trimmed mean alone (False). Blocks held are held now: the mean of a 300 s window lagged a burst's KV by
+    # half of it, and on the rate-32 day at a 33.5 s cold start a scale-down from 6 to 5 decode workers decided
+    # on that mean 0.9 s (simulated) into burst 2 left 130k blocks on 5 workers (94% full), whose first tokens
+    # then waited for room: the burst met the SLO for 0.8714 of its requests (BENCHMARKS.md, "Autoscaling,
+    # thirtieth session")
+    held_level_recent: bool = False
     lookahead_s: float = 0.0  # 0: react to the demand now; else read it this far ahead on its rising trend
     # with a forecast: the level is the forecast's demand now, scaled by the demand seen over this long a window
     # against the forecast's for it (0: the trend window's trimmed mean). The trimmed mean of a trend window's
@@ -296,6 +303,8 @@ class Planner:
                 level = max(scaled[i - 1][0], recent) if step else scaled[i - 1][0]
             elif step:
                 level = recent
+            if c.held_level_recent and i > 1:  # KV blocks, sequences: a level held, not a rate counted
+                level = max(level, recent)
             levels.append(level)
             ahead.append(max(0.0, level + rise * (s.now - mean_t + c.lookahead_s)))
             likely.append(max(0.0, level + max(0.0, slope) * (s.now - mean_t + c.lookahead_s)))

@@ -482,3 +482,23 @@ def test_trend_autocorrelation_reads_a_slow_swing_as_no_rise():
     reasons = [p.decide(signals(10 * i, prefill=13, tokens_per_s=40_000 + 100 * i + rng.gauss(0, 300))).reason
                for i in range(100)]
     assert sum("rising demand" in r for r in reasons[40:]) > 30
+
+
+def test_held_level_recent_follows_held_kv_at_once():
+    # decode's KV swings 2,400-3,600 blocks for a trend window (5 workers at 700 blocks each at target), then
+    # stands at 4,500 for two windows: a rise within the swings' three standard deviations, so not a step, and
+    # the trend window's trimmed mean hardly moves. With held_level_recent the blocks held now set the count
+    def decode_after(**config):
+        p = planner(kv_target=0.7, trend_window_s=300, **config)
+        for i in range(30):
+            p.decide(signals(10 * i, decode=5, tokens_per_s=1000, kv=3000 + (600 if i % 2 else -600), running=10))
+        return [p.decide(signals(300 + 10 * i, decode=5, tokens_per_s=1000, kv=4500, running=10)).decode
+                for i in range(2)][-1]
+
+    assert decode_after() == 5
+    assert decode_after(held_level_recent=True) == 7  # 4,500 / 700 -> 6.4
+    # the prompt tokens' rate keeps the trimmed mean: one clump of prompts finishing is not a level
+    p = planner(target_utilisation=0.5, trend_window_s=300, held_level_recent=True)
+    for i in range(30):
+        p.decide(signals(10 * i, prefill=6, tokens_per_s=25_000 + (5_000 if i % 2 else -5_000), kv=100))
+    assert [p.decide(signals(300 + 10 * i, prefill=6, tokens_per_s=40_000, kv=100)).prefill for i in range(2)][-1] == 6
