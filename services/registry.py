@@ -36,6 +36,8 @@ REDIS_CONNECT_TIMEOUT_S = 5.0
 # chunks can wait that long for a starved Redis, and the worker failed the requests whose chunks they were. A
 # blocking read (XREAD BLOCK, at most a few seconds here) must stay well under it.
 REDIS_SOCKET_TIMEOUT_S = 30.0
+REDIS_MAX_CONNECTIONS = 100  # per process; the gateway's is its --redis-max-connections
+REDIS_POOL_TIMEOUT_S = 10.0
 
 
 def redis_client_options(name: str = "") -> dict:
@@ -45,8 +47,6 @@ def redis_client_options(name: str = "") -> dict:
     if name:
         options["client_name"] = f"{name}-{os.getpid()}"
     return options
-REDIS_MAX_CONNECTIONS = 100  # per process; the gateway's is its --redis-max-connections
-REDIS_POOL_TIMEOUT_S = 10.0
 
 
 async def connect_redis(url: str, *, max_connections: int = REDIS_MAX_CONNECTIONS,

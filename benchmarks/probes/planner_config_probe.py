@@ -73,8 +73,7 @@ def main() -> None:
         d = decide(self, s)
         for reason in d.reason.split("; "):
             reasons[reason.rstrip("0123456789. s").strip()] += 1  # "queue lag 2.1 s" -> "queue lag"
-        read.append((s.now, s.prefill_tokens_per_s, s.kv_blocks_used, s.running_seqs, s.queued_prefill_tokens,
-                     s.prefill_workers, s.prefill_starting, s.decode_workers, s.decode_starting, s.ttft_attainment))
+        read.append(s)  # the Signals it decided on
         return d
 
     policy.Planner.decide = traced
@@ -99,13 +98,13 @@ def main() -> None:
     print(f"{'from s':>7}{'prefill':>9}{'decode':>8}{'warm':>6}{'tokens/s':>10}{'KV blocks':>11}{'sequences':>11}")
     for b in range(10):
         ds = [d for d in run["decisions"] if b * span <= d["t"] < (b + 1) * span]
-        rs = [r for r in read if b * span <= r[0] < (b + 1) * span]
+        rs = [r for r in read if b * span <= r.now < (b + 1) * span]
         if ds and rs:
             print(f"{b * span:>7.0f}{sum(d['prefill'] for d in ds) / len(ds):>9.1f}"
                   f"{sum(d['decode'] for d in ds) / len(ds):>8.1f}"
                   f"{sum(d['warm'] + d['warming'] for d in ds) / len(ds):>6.1f}"
-                  f"{sum(r[1] for r in rs) / len(rs):>10.0f}{sum(r[2] for r in rs) / len(rs):>11.0f}"
-                  f"{sum(r[3] for r in rs) / len(rs):>11.0f}")
+                  f"{sum(r.prefill_tokens_per_s for r in rs) / len(rs):>10.0f}"
+                  f"{sum(r.kv_blocks_used for r in rs) / len(rs):>11.0f}{sum(r.running_seqs for r in rs) / len(rs):>11.0f}")
     if args.burst_detail:
         _burst_detail(run, read, bursts, binned, scale.s(args.burst_detail))
 
@@ -125,11 +124,12 @@ def _burst_detail(run: dict, read: list, bursts: list, binned: list[dict], befor
         print(f"{'t':>8}{'prefill':>8}{'decode':>7}{'warm':>5}{'warming':>8}{'tokens/s':>10}{'KV':>7}{'seqs':>6}"
               f"{'queued tok':>11}{'pf (starting)':>14}{'dec (starting)':>15}{'TTFT ok':>8}  reason")
         for d in (d for d in run["decisions"] if a - before_s <= d["t"] <= b):
-            r = min(read, key=lambda r: abs(r[0] - d["t"]))
-            ttft = "" if r[9] is None else f"{r[9]:.3f}"
-            print(f"{d['t']:>8.1f}{d['prefill']:>8}{d['decode']:>7}{d['warm']:>5}{d['warming']:>8}{r[1]:>10.0f}"
-                  f"{r[2]:>7.0f}{r[3]:>6.0f}{r[4]:>11.0f}{f'{r[5]} ({r[6]})':>14}{f'{r[7]} ({r[8]})':>15}{ttft:>8}"
-                  f"  {d['reason']}")
+            r = min(read, key=lambda r: abs(r.now - d["t"]))
+            ttft = "" if r.ttft_attainment is None else f"{r.ttft_attainment:.3f}"
+            print(f"{d['t']:>8.1f}{d['prefill']:>8}{d['decode']:>7}{d['warm']:>5}{d['warming']:>8}"
+                  f"{r.prefill_tokens_per_s:>10.0f}{r.kv_blocks_used:>7.0f}{r.running_seqs:>6.0f}"
+                  f"{r.queued_prefill_tokens:>11.0f}{f'{r.prefill_workers} ({r.prefill_starting})':>14}"
+                  f"{f'{r.decode_workers} ({r.decode_starting})':>15}{ttft:>8}  {d['reason']}")
 
 if __name__ == "__main__":
     main()

@@ -175,11 +175,12 @@ async def _batch1(args, client: OpenAIClient, stack) -> dict:
     from services.config import EngineConfig
     from services.engine.bench import pdserve_decode_b1
     from services.engine.engine import Engine
+    from services.registry import redis_client_options
 
     import torch
 
     pids = {name: p.proc.pid for name, p in stack.procs.items()}
-    pids["redis"] = int(redis.Redis.from_url(stack.redis_url).info("server")["process_id"])
+    pids["redis"] = int(redis.Redis.from_url(stack.redis_url, **redis_client_options()).info("server")["process_id"])
     procs = {name: psutil.Process(pid) for name, pid in pids.items()}
     procs["client"] = psutil.Process()  # this process: during a served round it only reads the stream
     cpu = dict.fromkeys(_cpu_seconds(procs), 0.0)

@@ -31,8 +31,8 @@ from services.grpc_codec import abort_with, check_deadline, chunk_from_output, l
 from services.choice_requests import choice_targets
 from services.decode.choices import relay_choices
 from services.decode.step_results import StepResultWriter
-from services.registry import redis_client_options
 from services.handoff import EngineBlockOwner, decode_after_transfer, reserve_for_transfer
+from services.registry import redis_client_options
 from services.worker import WorkerRuntime, add_worker_parser, run_worker
 
 _CLAIM_GRACE_S = 10.0

@@ -461,8 +461,10 @@ def stack_processes(stack: Stack) -> dict:
     import psutil
     import redis
 
+    from services.registry import redis_client_options
+
     procs = {name: psutil.Process(p.proc.pid) for name, p in stack.local.procs.items() if p.proc is not None}
-    client = redis.Redis.from_url(stack.local.redis_url)
+    client = redis.Redis.from_url(stack.local.redis_url, **redis_client_options())
     try:
         procs["redis"] = psutil.Process(int(client.info("server")["process_id"]))
     finally:
