@@ -31,7 +31,7 @@ from services.router.prefix_index import PrefixIndex
 from services.router.worker_pool import WorkerPool
 from services.router.worker_pool import log as worker_pool_log
 from services.sim.admission import SimAdmission
-from services.sim.events import EventLoop
+from services.sim.events import EventLoop, collector_paused
 from services.sim.host import FrontDoor, SharedHost
 from services.sim.prefill_steps import SteppedPrefillWorker
 from services.sim.profiles import WorkerProfile
@@ -152,14 +152,15 @@ class ClusterSim:
 
     # ---- requests -----------------------------------------------------------------------
     def run(self, until: float = float("inf")) -> ClusterSim:
-        if self.config.closed_loop:
-            for _ in range(min(self.config.closed_loop, len(self.requests))):
-                self._issue()
-        else:
-            for req in self.requests:
-                self.loop.at(req.arrival, self._arrive, req)
-        self.loop.at(0.0, self._heartbeat)
-        self.loop.run(until)
+        with collector_paused():  # the day's arrivals are scheduled at once: a heap entry each
+            if self.config.closed_loop:
+                for _ in range(min(self.config.closed_loop, len(self.requests))):
+                    self._issue()
+            else:
+                for req in self.requests:
+                    self.loop.at(req.arrival, self._arrive, req)
+            self.loop.at(0.0, self._heartbeat)
+            self.loop.run(until)
         return self
 
     def _issue(self) -> None:

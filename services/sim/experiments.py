@@ -15,6 +15,7 @@ from services.planner.policy import PlannerConfig
 from services.sim.autoscale import SimAutoscaler
 from services.sim.cluster import ClusterConfig, ClusterSim
 from services.sim.day_scale import DayScale
+from services.sim.events import collector_paused
 from services.sim.metrics import SLO, summarize
 from services.sim.profiles import WorkerProfile
 from services.sim.workloads import ArrivalShape, WorkloadGenerator
@@ -121,7 +122,8 @@ def ideal_ratio(arrivals: ArrivalShape, steps: int = 100_000, bursts: bool = Tru
 def _fresh(requests):
     """A copy a run may change (arrival times in closed loop); the block-hash lists, which no run
     changes, are shared: a deep copy of a day's 3.6M hashes took ~8 s a run."""
-    return [dataclasses.replace(r) for r in requests]
+    with collector_paused():
+        return [dataclasses.replace(r) for r in requests]
 
 
 def _autoscaled(profile, requests, slo, scale: DayScale, kind, planner_config=None, threshold=0.7, windows=(),
