@@ -2,7 +2,8 @@
 attainment move, and why (the reasons its decisions gave, and the demand it read, by tenth of the day).
 
 Used to choose the planner's defaults (BENCHMARKS.md, "Autoscaling, thirteenth session"): each run
-is one simulated day (~3 min on a quiet core, ~7 at load 10). The static peak's worker-hours are
+is one simulated day (at the default rate ~3 min on a quiet core; a rate-32 day on ``h100-measured``
+~15 CPU-min on a 2-core AMD EPYC, thirty-first session). The static peak's worker-hours are
 given, from a saved ``bench sim --parts autoscale`` result of the same trace.
 
 Usage: PYTHONPATH=. python benchmarks/probes/planner_config_probe.py coding 1 14.013 '{"warm_min": 0}'

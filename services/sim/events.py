@@ -24,9 +24,10 @@ from collections.abc import Callable, Iterator
 def collector_paused() -> Iterator[None]:
     """The cyclic garbage collector off for the block (building or running a simulated day), then as it was.
 
-    What the block leaves alive moves to the collector's permanent generation (``gc.freeze``): a day's
-    requests and results live on after it, and the first collection after the pause would otherwise walk
-    them all, and every full collection after that again. Reference counting frees them as before."""
+    Every object alive when the block ends moves to the collector's permanent generation (``gc.freeze``;
+    what the process held before it too): a day's requests and results live on after it, and the first
+    collection after the pause would otherwise walk them all, and every full collection after that again.
+    Reference counting frees them as before; a cycle among them is never collected (the simulator makes none)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
