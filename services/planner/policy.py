@@ -186,7 +186,8 @@ class PlannerConfig:
     # half of it, and on the rate-32 day at a 33.5 s cold start a scale-down from 6 to 5 decode workers decided
     # on that mean 0.9 s (simulated) into burst 2 left 130k blocks on 5 workers (94% full), whose first tokens
     # then waited for room: the burst met the SLO for 0.8714 of its requests (BENCHMARKS.md, "Autoscaling,
-    # thirtieth session")
+    # thirtieth session"). Off: on the bench's day with the other defaults it failed burst 2 (0.9753; decode
+    # ordered 3 more workers in the burst, from the standbys prefill uses too; "thirty-second session")
     held_level_recent: bool = False
     lookahead_s: float = 0.0  # 0: react to the demand now; else read it this far ahead on its rising trend
     # with a forecast: the level is the forecast's demand now, scaled by the demand seen over this long a window

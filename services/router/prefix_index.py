@@ -46,10 +46,9 @@ class PrefixIndex:
         for kind, hashes, *tier in runs:
             if kind == STORED:
                 self._store(worker_id, hashes)
-                spilled = self._spilled.setdefault(worker_id, set())
                 if tier and tier[0] == SPILL:
-                    spilled.update(hashes)
-                else:
+                    self._spilled.setdefault(worker_id, set()).update(hashes)
+                elif spilled := self._spilled.get(worker_id):
                     spilled.difference_update(hashes)
             elif kind == REMOVED:
                 self._remove(worker_id, hashes)
@@ -75,12 +74,15 @@ class PrefixIndex:
         beyond it, least recently used first, are forgotten; this also drops predictions that
         never came true (a request that failed before its blocks were stored)."""
         mine = self._blocks.setdefault(worker_id, OrderedDict())
-        self._spilled.get(worker_id, set()).difference_update(hashes)  # a hit restores them into its pool
+        spilled = self._spilled.get(worker_id)
+        if spilled:  # (an empty set's difference_update still walks the hashes: this runs per request)
+            spilled.difference_update(hashes)  # a hit restores them into its pool
+        pop, holders = mine.pop, self._holders
         for h in reversed(hashes):
-            uses = mine.pop(h, 0)
+            uses = pop(h, 0)
             mine[h] = uses + 1
             if not uses:
-                self._holders.setdefault(h, set()).add(worker_id)
+                holders.setdefault(h, set()).add(worker_id)
         while 0 < capacity < len(mine):
             h, _ = mine.popitem(last=False)
             self._unhold(worker_id, h)
@@ -117,7 +119,9 @@ class PrefixIndex:
             del self._blocks[worker_id]
 
     def _unhold(self, worker_id: str, h: int) -> None:
-        self._spilled.get(worker_id, set()).discard(h)
+        spilled = self._spilled.get(worker_id)
+        if spilled:
+            spilled.discard(h)
         holders = self._holders.get(h)
         if holders is not None:
             holders.discard(worker_id)
@@ -149,16 +153,25 @@ class PrefixIndex:
         so far; a worker leaves the set at its first miss with the count so far,
         and the walk stops once the set is empty. Workers absent from the answer have 0.
         """
+        # (per request over every block of the prompt: no set is built for a block every holder still holds)
         result: dict[str, int] = {}
-        alive: set[str] = set()
-        for n, h in enumerate(block_hashes):
-            holders = self._holders.get(h, set())
-            still = set(holders) if n == 0 else alive & holders
+        holders = self._holders.get(block_hashes[0]) if block_hashes else None
+        if not holders:
+            return result
+        alive = set(holders)
+        for n in range(1, len(block_hashes)):
+            holders = self._holders.get(block_hashes[n])
+            if holders is None:
+                still = set()
+            else:
+                still = alive & holders
+                if len(still) == len(alive):
+                    continue
             for worker_id in alive - still:
                 result[worker_id] = n
             alive = still
             if not alive:
-                break
+                return result
         for worker_id in alive:  # held the whole prompt
             result[worker_id] = len(block_hashes)
         return result

@@ -93,12 +93,16 @@ class SteppedPrefillWorker(PrefillWorker):
         # used cached blocks no running request holds (the cache shrinks now, not when the prompt ends)
         self.allocated += job.extra["allocated"]
         removed = []
-        while len(self.cache) + self.allocated > self.profile.kv_blocks:
-            victim = next((h for h in self.cache if h not in self.pinned), None)
-            if victim is None:
-                break
-            del self.cache[victim]
-            removed.append(victim)
+        over = len(self.cache) + self.allocated - self.profile.kv_blocks
+        if over > 0:  # one walk from the least recent past the pinned blocks (not one from the front per victim)
+            pinned = self.pinned
+            for h in self.cache:
+                if h not in pinned:
+                    removed.append(h)
+                    if len(removed) == over:
+                        break
+            for h in removed:
+                del self.cache[h]
         if removed:
             self.sim.kv_events(self.worker_id, [(REMOVED, removed)])
 

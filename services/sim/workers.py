@@ -225,8 +225,10 @@ class PrefillWorker(SimWorker):
             del spill[h]
         stored = [h for h in req.hashes[job.extra["hit_blocks"]:] if h not in cache and h not in back] + back
         for h in reversed(req.hashes):
-            cache[h] = None
-            cache.move_to_end(h)
+            if h in cache:
+                cache.move_to_end(h)
+            else:
+                cache[h] = None  # a new key goes in last: most recent
         evicted = []
         while len(cache) > self.profile.kv_blocks:
             evicted.append(cache.popitem(last=False)[0])

@@ -1,4 +1,5 @@
 import asyncio
+import random
 
 from services import kv_events
 from services.engine.block_hash import hash_prompt_blocks
@@ -53,6 +54,23 @@ def test_overlap_stops_at_first_miss():
     assert index.overlaps([]) == {}
     # a different namespace hashes the same tokens differently
     assert index.overlaps(hash_prompt_blocks(list(range(6 * BS)), BS, "model-b")) == {}
+
+
+def test_overlaps_agrees_with_each_workers_overlap():
+    # overlaps walks the prompt once for every worker at a time; it must give each worker what overlap
+    # gives it alone, whatever gaps, removals, spilled blocks and unknown blocks the index holds
+    h = prompt_hashes(30)
+    for trial in range(200):
+        rng = random.Random(trial)
+        index = PrefixIndex()
+        for w in range(6):
+            index.apply(f"w{w}", [("s", h[:rng.randint(0, 30)]), ("r", rng.sample(h, rng.randint(0, 5)))])
+            if rng.random() < 0.3:
+                index.apply(f"w{w}", [("s", rng.sample(h, 3), kv_events.SPILL)])
+        for _ in range(10):
+            prompt = h[:rng.randint(0, 30)] + (prompt_hashes(1, first=999) if rng.random() < 0.3 else [])
+            alone = {w: index.overlap(w, prompt) for w in index.workers()}
+            assert index.overlaps(prompt) == {w: n for w, n in alone.items() if n > 0}
 
 
 def test_touch_models_the_workers_lru_cache():
