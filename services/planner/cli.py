@@ -124,7 +124,9 @@ def add_parser(sub) -> None:
                         "workers (the utilisation rises with the pool); 0: the fixed --target-utilisation")
     p.add_argument("--kv-staffing-beta", type=float, default=0.0,
                    help="the same for decode's KV blocks in use (0: the fixed --kv-target)")
-    p.add_argument("--lag-target-s", type=float, default=1.0)
+    p.add_argument("--lag-target-s", type=float, default=1.0,
+                   help="prefill's queue lag (queued prompt tokens over the ready workers' tokens/s) over this many "
+                        "seconds orders workers to clear the backlog")
     p.add_argument("--slo-target", type=float, default=0.99)
     p.add_argument("--slo-min-requests", type=int, default=20,
                    help="judge a window's SLO attainment only with at least this many requests in it")
