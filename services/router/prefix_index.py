@@ -163,10 +163,10 @@ class PrefixIndex:
             holders = self._holders.get(block_hashes[n])
             if holders is None:
                 still = set()
+            elif alive <= holders:  # every worker still in the walk holds this block too: nothing to build
+                continue
             else:
                 still = alive & holders
-                if len(still) == len(alive):
-                    continue
             for worker_id in alive - still:
                 result[worker_id] = n
             alive = still
