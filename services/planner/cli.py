@@ -43,7 +43,7 @@ async def _main(args) -> int:
                            warm_min_ahead_s=args.warm_min_ahead_s,
                            standby_hold_s=args.standby_hold_s, up_margin=args.up_margin,
                            seq_target=args.seq_target, trend_autocorrelation=args.trend_autocorrelation,
-                           held_level_recent=args.held_level_recent,
+                           held_level_recent=args.held_level_recent, down_hold_recent=args.down_hold_recent,
                            local_prefill_below=args.local_prefill_below,
                            min_prefill=args.min_prefill,
                            min_decode=args.min_decode, max_workers=args.max_workers)
@@ -168,6 +168,9 @@ def add_parser(sub) -> None:
     p.add_argument("--held-level-recent", action="store_true",
                    help="decode's KV blocks and sequences read at least the lower of the last two windows, not only "
                         "the trend window's trimmed mean (blocks held now are held now); off: the mean alone")
+    p.add_argument("--down-hold-recent", action="store_true",
+                   help="a role scales down only once the lower of the last two windows' demand needs fewer "
+                        "workers too (a burst's windows hold its workers); off: the trend window's trimmed mean alone")
     p.add_argument("--seq-target", type=float, default=0.0,
                    help="decode's running and waiting sequences held to this share of --max-num-seqs "
                         "(0: --target-utilisation)")

@@ -189,6 +189,13 @@ class PlannerConfig:
     # thirtieth session"). Off: on the bench's day with the other defaults it failed burst 2 (0.9753; decode
     # ordered 3 more workers in the burst, from the standbys prefill uses too; "thirty-second session")
     held_level_recent: bool = False
+    # a role scales down only once the lower of the last two windows' demand needs fewer workers than run, too
+    # (False: the trimmed mean's need alone). The trimmed mean of a trend window lags a burst by half of it:
+    # on the rate-64 day without a standby (k = 12, coding seed 1) prefill went from 18 workers to 16 inside
+    # burst 2 while its windows computed 360-630k prompt tokens/s and the queue grew to 1.5M tokens, and the
+    # burst met the SLO for 0.981 of its requests. With it, no standby and prefill target 0.7 met it in both bursts
+    # at 0.592 of static's minimum; at target 0.65 burst 2 was still lost (BENCHMARKS.md, "thirty-fifth session")
+    down_hold_recent: bool = False
     lookahead_s: float = 0.0  # 0: react to the demand now; else read it this far ahead on its rising trend
     # with a forecast: the level is the forecast's demand now, scaled by the demand seen over this long a window
     # against the forecast's for it (0: the trend window's trimmed mean). The trimmed mean of a trend window's
@@ -250,6 +257,7 @@ class Planner:
     _needs: dict = field(default_factory=dict)  # per role: (now, need) over the last down_after_s
     _slo: dict = field(default_factory=dict)  # per SLO: (now, requests, misses) over the last slo_window_s
     _warm: deque = field(default_factory=deque)  # (now, pool) over the last warm_confirm_s
+    _recent: tuple = ()  # per signal, the lower of the last two windows (down_hold_recent)
 
     def _ahead(self, s: Signals) -> tuple[tuple, tuple, tuple]:
         """The demand now (the window's trimmed mean); that plus its rise to now and over ``lookahead_s``
@@ -261,6 +269,8 @@ class Planner:
         while self._history[0][0] < s.now - c.trend_window_s:
             self._history.popleft()
         scaled = self._forecast_level(s.now, now)  # (level, ahead) per signal, or None
+        last = (self._history[-2], self._history[-1]) if len(self._history) > 1 else (self._history[-1],)
+        self._recent = tuple(min(h[i] for h in last) for i in range(1, len(now) + 1))
         span = s.now - self._history[0][0]
         if span < c.trend_window_s / 2 or len(self._history) < 4:  # one window's noise is not a trend
             return now, now, now
@@ -415,6 +425,10 @@ class Planner:
         if itl_missed:
             decode = max(decode, self._boost("decode", s.now, s.decode_workers, s.decode_starting, "itl"))
             reasons.append(f"ITL attainment {itl_missed:.3f}")
+        if c.down_hold_recent:  # the last two windows still need the workers running: no scale-down
+            held = counts(*self._recent, staffed=True)
+            prefill = max(prefill, min(held[0], s.prefill_workers))
+            decode = max(decode, min(held[1], s.decode_workers))
         prefill = self._hysteresis("prefill", s.now, s.prefill_workers, max(prefill, c.min_prefill))
         decode = self._hysteresis("decode", s.now, s.decode_workers, max(decode, c.min_decode))
         prefill = min(prefill, c.max_workers)

@@ -484,6 +484,26 @@ def test_trend_autocorrelation_reads_a_slow_swing_as_no_rise():
     assert sum("rising demand" in r for r in reasons[40:]) > 30
 
 
+def test_down_hold_recent_keeps_workers_a_burst_needs():
+    # prefill's windows swing 12-28k tokens/s (4 workers at 10k each at target 0.5, by the trimmed mean) on 6
+    # running; then two windows of 30k: within the swings' three standard deviations, so not a step, and the
+    # trimmed mean hardly moves. Plain, the hysteresis scales down inside them; with down_hold_recent the
+    # last two windows' 6 workers hold
+    def prefill_at(t_end, **config):
+        p = planner(target_utilisation=0.5, trend_window_s=300, down_after_s=50, **config)
+        d = None
+        for i in range(30):
+            d = p.decide(signals(10 * i, prefill=6, tokens_per_s=20_000 + (8_000 if i % 2 else -8_000), kv=100))
+        for t in range(300, t_end + 1, 10):
+            d = p.decide(signals(t, prefill=6, tokens_per_s=30_000, kv=100))
+        return d.prefill
+
+    assert prefill_at(310) == 5
+    assert prefill_at(310, down_hold_recent=True) == 6
+    # without the burst's windows it scales down as before
+    assert prefill_at(290) == prefill_at(290, down_hold_recent=True) == 5
+
+
 def test_held_level_recent_follows_held_kv_at_once():
     # decode's KV swings 2,400-3,600 blocks for a trend window (5 workers at 700 blocks each at target), then
     # stands at 4,500 for two windows: a rise within the swings' three standard deviations, so not a step, and
