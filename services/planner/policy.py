@@ -270,7 +270,7 @@ class Planner:
             self._history.popleft()
         scaled = self._forecast_level(s.now, now)  # (level, ahead) per signal, or None
         last = (self._history[-2], self._history[-1]) if len(self._history) > 1 else (self._history[-1],)
-        self._recent = tuple(min(h[i] for h in last) for i in range(1, len(now) + 1))
+        self._recent = tuple(min(h[i] for h in last) for i in range(1, len(now) + 1))  # a step's, and the holds'
         span = s.now - self._history[0][0]
         if span < c.trend_window_s / 2 or len(self._history) < 4:  # one window's noise is not a trend
             return now, now, now
@@ -308,7 +308,7 @@ class Planner:
             # before them) is taken at once: the window's mean would take half a trend window to see it. One
             # high window, or a median of three, is noise often enough for the hysteresis to hold it
             before = ys[:-2]
-            recent = min(ys[-2:])
+            recent = self._recent[i - 1]
             step = len(before) >= 2 and recent > level + 3 * statistics.stdev(before)
             if scaled is not None and scaled[i - 1] is not None:
                 level = max(scaled[i - 1][0], recent) if step else scaled[i - 1][0]
