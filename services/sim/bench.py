@@ -61,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--headline-target {args.headline_target} must be one of --planner-targets")
     if args.workers < 2 or args.requests < 1:
         raise ValueError("--workers must be >= 2 and --requests >= 1")
+    if args.jobs < 1:
+        raise ValueError("--jobs must be >= 1")
     if args.cold_start_s is not None and not args.cold_start_s > 0:
         raise ValueError("--cold-start-s must be positive (seconds of a real day)")
     profile = load_profile(args.profile, args.calibration, args.cold_start_s)
@@ -103,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
                                          static_start=args.static_start,
                                          static_known=(known := _static_from(args, len(trace))),
                                          static_windows=_static_windows(args, arrivals),
-                                         planner_base=planner_base, forecast=forecast)
+                                         planner_base=planner_base, forecast=forecast, jobs=args.jobs)
         if known and not args.threshold_targets:  # the threshold rule's runs too: a baseline of the same trace
             auto["threshold"] = known.get("threshold", [])
         auto.update(static_from=Path(args.static_from).name if args.static_from else None,
@@ -133,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
                                               threshold_targets=[], headline_target=args.headline_target,
                                               ablations=False,
                                               static_windows=_static_windows(args, arrivals),
-                                              planner_base=planner_base)
+                                              planner_base=planner_base, jobs=args.jobs)
             check.update(requests=len(trace), trace_shape=shape, seed=seed,
                          static_goal=args.static_goal, ideal_worker_hours_vs_static=experiments.ideal_ratio(arrivals),
                          ideal_worker_hours_vs_diurnal_peak=experiments.ideal_ratio(arrivals, bursts=False),
@@ -286,7 +288,9 @@ def _forecast(args, scale: DayScale):
             curve = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"--forecast-curve {path}: cannot read a demand curve: {exc}") from exc
-        want = {"shape": args.trace_shape, "rate": args.autoscale_rate, "profile": args.profile}
+        # its shape and costs must be this day's; its rate may differ: the planner scales the forecast to the
+        # demand it sees, so only the curve's shape by time of day reaches its decisions (forecast.py)
+        want = {"shape": args.trace_shape, "profile": args.profile}
         have = {k: curve.get(k) for k in want}
         if have != want:
             raise ValueError(f"--forecast-curve {path}: a curve of {have}, this run's day is {want}")
@@ -376,6 +380,10 @@ def add_parser(sub) -> None:
     p.add_argument("--cold-start-s", type=float, default=None,
                    help="a worker's cold start in seconds of a real day over the profile's "
                         "(benchmarks/probes/gpu_cold_start.py measures one); the planner's lookahead follows it")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="autoscale runs side by side, each in its own process (a rate-64 day's run takes ~10 GB; "
+                        "with --static-start the static search's three points start beside the headline planner); "
+                        "the results do not depend on it")
     p.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots there")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")

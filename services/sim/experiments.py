@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import multiprocessing
 import sys
 import time
 
@@ -239,17 +240,26 @@ def meets(run: dict, goal: float) -> bool:
 
 
 def static_peak(profile, requests, slo, hint: tuple[int, int], goal: float = 0.99,
-                heartbeat_s: float = 1.0, windows=()) -> tuple[dict, list[dict]]:
+                heartbeat_s: float = 1.0, windows=(), runs_of: "DayRuns | None" = None,
+                ahead: dict | None = None) -> tuple[dict, list[dict]]:
     """The smallest static provisioning meeting ``goal``, prefill and decode sized apart (a fixed split
     would charge static for the role it over-provisions): from ``hint`` (grown by a quarter until it
     meets the goal), gallop each role down (1, 2, 4, ... fewer) to the first count that fails, then
     bisect, the prefill count first with the decode count held, then the decode count. A hint near
     the answer costs three runs; bisecting down from a planner's peak (5x static's at k = 48) never
-    finished in a session. Every run is returned (points of the trade-off curve)."""
+    finished in a session. Every run is returned (points of the trade-off curve). ``runs_of``: the day's
+    ``DayRuns`` (its runs side by side); ``ahead``: (prefill, decode) -> its pending run, started before the
+    search asked (``static_ahead``), taken when the search reaches that point."""
     runs: list[dict] = []
+    ahead = dict(ahead or {})
 
     def fits(p: int, d: int) -> bool:
-        runs.append(_static(profile, requests, slo, p, d, heartbeat_s, goal, windows=windows))
+        if (p, d) in ahead:
+            runs.append(ahead.pop((p, d)).get())
+        elif runs_of is not None:
+            runs.append(runs_of.submit(_static, p, d, heartbeat_s, goal, windows=windows).get())
+        else:
+            runs.append(_static(profile, requests, slo, p, d, heartbeat_s, goal, windows=windows))
         return meets(runs[-1], goal)
 
     p, d = max(1, hint[0]), max(1, hint[1])
@@ -318,10 +328,69 @@ def planner_variants(profile: WorkerProfile, scale: DayScale, targets, headline_
             for name, c in out.items()}
 
 
+class _Ready:
+    """A run computed when its result is first asked for (``DayRuns`` with one job: the order of old)."""
+
+    def __init__(self, call) -> None:
+        self._call, self._done, self._result = call, False, None
+
+    def get(self):
+        if not self._done:
+            self._result, self._done = self._call(), True
+        return self._result
+
+
+_DAY: tuple = ()  # (profile, requests, slo) of the DayRuns whose forked processes run it
+
+
+def _in_child(name: str, args: tuple, kwargs: dict):
+    return globals()[name](*_DAY, *args, **kwargs)
+
+
+class DayRuns:
+    """One day's simulations (planner runs, static points), ``jobs`` at a time. With one job each runs in
+    this process when its result is asked for. With more, each runs in a process forked from this one, so
+    it inherits the day (a rate-64 day is 1.5M requests) instead of having it pickled to it; a process
+    runs one simulation and exits (its ~10 GB go back before the next starts). The runs are independent
+    and seeded: the results are the same for any ``jobs``. ``submit(fn, *args)`` calls
+    ``fn(profile, requests, slo, *args)``; its ``get()`` waits for the result."""
+
+    def __init__(self, profile, requests, slo, jobs: int = 1) -> None:
+        if jobs < 1:
+            raise ValueError("jobs must be >= 1")
+        self._day, self._pool = (profile, requests, slo), None
+        if jobs > 1:
+            global _DAY
+            _DAY = self._day
+            self._pool = multiprocessing.get_context("fork").Pool(jobs, maxtasksperchild=1)
+
+    def submit(self, fn, *args, **kwargs):
+        if self._pool is None:
+            return _Ready(lambda: fn(*self._day, *args, **kwargs))
+        return self._pool.apply_async(_in_child, (fn.__name__, args, kwargs))
+
+    def __enter__(self) -> "DayRuns":
+        return self
+
+    def __exit__(self, *_) -> None:
+        global _DAY
+        if self._pool is not None:  # every result wanted has been taken: what still runs is an unused static point
+            self._pool.terminate()
+            self._pool.join()
+            _DAY = ()
+
+
+def static_ahead(start: tuple[int, int]) -> list[tuple[int, int]]:
+    """The points a search from a known ``start`` runs if its answer is ``start``: it, one prefill fewer and
+    one decode fewer (started together with ``--jobs``)."""
+    p, d = start
+    return [(p, d)] + [(a, b) for a, b in ((p - 1, d), (p, d - 1)) if a >= 1 and b >= 1]
+
+
 def run_autoscale(profile: WorkerProfile, requests, slo: SLO, scale: DayScale, planner_targets, threshold_targets,
                   headline_target: float, ablations: bool = True, static_start: tuple[int, int] | None = None,
                   static_known: dict | None = None, static_windows=(), planner_base: dict | None = None,
-                  forecast=None) -> dict:
+                  forecast=None, jobs: int = 1) -> dict:
     """The planner at several target utilisations (and, at the headline target, without its trend
     lookahead and without a warm pool), the HPA-like threshold rule at several targets, and static
     provisioning searched from the headline planner's 95th-percentile counts to the smallest meeting
@@ -331,36 +400,48 @@ def run_autoscale(profile: WorkerProfile, requests, slo: SLO, scale: DayScale, p
     object on the same trace (``static_from`` checks that): its search is taken, its peak re-run once here
     and refused if the simulator now gives it another attainment.
     ``profile``: the real one; its start-up times are compressed with the day here. ``planner_base``: PlannerConfig
-    fields over its defaults in every planner run; ``forecast``: a ``DemandForecast`` every planner run reads."""
+    fields over its defaults in every planner run; ``forecast``: a ``DemandForecast`` every planner run reads.
+    ``jobs``: runs side by side (``DayRuns``); with a known start its three static points start with the
+    headline planner."""
     day = scale.profile(profile)
     variants = planner_variants(profile, scale, planner_targets, headline_target, ablations, planner_base)
     # the headline planner and the static search first: they are the headline ratio, and a run cut short
     # for time is more use with them than with the sweep
     headline_name = f"target {headline_target}"
     order = [headline_name] + [n for n in variants if n != headline_name]
-    planner: dict = {}
-    peak = static = None
-    for name in order:
-        config = variants[name]
-        run = _autoscaled(day, requests, slo, scale, "planner", config, windows=static_windows, forecast=forecast)
-        run.update(variant=name, target_utilisation=config.target_utilisation, lookahead_s=config.lookahead_s,
-                   burst_factor=config.burst_factor, warm_min=config.warm_min)
-        planner[name] = run
-        _log(f"planner {name}: attainment {run['slo_attainment']}{bursts_text(run)}, {run['worker_hours']} worker-h, "
-             f"peak {run['peak']}, by state {run['worker_hours_by_state']}")
-        if name == headline_name and static_known:
-            peak, static = recheck_static(day, requests, slo, static_known, scale.heartbeat_s, static_windows)
-        elif name == headline_name:
-            peak, static = static_peak(day, requests, slo, static_start or static_hint(run), heartbeat_s=scale.heartbeat_s,
-                                       windows=static_windows)
-            _log(f"static peak {peak['prefill']}+{peak['decode']}: {peak['worker_hours']} worker-h")
-    threshold = []
-    for target in threshold_targets:
-        run = _autoscaled(day, requests, slo, scale, "threshold", threshold=target, windows=static_windows)
-        run["target"] = target
-        threshold.append(run)
-        _log(f"threshold rule target {target}: attainment {run['slo_attainment']}{bursts_text(run)}, "
-             f"{run['worker_hours']} worker-h")
+    with DayRuns(day, requests, slo, jobs) as runs:
+        pending = {name: runs.submit(_autoscaled, scale, "planner", variants[name], windows=static_windows,
+                                     forecast=forecast) for name in order[:1]}
+        if static_known:
+            recheck = runs.submit(recheck_static, static_known, scale.heartbeat_s, static_windows)
+        ahead = {point: runs.submit(_static, *point, scale.heartbeat_s, 0.99, windows=static_windows)
+                 for point in (static_ahead(static_start) if static_start and not static_known and jobs > 1 else [])}
+        pending.update((name, runs.submit(_autoscaled, scale, "planner", variants[name], windows=static_windows,
+                                          forecast=forecast)) for name in order[1:])
+        pending_threshold = [(target, runs.submit(_autoscaled, scale, "threshold", threshold=target,
+                                                  windows=static_windows)) for target in threshold_targets]
+        planner: dict = {}
+        for name in order:
+            config, run = variants[name], pending[name].get()
+            run.update(variant=name, target_utilisation=config.target_utilisation, lookahead_s=config.lookahead_s,
+                       burst_factor=config.burst_factor, warm_min=config.warm_min)
+            planner[name] = run
+            _log(f"planner {name}: attainment {run['slo_attainment']}{bursts_text(run)}, {run['worker_hours']} "
+                 f"worker-h, peak {run['peak']}, by state {run['worker_hours_by_state']}")
+            if name == headline_name and static_known:
+                peak, static = recheck.get()
+            elif name == headline_name:
+                peak, static = static_peak(day, requests, slo, static_start or static_hint(run),
+                                           heartbeat_s=scale.heartbeat_s, windows=static_windows,
+                                           runs_of=runs if jobs > 1 else None, ahead=ahead)
+                _log(f"static peak {peak['prefill']}+{peak['decode']}: {peak['worker_hours']} worker-h")
+        threshold = []
+        for target, pending_run in pending_threshold:
+            run = pending_run.get()
+            run["target"] = target
+            threshold.append(run)
+            _log(f"threshold rule target {target}: attainment {run['slo_attainment']}{bursts_text(run)}, "
+                 f"{run['worker_hours']} worker-h")
     headline = planner[headline_name]
     planner = [planner[n] for n in variants]
     return {"static": static, "static_peak": peak, "planner": planner, "threshold": threshold,

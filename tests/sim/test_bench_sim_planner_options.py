@@ -1,6 +1,7 @@
 """``pdserve bench sim --parts autoscale`` runs the planner as configured: ``--planner-config`` (PlannerConfig
 fields), ``--forecast-curve`` (other days' demand curves) and ``--cold-start-s`` reach every planner run and
-are recorded in the result; a config or a curve that does not fit is refused with a message."""
+are recorded in the result; a config or a curve that does not fit is refused with a message; ``--jobs`` runs
+the day's simulations side by side and changes nothing in the result."""
 
 import json
 import subprocess
@@ -23,11 +24,12 @@ def _autoscale(*extra: str) -> dict:
     return json.loads(proc.stdout)["autoscale"]
 
 
-def _curve(path, seed: int, tok_s: float, rate: float = 0.2, bins: int = 60, fall: float = 0.0) -> str:
+def _curve(path, seed: int, tok_s: float, rate: float = 0.2, bins: int = 60, fall: float = 0.0,
+           profile: str = "h100") -> str:
     """A demand curve of the tiny day's trace (5 s bins), flat or falling by ``fall`` of its start a bin."""
     tok = [tok_s * (1 - fall * b) for b in range(bins)]
     path.write_text(json.dumps({"bin_s": 5.0, "tok_s": tok, "kv": [t / 10 for t in tok], "shape": "coding",
-                                "seed": seed, "rate": rate, "profile": "h100", "bursts": 2}))
+                                "seed": seed, "rate": rate, "profile": profile, "bursts": 2}))
     return str(path)
 
 
@@ -59,6 +61,7 @@ def test_the_planner_config_forecast_and_cold_start_reach_the_planner_and_the_re
     (["--planner-config", '{"burst_factor": 0.5}'], "burst_factor must be >= 1"),
     (["--planner-config", "warm_min=0"], "--planner-config is not JSON"),
     (["--cold-start-s", "0"], "--cold-start-s must be positive"),
+    (["--jobs", "0"], "--jobs must be >= 1"),
 ])
 def test_a_planner_config_that_does_not_fit_is_refused_with_a_message(extra, message):
     proc = _bench(*extra)
@@ -68,12 +71,41 @@ def test_a_planner_config_that_does_not_fit_is_refused_with_a_message(extra, mes
 def test_a_curve_of_this_very_day_or_of_another_trace_is_refused(tmp_path):
     proc = _bench("--forecast-curve", _curve(tmp_path / "same.json", seed=0, tok_s=10.0))  # the run's seed is 0
     assert proc.returncode == 2 and "is foresight, not a forecast" in proc.stderr, proc.stderr[-2000:]
-    proc = _bench("--forecast-curve", _curve(tmp_path / "rate.json", seed=1, tok_s=10.0, rate=32.0))
+    proc = _bench("--forecast-curve", _curve(tmp_path / "cpu.json", seed=1, tok_s=10.0, profile="cpu"))
     assert proc.returncode == 2 and "this run's day is" in proc.stderr, proc.stderr[-2000:]
     proc = _bench("--forecast-curve", _curve(tmp_path / "short.json", seed=1, tok_s=10.0, bins=10))
     assert proc.returncode == 2 and "covers 50 s, this run's day is 300 s" in proc.stderr, proc.stderr[-2000:]
     proc = _bench("--forecast-curve", str(tmp_path / "missing.json"))
     assert proc.returncode == 2 and "cannot read a demand curve" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_curve_of_the_same_trace_at_another_rate_is_a_forecast(tmp_path):
+    """The planner scales the forecast to the demand it sees: a day at twice the rate can forecast from the
+    curves of days at the half (the rate-64 runs in BENCHMARKS.md do), and a flat curve's level does not matter."""
+    low, high = (_autoscale("--forecast-curve", _curve(tmp_path / f"r{rate}.json", seed=1, tok_s=tok, rate=rate))
+                 for rate, tok in ((0.1, 10.0), (32.0, 3200.0)))
+    assert low["forecast"] == {"curves": ["r0.1.json"], "tok_factor": 1.62, "kv_factor": 0.88}
+    assert low["headline_run"] == high["headline_run"]  # its counts by state, pool events, attainments
+
+
+def test_runs_side_by_side_give_the_runs_one_at_a_time_give():
+    """``--jobs 2`` with a known static start: the headline planner, the other targets and the static
+    search's points run in forked processes; every figure is the one-at-a-time run's."""
+    day = ["--planner-targets", "0.6,0.8", "--threshold-targets", "0.7", "--static-start", "2+2"]
+    one, two = (json.loads(proc.stdout) for proc in
+                (_checked(_bench(*day, "--jobs", jobs)) for jobs in ("1", "2")))
+    for out in (one, two):
+        out.pop("total_wall_s")
+    drop_wall = ("wall_s", "cpu_s")
+    assert {k: v for k, v in one.items() if k not in drop_wall} == {k: v for k, v in two.items() if k not in drop_wall}
+    auto = two["autoscale"]
+    assert [r["variant"] for r in auto["planner"]] == ["target 0.6", "target 0.8"] and len(auto["threshold"]) == 1
+    assert (auto["static_peak"]["prefill"], auto["static_peak"]["decode"]) != (0, 0) and auto["static"]
+
+
+def _checked(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
 
 
 def test_the_lookahead_is_one_cold_start_unless_the_planner_config_sets_it():
