@@ -254,12 +254,10 @@ def static_peak(profile, requests, slo, hint: tuple[int, int], goal: float = 0.9
     ahead = dict(ahead or {})
 
     def fits(p: int, d: int) -> bool:
-        if (p, d) in ahead:
-            runs.append(ahead.pop((p, d)).get())
-        elif runs_of is not None:
-            runs.append(runs_of.submit(_static, p, d, heartbeat_s, goal, windows=windows).get())
-        else:
-            runs.append(_static(profile, requests, slo, p, d, heartbeat_s, goal, windows=windows))
+        if (p, d) not in ahead:
+            ahead[p, d] = (runs_of.submit(_static, p, d, heartbeat_s, goal, windows=windows) if runs_of else
+                           _Ready(lambda: _static(profile, requests, slo, p, d, heartbeat_s, goal, windows=windows)))
+        runs.append(ahead.pop((p, d)).get())
         return meets(runs[-1], goal)
 
     p, d = max(1, hint[0]), max(1, hint[1])
@@ -433,7 +431,7 @@ def run_autoscale(profile: WorkerProfile, requests, slo: SLO, scale: DayScale, p
             elif name == headline_name:
                 peak, static = static_peak(day, requests, slo, static_start or static_hint(run),
                                            heartbeat_s=scale.heartbeat_s, windows=static_windows,
-                                           runs_of=runs if jobs > 1 else None, ahead=ahead)
+                                           runs_of=runs, ahead=ahead)
                 _log(f"static peak {peak['prefill']}+{peak['decode']}: {peak['worker_hours']} worker-h")
         threshold = []
         for target, pending_run in pending_threshold:
